@@ -1,0 +1,121 @@
+"""Ragged paged attention: the one entry point the model's attention layer calls.
+
+Legend: T tokens in the flat batch, S sequence slots, N query heads, K KV heads, G = N // K,
+H head dim, B blocks in the pool, P block size, M max blocks per sequence.
+
+Inputs (all fixed-shape; live counts are runtime values so padding costs nothing):
+  q               [T, N, H]   queries, decode rows first then prefill chunks, padding last
+  k_cache/v_cache [B, K, P, H] one layer's cache; block 0 is the null block
+  kv_lens         [S] int32   context so far + this step's new tokens; 0 for padded slots
+  block_tables    [S, M] int32 block ids of each sequence, padded with 0
+  query_start_loc [S + 1] int32 cumulative query lengths (cu_q_lens); padded slots repeat the end
+  num_seqs        [1] int32   number of live sequences
+Token j of sequence s (0 <= j < q_len[s]) sits at absolute position kv_lens[s] - q_len[s] + j and
+attends causally to positions <= its own (and > pos - sliding_window when a window is given).
+Rows of padding tokens (t >= query_start_loc[num_seqs]) are returned as zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_MASK_VALUE = -1e30
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatters new keys/values [T, K, H] into cache slots (block * P + offset) [T].
+
+    Padding tokens carry slot 0..P-1 of the null block 0, which no live sequence reads.
+    Under jit with the caches donated, XLA updates them in place.
+    """
+    p = k_cache.shape[2]
+    blk = slot_mapping // p
+    off = slot_mapping % p
+    k_cache = k_cache.at[blk, :, off].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[blk, :, off].set(v.astype(v_cache.dtype))
+    return k_cache, v_cache
+
+
+def token_positions(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
+                    num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per token: (sequence slot [T], absolute position [T], is-live mask [T])."""
+    s = kv_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_id = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    seq_id = jnp.minimum(seq_id, s - 1)
+    live = t < query_start_loc[num_seqs[0]]
+    q_len = query_start_loc[seq_id + 1] - query_start_loc[seq_id]
+    pos = kv_lens[seq_id] - q_len + (t - query_start_loc[seq_id])
+    return seq_id, pos, live
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
+    block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
+    sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
+) -> jax.Array:
+    """Pure-jnp paged attention: online softmax over KV blocks, one block per loop step.
+
+    The loop runs to the longest live sequence (a runtime bound), so padded slots cost nothing.
+    Memory per step is O(T * K * P * H); works for any mix of decode and prefill rows.
+    """
+    t_, n, h = q.shape
+    _, k_, p, _ = k_cache.shape
+    g = n // k_
+    seq_id, pos, live = token_positions(query_start_loc, kv_lens, num_seqs, t_)
+    qg = q.reshape(t_, k_, g, h).astype(jnp.float32) * sm_scale
+    live_lens = jnp.where(jnp.arange(kv_lens.shape[0]) < num_seqs[0], kv_lens, 0)
+    n_blocks = (jnp.max(live_lens) + p - 1) // p
+    tables = block_tables[seq_id]  # [T, M]
+
+    def body(j, carry):
+        m, l, acc = carry
+        blk = tables[:, j]
+        kb = k_cache[blk].astype(jnp.float32)  # [T, K, P, H]
+        vb = v_cache[blk].astype(jnp.float32)
+        s = jnp.einsum("tkgh,tkph->tkgp", qg, kb)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kpos = j * p + jnp.arange(p, dtype=jnp.int32)
+        mask = (kpos[None, :] <= pos[:, None]) & live[:, None]
+        if sliding_window is not None:
+            mask &= kpos[None, :] > pos[:, None] - sliding_window
+        mask = mask[:, None, None, :]
+        s = jnp.where(mask, s, _MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(-1))
+        pr = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + pr.sum(-1)
+        acc = acc * alpha[..., None] + jnp.einsum("tkgp,tkph->tkgh", pr, vb)
+        return m_new, l, acc
+
+    init = (jnp.full((t_, k_, g), _MASK_VALUE, jnp.float32), jnp.zeros((t_, k_, g), jnp.float32),
+            jnp.zeros((t_, k_, g, h), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+    return out.reshape(t_, n, h).astype(q.dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
+    block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
+    sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
+    backend: str = "auto",
+) -> jax.Array:
+    """Dispatch: the Pallas GPU kernel on GPU ("auto"/"pallas"), the jnp reference elsewhere."""
+    if backend not in ("auto", "pallas", "reference"):
+        raise ValueError(f"attention backend must be auto, pallas or reference, got {backend!r}")
+    use_kernel = backend == "pallas" or (backend == "auto" and jax.default_backend() == "gpu")
+    if use_kernel:
+        from jaxengine.pallas_kernels import gpu_backend  # imported lazily: GPU-only code
+        fn = gpu_backend.get_kernel()
+        if fn is not None:
+            return fn(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
+                      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    return ragged_paged_attention_reference(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
