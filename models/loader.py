@@ -1,0 +1,189 @@
+"""Builds a model's parameters from a checkpoint (or at random for `load_format="dummy"`).
+
+Loading is table-driven and lives outside the model classes: each Hugging Face tensor name maps to
+a parameter path plus a layout transform. Every shape is checked, and missing and unexpected
+tensors are reported together by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+Path = tuple[str | int, ...]
+Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+
+def _heads_in(n_attr: str) -> Transform:
+    """HF Linear [heads*H, D] -> ours [D, heads, H]."""
+    def f(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+        return w.T.reshape(c.hidden_size, getattr(c, n_attr), c.head_dim)
+    return f
+
+
+def _heads_bias(n_attr: str) -> Transform:
+    return lambda b, c: b.reshape(getattr(c, n_attr), c.head_dim)
+
+
+def _o_proj(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """HF [D, N*H] -> ours [N, H, D]."""
+    return w.T.reshape(c.num_heads, c.head_dim, c.hidden_size)
+
+
+def _transpose(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    return w.T
+
+
+def _same(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    return w
+
+
+# (regex over the HF name, parameter path template, transform). "{i}" is the layer index.
+_LAYER = r"model\.layers\.(\d+)\."
+WEIGHT_TABLE: list[tuple[str, tuple[str, ...], Transform]] = [
+    (r"model\.embed_tokens\.weight", ("model", "embed_tokens"), _same),
+    (r"model\.norm\.weight", ("model", "norm", "weight"), _same),
+    (r"lm_head\.weight", ("lm_head",), _transpose),
+    (_LAYER + r"input_layernorm\.weight", ("input_layernorm", "weight"), _same),
+    (_LAYER + r"post_attention_layernorm\.weight", ("post_attention_layernorm", "weight"), _same),
+    (_LAYER + r"self_attn\.q_proj\.weight", ("self_attn", "q_proj"), _heads_in("num_heads")),
+    (_LAYER + r"self_attn\.k_proj\.weight", ("self_attn", "k_proj"), _heads_in("num_kv_heads")),
+    (_LAYER + r"self_attn\.v_proj\.weight", ("self_attn", "v_proj"), _heads_in("num_kv_heads")),
+    (_LAYER + r"self_attn\.o_proj\.weight", ("self_attn", "o_proj"), _o_proj),
+    (_LAYER + r"self_attn\.q_proj\.bias", ("self_attn", "q_bias"), _heads_bias("num_heads")),
+    (_LAYER + r"self_attn\.k_proj\.bias", ("self_attn", "k_bias"), _heads_bias("num_kv_heads")),
+    (_LAYER + r"self_attn\.v_proj\.bias", ("self_attn", "v_bias"), _heads_bias("num_kv_heads")),
+    (_LAYER + r"self_attn\.q_norm\.weight", ("self_attn", "q_norm", "weight"), _same),
+    (_LAYER + r"self_attn\.k_norm\.weight", ("self_attn", "k_norm", "weight"), _same),
+    (_LAYER + r"mlp\.gate_proj\.weight", ("mlp", "gate_proj"), _transpose),
+    (_LAYER + r"mlp\.up_proj\.weight", ("mlp", "up_proj"), _transpose),
+    (_LAYER + r"mlp\.down_proj\.weight", ("mlp", "down_proj"), _transpose),
+]
+_COMPILED = [(re.compile(p + r"$"), path, fn) for p, path, fn in WEIGHT_TABLE]
+# Buffers some checkpoints carry that are recomputed here.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def param_path(name: str) -> tuple[Path, Transform] | None:
+    """HF tensor name -> (parameter path in the NNX state, layout transform), or None."""
+    for rx, path, fn in _COMPILED:
+        m = rx.match(name)
+        if m:
+            if m.groups():
+                return ("model", "layers", int(m.group(1))) + path, fn
+            return path, fn
+    return None
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
+    if dtype == "auto":
+        return DTYPES[cfg.torch_dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, attn_backend: str = "auto"):
+    """(graphdef, abstract state) without allocating any weights."""
+    cls = get_model_class(cfg.architecture)
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), attn_backend=attn_backend))
+    return nnx.split(abstract)
+
+
+def _flat(tree: dict, prefix: Path = ()) -> dict[Path, object]:
+    out: dict[Path, object] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def _set(tree: dict, path: Path, value: object) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, attn_backend: str = "auto",
+                put: Callable[[Path, np.ndarray], jax.Array] | None = None):
+    """Reads every tensor of `checkpoint` into a new state; returns (graphdef, state).
+
+    `put(path, array)` places one parameter on device(s) (default: `jax.device_put`), so a
+    sharded placement can load each tensor straight into its shards.
+    """
+    graphdef, abs_state = abstract_model(cfg, dtype, attn_backend)
+    pure = abs_state.to_pure_dict()
+    expected = _flat(pure)
+    put = put or (lambda path, arr: jax.device_put(arr))
+    unexpected, bad_shapes, seen = [], [], set()
+    for name in checkpoint.tensor_names():
+        if _IGNORED.match(name):
+            continue
+        hit = param_path(name)
+        if hit is None or hit[0] not in expected:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # some tied checkpoints still store the head
+            unexpected.append(name)
+            continue
+        path, fn = hit
+        want = tuple(expected[path].shape)
+        raw = checkpoint.get_tensor(name)
+        try:
+            arr = fn(np.asarray(raw), cfg)
+        except ValueError:
+            arr = None
+        if arr is None or tuple(arr.shape) != want:
+            bad_shapes.append(f"{name}: checkpoint shape {tuple(raw.shape)} does not fit parameter {want}")
+            continue
+        _set(pure, path, put(path, np.asarray(arr).astype(dtype)))
+        seen.add(path)
+    missing = [".".join(map(str, p)) for p in expected if p not in seen]
+    if missing or unexpected or bad_shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors for parameters: {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {', '.join(unexpected)}")
+        if bad_shapes:
+            parts.append("shape mismatches: " + "; ".join(bad_shapes))
+        raise ValueError(f"checkpoint {getattr(checkpoint, 'path', '?')} does not match "
+                         f"{cfg.architecture}: " + " | ".join(parts))
+    nnx.replace_by_pure_dict(abs_state, pure)
+    return graphdef, abs_state
+
+
+def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, attn_backend: str = "auto",
+                 put: Callable[[Path, jax.Array], jax.Array] | None = None):
+    """Random weights of the right shapes, made on device (for benchmarks of big shapes)."""
+    graphdef, abs_state = abstract_model(cfg, dtype, attn_backend)
+    pure = abs_state.to_pure_dict()
+    key = jax.random.key(seed)
+    put = put or (lambda path, arr: arr)
+    for i, (path, sds) in enumerate(_flat(pure).items()):
+        shape = tuple(sds.shape)
+        if path[-1] == "weight":  # norms
+            arr = jnp.ones(shape, dtype)
+        else:
+            arr = _normal(jax.random.fold_in(key, i), shape, dtype)
+        _set(pure, path, put(path, arr))
+    nnx.replace_by_pure_dict(abs_state, pure)
+    return graphdef, abs_state
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    return jax.jit(lambda k: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))(key)
