@@ -1,0 +1,95 @@
+"""One generation request as the scheduler sees it: token ids, progress and status.
+
+A request's tokens are its prompt followed by its sampled outputs. `num_computed_tokens`
+counts the leading tokens whose K/V are in the cache; the scheduler's single rule is to
+make it catch up with `num_tokens` (prefill and decode alike). Pure Python, no JAX.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxengine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life. Finished states map to OpenAI's `finish_reason`."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # blocks freed, waiting to recompute prompt + outputs
+    FINISHED_STOPPED = enum.auto()  # eos, a stop token id or a stop string
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = enum.auto()  # cancelled by the user / client
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" | "length" | "abort" for finished states, None otherwise."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's tokens and progress. Identity equality: two requests are never 'equal'."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()  # the model's eos ids (ignored when ignore_eos)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)  # one more per sampling step
+    num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Chained hashes of the request's full blocks, in order; filled lazily and owned by the
+    # block manager. Tokens are append-only, so the hashes stay valid across preemption.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens: the target `num_computed_tokens` catches up to."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """A new list of prompt + output token ids."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

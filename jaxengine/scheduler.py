@@ -1,0 +1,269 @@
+"""Continuous-batching scheduler: which tokens of which requests the next step computes.
+
+One request's path through it:
+1. `add_request` validates it and queues it in `waiting` (FIFO).
+2. `schedule()` hands out a token budget (`max_num_batched_tokens`). Running requests go first,
+   in order, each getting min(tokens still to compute, budget left): a decoding request has one
+   (its last sampled token), a request in the middle of its prompt gets the next chunk. Then
+   waiting requests, front first, while there is budget and fewer than `max_num_seqs` run; on
+   its first schedule a request looks up its prompt in the prefix cache and starts after the
+   cached blocks. Prefill, chunked prefill and decode are all this one rule.
+3. When a running request cannot get a block, the newest running request is preempted
+   (recompute): its blocks are freed, `num_computed_tokens` drops to 0 and it goes to the front
+   of `waiting`, keeping its outputs; later it recomputes prompt + outputs and carries on.
+4. The runner computes the step and samples one token for every row that reaches the end of its
+   request's tokens. `update_from_output` advances `num_computed_tokens`, appends the tokens,
+   registers newly filled blocks in the prefix cache and finishes requests on eos, stop token
+   ids, max_tokens or max_model_len, freeing their blocks at once.
+Pure Python, never imports JAX: tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from jaxengine.block_manager import BlockManager
+from jaxengine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int  # most requests running at once
+    max_num_batched_tokens: int  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int  # prompt + output tokens of one request
+    num_blocks: int  # KV blocks in the device cache, the null block 0 included
+    block_size: int  # token slots per block
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        capacity = (self.num_blocks - 1) * self.block_size
+        if capacity < self.max_model_len:
+            # Otherwise one long request could preempt itself forever.
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the KV cache holds "
+                f"({self.num_blocks - 1} blocks x {self.block_size} = {capacity} tokens): "
+                "lower max_model_len or give the cache more memory"
+            )
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of a step."""
+
+    request: Request
+    start: int  # request.num_computed_tokens before this step: position of the first new token
+    num_new_tokens: int  # tokens computed this step (1 for a decode row)
+    block_ids: list[int]  # the request's whole block table after allocation (live: read only)
+    is_decode: bool  # prefill done before this step; its one new token is the last sampled one
+    samples: bool  # this step reaches the end of the request's tokens: sample from its last row
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]  # decode rows first, then prefill chunks (the kernel layout)
+    num_batched_tokens: int  # sum of num_new_tokens
+    preempted_ids: list[str]  # preempted this step (their blocks are free; they recompute later)
+    finished_ids: list[str]  # finished or aborted since the last step (their blocks are free)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.waiting: deque[Request] = deque()  # preempted requests at the front
+        self.running: list[Request] = []  # oldest first; preemption takes from the tail
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._finished_ids: list[str] = []  # since the last schedule()
+        self.num_preemptions = 0  # total
+
+    # ------------------------------------------------------------------ requests in / out
+    def add_request(self, request: Request) -> None:
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if n >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {n} tokens leaves no room to generate "
+                f"within max_model_len={self.config.max_model_len}"
+            )
+        # Implied by the config check (the cache holds max_model_len tokens); kept as a guard.
+        if -(-(n + 1) // self.config.block_size) > self.config.num_blocks - 1:
+            raise ValueError(
+                f"request {request.request_id!r}: {n} prompt tokens need more KV blocks than the "
+                f"cache has ({self.config.num_blocks - 1})"
+            )
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} has already been scheduled")
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort waiting or running requests; their blocks are freed now. Unknown ids are ignored."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests for a reason found outside the scheduler (a stop string, an abort)."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        reqs = [r for rid in request_ids if (r := self._requests.get(rid)) is not None]
+        for r in reqs:
+            self._finish(r, status)
+        if reqs:
+            self._drop_finished()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0, "schedule() called again before update_from_output()"
+            if not self._allocate_or_preempt(req, n, preempted):
+                break  # `req` itself was preempted: it was the last one
+            seq = self._scheduled(req, n)
+            (decodes if seq.is_decode else prefills).append(seq)
+            budget -= n
+            i += 1
+        if not preempted:  # memory is short: let the running requests drain first
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self._admit(self.waiting[0], budget)
+                if seq is None:
+                    break
+                self.waiting.popleft()
+                prefills.append(seq)
+                budget -= seq.num_new_tokens
+        finished, self._finished_ids = self._finished_ids, []
+        num_batched = self.config.max_num_batched_tokens - budget
+        return SchedulerOutput(decodes + prefills, num_batched, preempted, finished)
+
+    def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
+        """Allocate `n` new slots for a running request, preempting from the tail until it fits."""
+        while not self.block_manager.allocate_slots(req, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, req: Request, budget: int) -> ScheduledSeq | None:
+        """Move the head of `waiting` to `running` with its first chunk, or None if no blocks."""
+        bm = self.block_manager
+        blocks, num_cached = bm.get_computed_blocks(req)
+        n = min(req.num_tokens - num_cached, budget)
+        if not bm.allocate_slots(req, n, blocks):
+            return None
+        if req.status is RequestStatus.WAITING:  # first schedule (not a resumed preemption)
+            req.num_cached_tokens = num_cached
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return self._scheduled(req, n)
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        end = start + n
+        is_decode = n == 1 and start >= req.num_prompt_tokens and end == req.num_tokens
+        block_ids = self.block_manager.get_block_ids(req.request_id)
+        return ScheduledSeq(req, start, n, block_ids, is_decode, end == req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
+
+    # ------------------------------------------------------------------ results of a step
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Apply a step's results; return the requests it finished (their blocks are freed).
+
+        `sampled[i]` is the token sampled for `out.seqs[i]` (None where `samples` is False).
+        Rows of requests finished in between (aborted, stop string) are skipped.
+        """
+        if len(sampled) != len(out.seqs):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(out.seqs)} scheduled rows")
+        finished: list[Request] = []
+        now = time.monotonic()
+        for seq, token in zip(out.seqs, sampled):
+            req = seq.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = seq.start + seq.num_new_tokens
+            self.block_manager.cache_full_blocks(req)
+            if not seq.samples:
+                continue
+            assert token is not None, f"no token sampled for {req.request_id}"
+            req.output_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status, now)
+                finished.append(req)
+        if finished:
+            self._drop_finished()
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """Why the request ends after sampling `token`, or None. A stop beats a length cap."""
+        sp = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and n_out >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
+        """Mark finished and free the blocks; `_drop_finished` then clears the queues."""
+        req.status = status
+        req.finished_time = time.monotonic() if now is None else now
+        self.block_manager.free(req)
+        del self._requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def _drop_finished(self) -> None:
+        self.running = [r for r in self.running if not r.status.is_finished]
+        if any(r.status.is_finished for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if not r.status.is_finished)
