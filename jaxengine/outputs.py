@@ -1,0 +1,78 @@
+"""Results handed to users, shaped like vLLM's so code written against vLLM reads them unchanged.
+
+One `RequestOutput` per request per engine step (streaming) or at the end (`LLM.generate`); it
+holds one `CompletionOutput` per sampled sequence (`n` of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token at one position (from the raw model logits)."""
+
+    logprob: float
+    rank: int | None = None  # 1-based rank among the vocabulary at that position
+    decoded_token: str | None = None  # the token's text on its own
+
+
+# Per position, token id -> Logprob (the sampled token plus the requested top ones).
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position; the first prompt token has no logprob (None).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int  # which of the request's n sequences
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs (None unless logprobs asked)
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+                f"cumulative_logprob={self.cumulative_logprob}, "
+                f"logprobs={'None' if self.logprobs is None else f'<{len(self.logprobs)} positions>'}, "
+                f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason!r})")
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic seconds) of one request's milestones."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: its prompt and every sequence generated so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+                f"prompt_token_ids={self.prompt_token_ids}, "
+                f"prompt_logprobs={'None' if self.prompt_logprobs is None else '<...>'}, "
+                f"outputs={self.outputs}, finished={self.finished}, "
+                f"num_cached_tokens={self.num_cached_tokens})")
