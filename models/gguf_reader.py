@@ -1,0 +1,274 @@
+"""GGUF checkpoints (llama.cpp files) seen as Hugging Face checkpoints.
+
+Three translations happen here so that nothing downstream knows about GGUF:
+- names: llama.cpp tensor names -> HF parameter names (``blk.3.attn_q.weight`` ->
+  ``model.layers.3.self_attn.q_proj.weight``);
+- values: quantized blocks are dequantized to float32 with ``gguf.quants.dequantize``, and for
+  llama-architecture files the rotary permutation that llama.cpp's converter applies to the q and
+  k projections is undone (HF applies rotary embeddings to halves, llama.cpp to adjacent pairs);
+- config: the ``config.json`` dict is rebuilt from the GGUF metadata.
+
+The numpy arrays the ``gguf`` reader returns are already row-major in HF order (``[out, in]``):
+GGUF records dims innermost-first, and the reader reverses them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxengine.models.checkpoint import Checkpoint, load_hf_tokenizer
+
+if TYPE_CHECKING:
+    import gguf
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+# general.architecture -> (HF architecture, model_type, q/k stored in llama.cpp's rotary layout)
+_ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
+# Meta's Llama 3.1/3.2/3.3 rope scaling, which llama.cpp stores only as a rope_freqs tensor.
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+_tokenizer_cache: dict[tuple[str, int, int], "PreTrainedTokenizerBase"] = {}
+_tokenizer_lock = threading.Lock()
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """HF parameter name of a llama.cpp tensor, or None when it has no HF counterpart."""
+    if m := _LAYER_TENSOR.match(name):
+        layer, kind, suffix = m.groups()
+        if kind in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+    elif (m := _GLOBAL_TENSOR.match(name)) and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``permute``: [n_head*H, ...] from (head, H/2, pair) back to HF's
+    (head, pair, H/2) row order. Works for weights ([out, in]) and biases ([out])."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot undo the rotary permutation: {rows} rows, {n_head} heads")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A .gguf file: tensors dequantized to float32 on demand, HF names and config."""
+
+    def __init__(self, path: str | os.PathLike, *, tokenizer: str | None = None) -> None:
+        import gguf
+
+        self.path = str(Path(path))
+        self._tokenizer_source = tokenizer
+        try:
+            self._reader = gguf.GGUFReader(self.path, "r")
+        except Exception as e:  # the reader raises assorted errors on a bad file
+            raise ValueError(f"cannot read GGUF file {self.path}: {type(e).__name__}: {e}") from e
+        self._meta = self._reader.fields
+        arch = self._meta_value("general.architecture")
+        if arch not in _ARCHITECTURES:
+            raise ValueError(f"GGUF file {self.path}: unsupported architecture {arch!r} "
+                             f"(supported: {sorted(_ARCHITECTURES)})")
+        self._arch = arch
+        self._tensors: dict[str, "gguf.ReaderTensor"] = {}  # HF name (or GGUF name) -> tensor
+        extra: list[str] = []
+        for t in self._reader.tensors:
+            hf = gguf_to_hf_name(t.name)
+            if hf is None and t.name != "rope_freqs.weight":
+                extra.append(t.name)
+            self._tensors[hf or t.name] = t
+        if extra:
+            # Kept under their GGUF names so the weight loader reports them as unexpected.
+            logger.warning("GGUF file %s: tensors with no HF counterpart: %s", self.path, extra)
+        self.hf_config = self._build_hf_config()
+
+    # ---- metadata -------------------------------------------------------------------------
+
+    def _meta_value(self, key: str, default: object = None) -> object:
+        field = self._meta.get(key)
+        return default if field is None else field.contents()
+
+    def _arch_value(self, key: str, default: object = None) -> object:
+        return self._meta_value(f"{self._arch}.{key}", default)
+
+    def _build_hf_config(self) -> dict:
+        hf_arch, model_type, _ = _ARCHITECTURES[self._arch]
+        name = str(self._meta_value("general.name", "") or "")
+        if self._arch == "llama" and "mistral" in name.lower():
+            hf_arch, model_type = "MistralForCausalLM", "mistral"  # llama.cpp files Mistral as llama
+        heads = int(self._arch_value("attention.head_count"))
+        kv_heads = self._arch_value("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):  # per-layer counts; only uniform ones are supported
+            if len(set(kv_heads)) != 1:
+                raise ValueError(f"GGUF file {self.path}: per-layer KV head counts {kv_heads}")
+            kv_heads = kv_heads[0]
+        hidden = int(self._arch_value("embedding_length"))
+        tokens = self._meta.get("tokenizer.ggml.tokens")
+        if "model.embed_tokens.weight" in self._tensors:
+            vocab = self.tensor_shape("model.embed_tokens.weight")[0]
+        elif tokens is not None:
+            vocab = len(tokens.data)
+        else:
+            vocab = int(self._arch_value("vocab_size"))
+        cfg: dict = {
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": int(self._arch_value("feed_forward_length")),
+            "num_hidden_layers": int(self._arch_value("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(kv_heads),
+            "head_dim": int(self._arch_value("attention.key_length", hidden // heads)),
+            "rms_norm_eps": float(self._arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._arch_value("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._arch_value("context_length", 4096)),
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+            "torch_dtype": "float32",  # what get_tensor returns after dequantization
+        }
+        for key, meta_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+            tok_id = self._meta_value(f"tokenizer.ggml.{meta_key}_token_id")
+            if tok_id is not None:
+                cfg[f"{key}_token_id"] = int(tok_id)
+        if rope_scaling := self._rope_scaling():
+            cfg["rope_scaling"] = rope_scaling
+        return cfg
+
+    def _rope_scaling(self) -> dict | None:
+        kind = self._arch_value("rope.scaling.type")
+        if kind not in (None, "none"):
+            scaling: dict = {"rope_type": kind, "factor": float(self._arch_value("rope.scaling.factor", 1.0))}
+            if (orig := self._arch_value("rope.scaling.original_context_length")) is not None:
+                scaling["original_max_position_embeddings"] = int(orig)
+            return scaling
+        if "rope_freqs.weight" not in self._tensors:
+            return None
+        # Llama 3.x: llama.cpp precomputed the per-frequency divisors. Assume Meta's parameters,
+        # then check they reproduce the stored divisors exactly; refuse to guess otherwise.
+        freqs = self._dequantized("rope_freqs.weight").astype(np.float64)  # [H/2]
+        scaling = {"rope_type": "llama3", "factor": float(freqs.max()), **_LLAMA3_ROPE}
+        rot_dim = 2 * freqs.shape[0]
+        expected = _llama3_rope_divisors(float(self._arch_value("rope.freq_base", 10000.0)),
+                                         rot_dim, scaling)
+        if not np.allclose(freqs, expected, rtol=1e-4):
+            raise ValueError(f"GGUF file {self.path}: rope_freqs does not match llama3 rope "
+                             f"scaling with {scaling}; unsupported rope scaling")
+        return scaling
+
+    # ---- tensors ---------------------------------------------------------------------------
+
+    def tensor_names(self) -> list[str]:
+        return [n for n in self._tensors if n != "rope_freqs.weight"]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors and name != "rope_freqs.weight"
+
+    def _tensor(self, name: str) -> "gguf.ReaderTensor":
+        if name == "rope_freqs.weight" or name not in self._tensors:
+            raise self._unknown_tensor(name)
+        return self._tensors[name]
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        # GGUF records dims innermost-first; numpy (and HF) order is the reverse.
+        return tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+
+    def tensor_dtype(self, name: str) -> np.dtype:
+        self._tensor(name)
+        return np.dtype(np.float32)
+
+    def gguf_type(self, name: str) -> str:
+        """Storage type in the file ("F32", "Q4_1", ...), for logs and memory estimates."""
+        return self._tensor(name).tensor_type.name
+
+    def _dequantized(self, name: str) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF file {self.path}: tensor {t.name} has type "
+                             f"{t.tensor_type.name}, which cannot be dequantized: {e}") from e
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return np.asarray(w, dtype=np.float32).reshape(shape)
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        self._tensor(name)
+        w = self._dequantized(name)  # HF layout, float32
+        if _ARCHITECTURES[self._arch][2] and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
+            w = unpermute_rotary(w, self.hf_config[key])
+        return np.ascontiguousarray(w)
+
+    # ---- tokenizer and generation defaults -------------------------------------------------
+
+    def load_tokenizer(self) -> "PreTrainedTokenizerBase":
+        """transformers' tokenizer built from the GGUF vocabulary, with the file's chat template.
+
+        Building it takes seconds (the merges are converted in Python), so it is cached per file
+        for the life of the process; callers share one instance.
+        """
+        if self._tokenizer_source:
+            return load_hf_tokenizer(self._tokenizer_source)
+        st = os.stat(self.path)
+        key = (os.path.realpath(self.path), st.st_mtime_ns, st.st_size)
+        with _tokenizer_lock:
+            tok = _tokenizer_cache.get(key)
+            if tok is None:
+                p = Path(self.path)
+                tok = load_hf_tokenizer(str(p.parent), gguf_file=p.name)
+                template = self._meta_value("tokenizer.chat_template")
+                if template:
+                    tok.chat_template = template
+                _tokenizer_cache[key] = tok
+        return tok
+
+    def generation_config(self) -> dict:
+        gen: dict = {}
+        if (bos := self._meta_value("tokenizer.ggml.bos_token_id")) is not None:
+            gen["bos_token_id"] = int(bos)
+        # llama.cpp stops on any end-of-generation token: eos, end-of-turn, end-of-message.
+        eog = [int(v) for k in ("eos", "eot", "eom")
+               if (v := self._meta_value(f"tokenizer.ggml.{k}_token_id")) is not None]
+        eog = list(dict.fromkeys(eog))
+        if eog:
+            gen["eos_token_id"] = eog[0] if len(eog) == 1 else eog
+        if (pad := self._meta_value("tokenizer.ggml.padding_token_id")) is not None:
+            gen["pad_token_id"] = int(pad)
+        return gen
+
+
+def _llama3_rope_divisors(theta: float, rot_dim: int, scaling: dict) -> np.ndarray:
+    """Per-frequency divisors of Llama 3.1 rope scaling (as llama.cpp's converter writes them)."""
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    inv_freq = 1.0 / theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)  # [H/2]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_len / hi, 1.0, np.where(wavelen > old_len / lo, factor, mid))
