@@ -127,7 +127,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, attn_backend: st
     sharded placement can load each tensor straight into its shards.
     """
     graphdef, abs_state = abstract_model(cfg, dtype, attn_backend)
-    pure = abs_state.to_pure_dict()
+    pure = nnx.to_pure_dict(abs_state)
     expected = _flat(pure)
     put = put or (lambda path, arr: jax.device_put(arr))
     unexpected, bad_shapes, seen = [], [], set()
@@ -171,7 +171,7 @@ def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, attn_backend
                  put: Callable[[Path, jax.Array], jax.Array] | None = None):
     """Random weights of the right shapes, made on device (for benchmarks of big shapes)."""
     graphdef, abs_state = abstract_model(cfg, dtype, attn_backend)
-    pure = abs_state.to_pure_dict()
+    pure = nnx.to_pure_dict(abs_state)
     key = jax.random.key(seed)
     put = put or (lambda path, arr: arr)
     for i, (path, sds) in enumerate(_flat(pure).items()):

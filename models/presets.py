@@ -1,0 +1,27 @@
+"""Named model shapes for `load_format="dummy"` benchmarks (Hugging Face config.json dicts)."""
+
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 128000, "eos_token_id": 128009,
+    },
+    "llama-3-70b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 128000, "eos_token_id": 128009,
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
