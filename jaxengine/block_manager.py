@@ -131,23 +131,22 @@ class BlockManager:
         to the table and shared: ref count +1, off the free list. Returns False, changing
         nothing, when the free list cannot cover the new blocks.
         """
-        rid = request.request_id
+        rid, bs = request.request_id, self.block_size
         table = self._tables.get(rid)
-        bs = self.block_size
-        if table is None:
-            table = []
-            num_tokens = len(new_computed_blocks) * bs + num_new_tokens
-        else:
+        if table is not None:
             assert not new_computed_blocks, "computed blocks are only taken on first allocation"
             num_tokens = request.num_computed_tokens + num_new_tokens
-        num_needed = -(-num_tokens // bs) - len(table) - len(new_computed_blocks)
-        if num_needed <= 0 and rid in self._tables:
-            return True  # fast path: a decode inside its last block
-        num_revived = sum(1 for b in new_computed_blocks if self._ref_counts[b] == 0)
-        if num_needed > len(self._free) - num_revived:
-            return False
-        if rid not in self._tables:
-            self._tables[rid] = table
+            if num_tokens <= len(table) * bs:
+                return True  # fast path: a decode inside its last block
+            num_needed = -(-num_tokens // bs) - len(table)
+            if num_needed > len(self._free):
+                return False
+        else:
+            num_needed = -(-num_new_tokens // bs)  # computed blocks are full: new tokens start a block
+            num_revived = sum(1 for b in new_computed_blocks if self._ref_counts[b] == 0)
+            if num_needed > len(self._free) - num_revived:
+                return False
+            table = self._tables[rid] = []
             self._num_hashed[rid] = len(new_computed_blocks)
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += request.num_tokens

@@ -146,19 +146,20 @@ class Scheduler:
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
         preempted: list[str] = []
+        bm, running = self.block_manager, self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             assert n > 0, "schedule() called again before update_from_output()"
-            if not self._allocate_or_preempt(req, n, preempted):
+            if not bm.allocate_slots(req, n) and not self._preempt_for(req, n, preempted):
                 break  # `req` itself was preempted: it was the last one
             seq = self._scheduled(req, n)
             (decodes if seq.is_decode else prefills).append(seq)
             budget -= n
             i += 1
         if not preempted:  # memory is short: let the running requests drain first
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
                 seq = self._admit(self.waiting[0], budget)
                 if seq is None:
                     break
@@ -169,8 +170,8 @@ class Scheduler:
         num_batched = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(decodes + prefills, num_batched, preempted, finished)
 
-    def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
-        """Allocate `n` new slots for a running request, preempting from the tail until it fits."""
+    def _preempt_for(self, req: Request, n: int, preempted: list[str]) -> bool:
+        """Preempt from the tail until `req` gets its `n` slots; False if `req` went itself."""
         while not self.block_manager.allocate_slots(req, n):
             victim = self.running.pop()
             self._preempt(victim)
@@ -195,10 +196,10 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        end = start + n
-        is_decode = n == 1 and start >= req.num_prompt_tokens and end == req.num_tokens
+        samples = start + n == req.num_tokens
+        is_decode = samples and n == 1 and start >= len(req.prompt_token_ids)
         block_ids = self.block_manager.get_block_ids(req.request_id)
-        return ScheduledSeq(req, start, n, block_ids, is_decode, end == req.num_tokens)
+        return ScheduledSeq(req, start, n, block_ids, is_decode, samples)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
@@ -219,12 +220,15 @@ class Scheduler:
             raise ValueError(f"{len(sampled)} sampled tokens for {len(out.seqs)} scheduled rows")
         finished: list[Request] = []
         now = time.monotonic()
+        bm, bs, running = self.block_manager, self.config.block_size, RequestStatus.RUNNING
         for seq, token in zip(out.seqs, sampled):
             req = seq.request
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue
-            req.num_computed_tokens = seq.start + seq.num_new_tokens
-            self.block_manager.cache_full_blocks(req)
+            end = seq.start + seq.num_new_tokens
+            req.num_computed_tokens = end
+            if end // bs != seq.start // bs:  # a block was filled: offer it to the prefix cache
+                bm.cache_full_blocks(req)
             if not seq.samples:
                 continue
             assert token is not None, f"no token sampled for {req.request_id}"
@@ -242,16 +246,16 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """Why the request ends after sampling `token`, or None. A stop beats a length cap."""
         sp = req.sampling_params
-        n_out = req.num_output_tokens
+        n_out = len(req.output_token_ids)
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
+            if sp.stop_token_ids and token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if sp.max_tokens is not None and n_out >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        if len(req.prompt_token_ids) + n_out >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
