@@ -1,0 +1,255 @@
+"""On-device sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+The engine calls `sample` inside a jitted step on the last-position logits of every request
+row (`[R, V]`, R = the request bucket). Per-row parameters arrive as `SamplingMetadata`, a
+registered pytree of fixed-shape arrays built on the host by `build_sampling_metadata`; padding
+rows are greedy with neutral parameters, so they cost nothing special and change nothing.
+
+Order of operations (as vLLM): logprobs are taken from the raw logits; then, only in the
+`use_penalties` variant, repetition / frequency / presence penalties; the tokens that may not
+end the output yet (min_tokens) are banned; greedy rows take the argmax; random rows divide by
+the temperature, keep the top-k, then the top-p nucleus, then drop tokens below min_p times the
+most likely one, and draw with the Gumbel-max trick from a key that depends only on the row's
+(seed, step), so a seeded request samples the same tokens whatever batch it lands in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Width of `SamplingMetadata.banned_ids`: token ids a row may not sample this step (eos and
+# stop ids while fewer than min_tokens are out). Longer lists are cut, with a warning.
+MAX_BANNED_IDS = 8
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling state for one step. R = request-bucket rows, L = history length."""
+
+    temperature: jax.Array  # [R] f32, 0 = greedy
+    top_p: jax.Array  # [R] f32, 1 = off
+    top_k: jax.Array  # [R] int32, 0 = off
+    min_p: jax.Array  # [R] f32, 0 = off
+    presence_penalty: jax.Array  # [R] f32
+    frequency_penalty: jax.Array  # [R] f32
+    repetition_penalty: jax.Array  # [R] f32, 1 = off
+    seeds: jax.Array  # [R] uint32 per-row seed
+    steps: jax.Array  # [R] int32 output index of the token being sampled
+    history: jax.Array  # [R, L] int32 prompt then output tokens, -1 padded (read only with penalties)
+    num_prompt: jax.Array  # [R] int32 how many leading history entries are prompt tokens
+    banned_ids: jax.Array  # [R, MAX_BANNED_IDS] int32 ids that may not be sampled now, -1 padded
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplerOutput:
+    """What one step's sampling hands back to the host (one device-to-host transfer)."""
+
+    token_ids: jax.Array  # [R] int32 sampled token
+    logprob: jax.Array  # [R] f32 raw log-softmax of the sampled token
+    top_ids: jax.Array  # [R, K] int32 most likely token ids by raw logits, K = MAX_LOGPROBS
+    top_logprobs: jax.Array  # [R, K] f32 their raw logprobs, descending
+    rank: jax.Array  # [R] int32 1-based rank of the sampled token among raw logits
+
+
+class SamplingRow(NamedTuple):
+    """One request row's host-side sampling state, input to `build_sampling_metadata`."""
+
+    params: SamplingParams
+    seed: int  # the request's seed (its own, or one the engine drew for it)
+    step: int  # number of output tokens so far = index of the token being sampled
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    eos_token_ids: Sequence[int] = ()  # banned with stop_token_ids until min_tokens are out
+
+
+def needs_penalties(params_list: Sequence[SamplingParams]) -> bool:
+    """Whether any row needs the penalties variant (which reads the token history)."""
+    return any(p.uses_penalties for p in params_list)
+
+
+# -- host side: building the metadata --------------------------------------------------------
+def _banned_for(row: SamplingRow) -> list[int]:
+    p = row.params
+    if row.step >= p.min_tokens:
+        return []
+    eos = () if p.ignore_eos else row.eos_token_ids
+    return list(dict.fromkeys([*eos, *p.stop_token_ids]))
+
+
+def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int, history_len: int) -> SamplingMetadata:
+    """Fixed-shape numpy metadata for `rows`, padded to `num_rows` with neutral greedy rows.
+
+    The history (prompt + output ids per row, for penalties) is filled only when some row
+    uses penalties: the plain variant never reads it, so callers compiling that variant may
+    pass `history_len=1`. Histories longer than `history_len` keep their most recent tokens.
+    """
+    n = len(rows)
+    if n > num_rows:
+        raise ValueError(f"{n} sampling rows do not fit in a bucket of {num_rows}")
+    if history_len < 1:
+        raise ValueError(f"history_len must be at least 1, got {history_len}")
+    params = [r.params for r in rows]
+
+    def column(values: list[float] | list[int], dtype: type, pad: float) -> np.ndarray:
+        out = np.full((num_rows,), pad, dtype=dtype)
+        out[:n] = values
+        return out
+
+    temperature = column([p.temperature for p in params], np.float32, 0.0)
+    temperature[temperature < SAMPLING_EPS] = 0.0
+    top_p = column([p.top_p for p in params], np.float32, 1.0)
+    top_k = column([p.top_k for p in params], np.int32, 0)
+    min_p = column([p.min_p for p in params], np.float32, 0.0)
+    presence = column([p.presence_penalty for p in params], np.float32, 0.0)
+    frequency = column([p.frequency_penalty for p in params], np.float32, 0.0)
+    repetition = column([p.repetition_penalty for p in params], np.float32, 1.0)
+    seeds = column([r.seed & 0xFFFFFFFF for r in rows], np.uint32, 0)
+    steps = column([r.step for r in rows], np.int32, 0)
+    num_prompt = np.zeros((num_rows,), np.int32)
+    history = np.full((num_rows, history_len), -1, np.int32)
+    if needs_penalties(params):
+        for i, r in enumerate(rows):
+            if not r.params.uses_penalties:
+                continue
+            n_p, n_o = len(r.prompt_ids), len(r.output_ids)
+            if n_p + n_o <= history_len:
+                history[i, :n_p] = r.prompt_ids
+                history[i, n_p : n_p + n_o] = r.output_ids
+                num_prompt[i] = n_p
+            else:  # keep the newest tokens; output tokens matter most (frequency/presence)
+                tail = (list(r.prompt_ids) + list(r.output_ids))[-history_len:]
+                history[i] = tail
+                num_prompt[i] = max(0, history_len - n_o)
+    banned = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
+    for i, r in enumerate(rows):
+        if r.step < r.params.min_tokens:
+            ids = _banned_for(r)
+            if len(ids) > MAX_BANNED_IDS:
+                logger.warning("request bans %d stop ids during min_tokens; only the first %d are enforced",
+                               len(ids), MAX_BANNED_IDS)
+                ids = ids[:MAX_BANNED_IDS]
+            banned[i, : len(ids)] = ids
+    return SamplingMetadata(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            presence_penalty=presence, frequency_penalty=frequency,
+                            repetition_penalty=repetition, seeds=seeds, steps=steps,
+                            history=history, num_prompt=num_prompt, banned_ids=banned)
+
+
+# -- device side -----------------------------------------------------------------------------
+def _scatter_rows(ids: jax.Array, values: jax.Array, vocab: int) -> jax.Array:
+    """[R, V] sums of `values` [R, L] at token ids `ids` [R, L]; ids < 0 are dropped."""
+    r = ids.shape[0]
+    safe = jnp.where(ids < 0, vocab, ids)  # out of bounds -> dropped by mode="drop"
+    rows = jnp.broadcast_to(jnp.arange(r)[:, None], ids.shape)
+    return jnp.zeros((r, vocab), values.dtype).at[rows, safe].add(values, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Repetition (prompt + output), then frequency and presence (output only), as vLLM.
+
+    logits: [R, V] f32. Repetition divides positive logits by the penalty and multiplies
+    negative ones, so a penalty > 1 always makes a seen token less likely.
+    """
+    vocab = logits.shape[-1]
+    hist = md.history  # [R, L]
+    pos = jnp.arange(hist.shape[1])[None, :]
+    valid = hist >= 0
+    is_output = valid & (pos >= md.num_prompt[:, None])
+    output_counts = _scatter_rows(hist, is_output.astype(jnp.float32), vocab)  # [R, V]
+    seen = _scatter_rows(hist, valid.astype(jnp.float32), vocab) > 0  # [R, V]
+    rep = md.repetition_penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalised, logits)
+    logits = logits - md.frequency_penalty[:, None] * output_counts
+    logits = logits - md.presence_penalty[:, None] * (output_counts > 0)
+    return logits
+
+
+def _truncate_sorted(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    Sorts each row's values once and derives a per-row logit threshold, so no scatter back
+    is needed; tokens tied with the threshold are all kept.
+    """
+    vocab = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)  # [R, V] descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)  # [R]
+    ranks = jnp.arange(vocab)[None, :]
+    desc = jnp.where(ranks < k[:, None], desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [R, V] exclusive cumulative mass
+    # Keep the smallest prefix whose mass reaches top_p: token i stays while the mass before it
+    # is still short of top_p. The first token always stays.
+    keep = (mass_before < top_p[:, None]) & (ranks < k[:, None])
+    num_keep = jnp.where(top_p < 1.0, jnp.maximum(keep.sum(-1), 1), k)  # [R]
+    threshold = jnp.take_along_axis(desc, (num_keep - 1)[:, None], axis=-1)  # [R, 1]
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def _gumbel(seeds: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
+    """[R, V] Gumbel noise; row r depends only on (seeds[r], steps[r])."""
+
+    def one(seed: jax.Array, step: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    return jax.vmap(one)(seeds, steps)
+
+
+def _random_tokens(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """[R] tokens drawn from the temperature-scaled, truncated distribution of each row."""
+    greedy = md.temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, md.temperature)[:, None]
+    # Sorting [R, V] is the costliest part of sampling on GPU: only when a row truncates.
+    needs_sort = jnp.any(~greedy & ((md.top_k > 0) | (md.top_p < 1.0)))
+    scaled = jax.lax.cond(needs_sort, _truncate_sorted, lambda s, k, p: s, scaled, md.top_k, md.top_p)
+    # min-p: p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p); needs no softmax.
+    row_max = scaled.max(axis=-1, keepdims=True)
+    floor = row_max + jnp.log(md.min_p)[:, None]  # -inf where min_p = 0
+    scaled = jnp.where(scaled >= floor, scaled, -jnp.inf)
+    noise = _gumbel(md.seeds, md.steps, logits.shape[-1])
+    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, md: SamplingMetadata, *, use_penalties: bool,
+           num_top_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
+    """Samples one token per row of `logits` [R, V] under `md`; jit with `use_penalties` static.
+
+    Logprobs, top logprobs and ranks describe the raw model distribution (before penalties,
+    bans and temperature), as vLLM reports them.
+    """
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
+    if use_penalties:
+        logits = apply_penalties(logits, md)
+    vocab = logits.shape[-1]
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], md.banned_ids.shape)
+    banned_cols = jnp.where(md.banned_ids < 0, vocab, md.banned_ids)
+    logits = logits.at[rows, banned_cols].set(-jnp.inf, mode="drop")
+
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    all_greedy = jnp.all(md.temperature <= 0.0)
+    tokens = jax.lax.cond(
+        all_greedy,
+        lambda: greedy_tokens,
+        lambda: jnp.where(md.temperature <= 0.0, greedy_tokens, _random_tokens(logits, md)),
+    )
+
+    logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]  # [R]
+    rank = 1 + jnp.sum(raw_logprobs > logprob[:, None], axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
+    return SamplerOutput(token_ids=tokens, logprob=logprob, top_ids=top_ids.astype(jnp.int32),
+                         top_logprobs=top_logprobs, rank=rank)
