@@ -2,8 +2,37 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+# The Triton-lowered kernels use bf16 tensor-core products: Ampere (sm_80) or newer.
+_MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def _compute_capability(device: jax.Device) -> tuple[int, int] | None:
+    cc = getattr(device, "compute_capability", None)
+    if not cc:
+        return None
+    try:
+        major, minor = str(cc).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
 
 
 def get_kernel() -> Callable | None:
-    return None
+    """The GPU kernel's public function on an NVIDIA GPU of sm_80+, else None."""
+    if jax.default_backend() != "gpu":
+        return None
+    device = jax.devices()[0]
+    cc = _compute_capability(device)  # "9.0" on CUDA; ROCm names (gfx...) do not parse
+    if cc is None or cc < _MIN_COMPUTE_CAPABILITY:
+        logger.info("no Pallas attention kernel for device %s (compute capability %s)",
+                    device.device_kind, cc)
+        return None
+    from jaxengine.pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+    return ragged_paged_attention_gpu

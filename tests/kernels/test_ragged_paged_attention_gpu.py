@@ -1,0 +1,155 @@
+"""The Pallas GPU ragged paged-attention kernels, run through Pallas' interpreter on the CPU.
+
+Checked against a float64 dense attention per sequence and against the jnp reference. Inputs
+are fresh random draws per case; blocks come from a random permutation of the pool. Outputs
+the kernels do not write stay NaN in interpret mode (Pallas initialises them so), so a missed
+row fails the NaN check below.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxengine.pallas_kernels import gpu_backend
+from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from jaxengine.pallas_kernels.ragged_paged_attention_gpu import Tiling, ragged_paged_attention_gpu
+from tests.kernels.batch_factory import Batch, dense_reference, make_batch
+
+
+def _rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _check(b: Batch, *, sm_scale: float, soft_cap: float | None = None,
+           sliding_window: int | None = None, tiling: Tiling | None = None) -> None:
+    out = ragged_paged_attention_gpu(*b.args(), sm_scale=sm_scale, soft_cap=soft_cap,
+                                     sliding_window=sliding_window, tiling=tiling,
+                                     interpret=True)
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert out.shape == b.q.shape
+    assert not np.isnan(out).any(), f"{np.isnan(out).any(axis=(1, 2)).sum()} rows not written"
+    dense = dense_reference(b, sm_scale=sm_scale, soft_cap=soft_cap,
+                            sliding_window=sliding_window)
+    tol = 1e-5 if b.q.dtype == jnp.float32 else 2e-2
+    assert _rel_err(out, dense) < tol
+    ref = ragged_paged_attention_reference(*b.args(), sm_scale=sm_scale, soft_cap=soft_cap,
+                                           sliding_window=sliding_window)
+    assert _rel_err(out, np.asarray(ref.astype(jnp.float32), np.float64)) < tol
+    live_end = int(np.asarray(b.query_start_loc)[int(b.num_seqs[0])])
+    assert (out[live_end:] == 0).all(), "padding token rows must be zeros"
+
+
+# (block size, query heads, KV heads, head dim, dtype)
+_GRID = [
+    (16, 8, 2, 64, jnp.float32),
+    (16, 32, 8, 128, jnp.bfloat16),
+    (32, 8, 8, 64, jnp.bfloat16),
+    (32, 16, 2, 128, jnp.float32),
+    (64, 8, 1, 64, jnp.bfloat16),
+    (64, 4, 4, 128, jnp.float32),
+    (16, 9, 3, 64, jnp.bfloat16),  # G = 3 (SmolLM2): padded to 4 rows per KV head
+]
+
+
+@pytest.mark.parametrize("block,n,k,h,dtype", _GRID)
+def test_mixed_batch_matches_dense(block, n, k, h, dtype):
+    """Decodes with lengths 1, P-1, P, P+1 and long, then prefill chunks with and without context."""
+    rng = np.random.default_rng(block * 1000 + n * 10 + k + h)
+    p = block
+    b = make_batch(rng, q_lens=[1, 1, 1, 1, 1, 3, 2 * p + 5, p + 1],
+                   ctx_lens=[0, p - 2, p - 1, p, 3 * p + 7, 0, 0, 2 * p - 3],
+                   num_heads=n, num_kv_heads=k, head_dim=h, block_size=p, dtype=dtype,
+                   pad_slots=2, pad_tokens=5)
+    _check(b, sm_scale=h ** -0.5)
+
+
+@pytest.mark.parametrize("soft_cap,window", [(None, 5), (20.0, None), (10.0, 37)])
+def test_soft_cap_and_sliding_window(soft_cap, window):
+    rng = np.random.default_rng(7 + (window or 0))
+    b = make_batch(rng, q_lens=[1, 1, 40, 7], ctx_lens=[70, 3, 10, 50], num_heads=8,
+                   num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float32, pad_slots=1)
+    # A large scale makes the cap bite.
+    _check(b, sm_scale=1.0 if soft_cap else 0.125, soft_cap=soft_cap, sliding_window=window)
+
+
+@pytest.mark.parametrize("target", [1, 100_000])
+def test_split_counts(target):
+    """target 1: one split per sequence (direct write); huge: max_splits, most splits empty."""
+    rng = np.random.default_rng(target)
+    b = make_batch(rng, q_lens=[1, 1, 1, 9], ctx_lens=[200, 17, 0, 30], num_heads=8,
+                   num_kv_heads=4, head_dim=64, block_size=16, dtype=jnp.float32, pad_slots=3)
+    _check(b, sm_scale=0.125, tiling=Tiling(target_programs=target, max_splits=8))
+
+
+def test_prefill_only_multi_tile_and_decode_only():
+    rng = np.random.default_rng(11)
+    tiling = Tiling(prefill_rows=16)  # 4 tokens per tile at G = 4: many tiles per chunk
+    b = make_batch(rng, q_lens=[13, 2, 6], ctx_lens=[5, 30, 0], num_heads=8, num_kv_heads=2,
+                   head_dim=64, block_size=16, dtype=jnp.float32, pad_tokens=2)
+    _check(b, sm_scale=0.125, tiling=tiling)
+    b = make_batch(rng, q_lens=[1] * 6, ctx_lens=[0, 5, 15, 16, 33, 90], num_heads=8,
+                   num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float32, pad_slots=2)
+    _check(b, sm_scale=0.125)
+
+
+def test_no_live_sequences_gives_zeros():
+    rng = np.random.default_rng(3)
+    b = make_batch(rng, q_lens=[4], ctx_lens=[3], num_heads=4, num_kv_heads=2, head_dim=64,
+                   block_size=16, dtype=jnp.float32, pad_slots=2)
+    b = Batch(*b.args()[:6], num_seqs=jnp.zeros((1,), jnp.int32))
+    out = ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, interpret=True)
+    assert (np.asarray(out) == 0).all()
+
+
+def test_padded_slots_ignore_garbage_tables():
+    """Padded slots' tables and kv_lens are never read (kv_lens of a padded slot are ignored)."""
+    rng = np.random.default_rng(5)
+    b = make_batch(rng, q_lens=[1, 6], ctx_lens=[20, 4], num_heads=4, num_kv_heads=1,
+                   head_dim=64, block_size=16, dtype=jnp.float32, pad_slots=3, pad_tokens=4)
+    bt = np.asarray(b.block_tables).copy()
+    bt[2:] = rng.integers(0, b.k_cache.shape[0], bt[2:].shape)
+    kvl = np.asarray(b.kv_lens).copy()
+    kvl[2:] = 17
+    b2 = Batch(b.q, b.k_cache, b.v_cache, jnp.asarray(kvl), jnp.asarray(bt),
+               b.query_start_loc, b.num_seqs)
+    out1 = ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, interpret=True)
+    out2 = ragged_paged_attention_gpu(*b2.args(), sm_scale=0.1, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+
+
+def test_bad_inputs_raise_value_error():
+    rng = np.random.default_rng(0)
+    b = make_batch(rng, q_lens=[1, 3], ctx_lens=[2, 0], num_heads=4, num_kv_heads=2,
+                   head_dim=64, block_size=16, dtype=jnp.float32)
+    a = list(b.args())
+    cases = [
+        (0, a[0][:, :3], "multiple of KV heads"),
+        (0, a[0].astype(jnp.float16), "q dtype"),
+        (1, a[1].astype(jnp.bfloat16), "dtype"),
+        (2, a[2][:, :, :8], "v_cache shape"),
+        (3, a[3].astype(jnp.int64) if jax.config.jax_enable_x64 else a[3].astype(jnp.float32),
+         "kv_lens dtype"),
+        (4, a[4][None], "block_tables"),
+        (5, a[5][:-1], "query_start_loc shape"),
+        (6, jnp.zeros((2,), jnp.int32), "num_seqs shape"),
+        (0, a[0][..., :48], "head dim"),
+    ]
+    for i, bad, msg in cases:
+        args = list(a)
+        args[i] = bad
+        with pytest.raises(ValueError, match=msg):
+            ragged_paged_attention_gpu(*args, sm_scale=0.1, interpret=True)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ragged_paged_attention_gpu(*a, sm_scale=0.1, sliding_window=0, interpret=True)
+    with pytest.raises(ValueError, match="soft_cap"):
+        ragged_paged_attention_gpu(*a, sm_scale=0.1, soft_cap=-1.0, interpret=True)
+    with pytest.raises(ValueError, match="Tiling.prefill_rows"):
+        Tiling(prefill_rows=24)
+
+
+def test_backend_off_gpu_is_none():
+    if jax.default_backend() != "gpu":
+        assert gpu_backend.get_kernel() is None
