@@ -48,4 +48,4 @@ def make_checkpoint(family: str, path: str, *, seed: int = 0, tokenizer=None, nu
 
 
 def load_reference(path: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

