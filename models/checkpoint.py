@@ -15,6 +15,7 @@ never need to know whether the bytes came from safetensors or a quantized GGUF f
 
 from __future__ import annotations
 
+import abc
 import difflib
 import json
 import logging
@@ -49,32 +50,35 @@ _ST_DTYPES: dict[str, np.dtype] = {
 _RAW_READ = {"BF16", "F8_E4M3", "F8_E5M2"}
 
 
-class Checkpoint:
+class Checkpoint(abc.ABC):
     """Read-only view of one model checkpoint, in Hugging Face names and layouts."""
 
     path: str  # where it was read from (file or folder)
     hf_config: dict  # a Hugging Face config.json dict ("architectures", "hidden_size", ...)
 
+    @abc.abstractmethod
     def tensor_names(self) -> list[str]:
-        raise NotImplementedError
+        """HF parameter names of every stored tensor (a tied lm_head is not stored)."""
 
+    @abc.abstractmethod
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Shape of one tensor as ``get_tensor`` returns it, without reading its data."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def tensor_dtype(self, name: str) -> np.dtype:
         """dtype of one tensor as ``get_tensor`` returns it, without reading its data."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def get_tensor(self, name: str) -> np.ndarray:
-        raise NotImplementedError
+        """One tensor in HF layout ([out, in] for Linear), a fresh writable array."""
 
+    @abc.abstractmethod
     def load_tokenizer(self) -> "PreTrainedTokenizerBase":
-        raise NotImplementedError
+        """The model's tokenizer (or the one named by ``tokenizer=`` at open)."""
 
+    @abc.abstractmethod
     def generation_config(self) -> dict:
         """generation_config.json (or its GGUF equivalent); {} when the checkpoint has none."""
-        raise NotImplementedError
 
     def __contains__(self, name: object) -> bool:
         return name in self.tensor_names()

@@ -115,32 +115,38 @@ class GGUFCheckpoint(Checkpoint):
     def _arch_value(self, key: str, default: object = None) -> object:
         return self._meta_value(f"{self._arch}.{key}", default)
 
+    def _required(self, key: str) -> int:
+        value = self._arch_value(key)
+        if value is None:
+            raise ValueError(f"GGUF file {self.path} lacks the metadata key {self._arch}.{key}")
+        return int(value)
+
     def _build_hf_config(self) -> dict:
         hf_arch, model_type, _ = _ARCHITECTURES[self._arch]
         name = str(self._meta_value("general.name", "") or "")
         if self._arch == "llama" and "mistral" in name.lower():
             hf_arch, model_type = "MistralForCausalLM", "mistral"  # llama.cpp files Mistral as llama
-        heads = int(self._arch_value("attention.head_count"))
+        heads = self._required("attention.head_count")
         kv_heads = self._arch_value("attention.head_count_kv", heads)
         if isinstance(kv_heads, list):  # per-layer counts; only uniform ones are supported
             if len(set(kv_heads)) != 1:
                 raise ValueError(f"GGUF file {self.path}: per-layer KV head counts {kv_heads}")
             kv_heads = kv_heads[0]
-        hidden = int(self._arch_value("embedding_length"))
+        hidden = self._required("embedding_length")
         tokens = self._meta.get("tokenizer.ggml.tokens")
         if "model.embed_tokens.weight" in self._tensors:
             vocab = self.tensor_shape("model.embed_tokens.weight")[0]
         elif tokens is not None:
             vocab = len(tokens.data)
         else:
-            vocab = int(self._arch_value("vocab_size"))
+            vocab = self._required("vocab_size")
         cfg: dict = {
             "architectures": [hf_arch],
             "model_type": model_type,
             "vocab_size": vocab,
             "hidden_size": hidden,
-            "intermediate_size": int(self._arch_value("feed_forward_length")),
-            "num_hidden_layers": int(self._arch_value("block_count")),
+            "intermediate_size": self._required("feed_forward_length"),
+            "num_hidden_layers": self._required("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": int(kv_heads),
             "head_dim": int(self._arch_value("attention.key_length", hidden // heads)),
@@ -215,7 +221,9 @@ class GGUFCheckpoint(Checkpoint):
             raise ValueError(f"GGUF file {self.path}: tensor {t.name} has type "
                              f"{t.tensor_type.name}, which cannot be dequantized: {e}") from e
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        return np.asarray(w, dtype=np.float32).reshape(shape)
+        w = np.asarray(w, dtype=np.float32).reshape(shape)
+        # F32 dequantizes to a view of the read-only file mapping; callers get their own copy.
+        return w if w.flags.writeable else w.copy()
 
     def get_tensor(self, name: str) -> np.ndarray:
         self._tensor(name)

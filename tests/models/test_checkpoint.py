@@ -62,6 +62,7 @@ def test_names_shapes_values_equal_torch_state_dict(saved: dict, layout: str) ->
         assert ckpt.tensor_shape(name) == ref.shape
         got = ckpt.get_tensor(name)
         assert got.dtype == np.float32 and ckpt.tensor_dtype(name) == np.float32
+        assert got.flags.writeable, name
         np.testing.assert_array_equal(got, ref, err_msg=name)
     assert ckpt.hf_config["architectures"] == ["LlamaForCausalLM"]
     assert ckpt.hf_config["hidden_size"] == 64 and ckpt.hf_config["num_key_value_heads"] == 2
@@ -73,6 +74,7 @@ def test_bf16_read_back_as_bf16(saved: dict) -> None:
     name = "model.layers.1.self_attn.k_proj.weight"
     got = ckpt.get_tensor(name)
     assert got.dtype == ml_dtypes.bfloat16 and ckpt.tensor_dtype(name) == ml_dtypes.bfloat16
+    assert got.flags.writeable
     assert got.shape == (32, 64) == ckpt.tensor_shape(name)
     ref = saved["state"][name].astype(ml_dtypes.bfloat16)  # round-to-nearest-even, like torch
     np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
