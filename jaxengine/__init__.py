@@ -1,0 +1,33 @@
+"""jaxengine: an LLM inference and serving engine on JAX/XLA with vLLM's API."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__version__ = "0.1.0"
+
+_level = os.environ.get("JAXENGINE_LOGGING_LEVEL", "INFO").upper()
+_logger = logging.getLogger("jaxengine")
+if not _logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+    _logger.addHandler(_handler)
+    _logger.propagate = False
+_logger.setLevel(_level)
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import jaxengine.models` (and the pure-Python scheduler) stay light.
+    if name == "LLM":
+        from jaxengine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from jaxengine.sampling_params import SamplingParams
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from jaxengine import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'jaxengine' has no attribute {name!r}")

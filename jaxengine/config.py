@@ -1,0 +1,92 @@
+"""One frozen, validated engine configuration, built once from the user's keyword arguments.
+
+Derived values (the number of KV blocks once memory is profiled, the model's context length)
+come back as a new config via `dataclasses.replace`, never by mutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return os.path.join(base, "jaxengine", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF folder, GGUF file, hub id; None: the embedded default
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 8192 on accelerators, 2048 on CPU
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # None: sized from free device memory
+    cpu_kv_cache_bytes: int = 1 << 30  # KV budget when the backend reports no memory (CPU)
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    load_format: str = "auto"
+    attention_backend: str = "auto"
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
+    max_logprobs: int = 20
+    warmup: bool = True  # compile every bucket at start-up
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "num_kv_blocks", "tensor_parallel_size", "cpu_kv_cache_bytes"):
+            positive(name)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.block_size & (self.block_size - 1) or not 8 <= self.block_size <= 256:
+            raise ValueError(f"block_size must be a power of two in [8, 256], got {self.block_size}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be at least 2 (block 0 is reserved)")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        assert self.max_model_len is not None
+        return -(-self.max_model_len // self.block_size)
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to the budget (the budget itself always included)."""
+    out, b = [], smallest
+    while b < max_num_batched_tokens:
+        out.append(b)
+        b *= 2
+    out.append(max_num_batched_tokens)
+    return tuple(out)
+
+
+def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

@@ -1,0 +1,264 @@
+"""The engine: one request's life from prompt to `RequestOutput`.
+
+`add_request` tokenizes (or takes token ids), validates the sampling parameters and hands the
+request (n children for n > 1) to the scheduler. Each `step()` is schedule -> run -> update:
+the scheduler picks a token budget's worth of work (decode rows first, then prefill chunks), the
+model runner executes one compiled step (forward + sampling, one device-to-host transfer), the
+scheduler appends the sampled tokens and finishes requests on eos / stop ids / length, the output
+processor detokenizes incrementally and finishes requests on stop strings, and finished requests'
+KV blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.config import EngineConfig
+from jaxengine.default_model import default_model_path
+from jaxengine.model_runner import ModelRunner, kv_bytes_per_block
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
+from jaxengine.models.presets import PRESETS
+from jaxengine.output_processor import OutputProcessor
+from jaxengine.outputs import RequestOutput
+from jaxengine.request import Request, RequestStatus
+from jaxengine.sampler import SamplingRow
+from jaxengine.sampling_params import SamplingParams
+from jaxengine.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _enable_compilation_cache(path: str | None) -> None:
+    if not path:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _open_model(config: EngineConfig):
+    """(model config, checkpoint or None, tokenizer or None) for the configured model."""
+    from jaxengine.models.checkpoint import load_hf_tokenizer, open_checkpoint  # heavy imports only here
+
+    model = config.model or default_model_path()
+    if config.load_format == "dummy" and model in PRESETS:
+        tok = load_hf_tokenizer(config.tokenizer) if config.tokenizer else None
+        return ModelConfig.from_hf_dict(PRESETS[model]), None, tok
+    ckpt = open_checkpoint(model, revision=config.revision, tokenizer=config.tokenizer)
+    return ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, ckpt.load_tokenizer()
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        _enable_compilation_cache(config.compilation_cache_dir)
+        model_config, ckpt, self.tokenizer = _open_model(config)
+        config = self._derive(config, model_config)
+        dtype = resolve_dtype(config.dtype, model_config)
+        if ckpt is None or config.load_format == "dummy":
+            graphdef, state = dummy_params(model_config, dtype, config.seed, config.attention_backend)
+        else:
+            graphdef, state = load_params(ckpt, model_config, dtype, config.attention_backend)
+        config = dataclasses.replace(config, num_kv_blocks=self._num_blocks(config, model_config, dtype))
+        self.config, self.model_config = config, model_config
+        self.eos_token_ids = tuple(model_config.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and not self.eos_token_ids:
+            self.eos_token_ids = (self.tokenizer.eos_token_id,)
+        self.runner = ModelRunner(config, model_config, graphdef, state, dtype)
+        if config.warmup:
+            self.runner.warmup()
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, num_blocks=config.num_kv_blocks,
+            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching))
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._request_seeds: dict[str, int] = {}
+        self._ids = itertools.count()
+        cap = (config.num_kv_blocks - 1) * config.block_size / config.max_model_len
+        logger.info("model %s (%s, %s), %d KV blocks of %d tokens: maximum concurrency %.2fx at "
+                    "max_model_len %d; ready in %.1f s", config.model or "default SmolLM2-135M-Instruct",
+                    model_config.architecture, jnp.dtype(dtype).name, config.num_kv_blocks, config.block_size,
+                    cap, config.max_model_len, time.perf_counter() - t0)
+
+    # -- configuration ----------------------------------------------------------------------
+    @staticmethod
+    def _derive(config: EngineConfig, mc: ModelConfig) -> EngineConfig:
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                             f"{mc.max_position_embeddings}")
+        budget = config.max_num_batched_tokens or (2048 if jax.default_backend() == "cpu" else 8192)
+        if budget < config.max_num_seqs and config.max_num_batched_tokens is not None:
+            raise ValueError(f"max_num_batched_tokens={budget} must be >= max_num_seqs={config.max_num_seqs}")
+        budget = max(budget, min(config.max_num_seqs, 256))
+        if config.tensor_parallel_size > len(jax.devices()):
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
+                             f"{len(jax.devices())} available devices")
+        return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget)
+
+    @staticmethod
+    def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype) -> int:
+        """Blocks that fit in free device memory (or the CPU budget), never more than needed."""
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        per_block = kv_bytes_per_block(mc, config.block_size, dtype)
+        most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            # Activation peak estimate for the largest bucket (hidden, q/k/v, MLP, float32 logits and
+            # the sampler's sorted copy for up to max_num_seqs rows), with a 2x margin.
+            t = config.max_num_batched_tokens
+            r = min(t, config.max_num_seqs)
+            act = 2 * (t * (4 * mc.hidden_size + 3 * mc.intermediate_size + 3 * mc.num_heads * mc.head_dim)
+                       * jnp.dtype(dtype).itemsize + 4 * r * mc.vocab_size * 4)
+            budget = stats["bytes_limit"] * config.gpu_memory_utilization - stats.get("bytes_in_use", 0) - act
+            n = int(budget // per_block)
+        else:
+            n = int(config.cpu_kv_cache_bytes // per_block)
+        n = min(n, most_useful)
+        if n < 2:
+            raise ValueError("not enough device memory for the KV cache; lower max_model_len or raise "
+                             "gpu_memory_utilization")
+        return n
+
+    # -- requests -------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as {'prompt_token_ids': [...]}")
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | dict,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        text, ids = self._prompt_ids(prompt)
+        self._validate(ids, params)
+        if request_id in self.outputs.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:  # children sample independently; a given seed is offset per child
+                seed = params.seed + i if params.seed is not None else None
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            cid = request_id if params.n == 1 else f"{i}_{request_id}"
+            children.append(Request(cid, list(ids), child_params, eos_token_ids=self.eos_token_ids,
+                                    arrival_time=arrival))
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child.request_id)
+        except ValueError:
+            self.scheduler.abort_requests(added)
+            raise
+        for child in children:
+            seed = child.sampling_params.seed
+            self._request_seeds[child.request_id] = int(seed if seed is not None else
+                                                        self._seed_rng.integers(0, 2**31 - 1))
+        self.outputs.add(request_id, text, list(ids), params, children)
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, the model accepts at most "
+                             f"max_model_len - 1 = {self.config.max_model_len - 1}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet")
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        children = [c for rid in ids for c in self.outputs.child_ids(rid)]
+        self.scheduler.abort_requests(children)
+        for cid in children:
+            self.outputs.finish_child(cid, "abort", None)
+            self._request_seeds.pop(cid, None)
+        for rid in ids:
+            self.outputs.pop_if_finished(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return []
+        rows = [SamplingRow(s.request.sampling_params, self._request_seeds[s.request.request_id],
+                            len(s.request.output_token_ids), s.request.prompt_token_ids,
+                            s.request.output_token_ids, self.eos_token_ids) for s in sched.seqs]
+        out = self.runner.execute(sched.seqs, rows)
+        sampled = [int(out.token_ids[i]) if s.samples else None for i, s in enumerate(sched.seqs)]
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        touched: list[str] = []
+        stopped: list[tuple[str, str]] = []
+        for i, s in enumerate(sched.seqs):
+            if sampled[i] is None:
+                continue
+            cid = s.request.request_id
+            stop = self.outputs.process_token(cid, sampled[i], out.logprob[i], out.rank[i],
+                                              out.top_ids[i], out.top_logprobs[i])
+            if stop is not None and cid not in finished:
+                stopped.append((cid, stop))
+            if cid in finished:
+                self.outputs.finish_child(cid, s.request.status.finish_reason, s.request.stop_reason)
+            touched.append(cid)
+        if stopped:
+            self.scheduler.finish_requests([cid for cid, _ in stopped], RequestStatus.FINISHED_STOPPED)
+            for cid, stop in stopped:
+                self.outputs.finish_child(cid, "stop", stop)
+        results, seen = [], set()
+        for cid in touched:
+            parent = self.outputs.child_to_parent.get(cid)
+            if parent is None or parent.request_id in seen:
+                continue
+            seen.add(parent.request_id)
+            results.append(self.outputs.make_output(parent.request_id))
+            if parent.finished:
+                for c in parent.children:
+                    self._request_seeds.pop(c.request.request_id, None)
+                self.outputs.pop_if_finished(parent.request_id)
+        return results
+
+    # -- stats ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        bm = self.scheduler.block_manager
+        return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+                "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
+                "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": self.scheduler.num_preemptions}

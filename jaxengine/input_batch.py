@@ -1,0 +1,87 @@
+"""Turns a scheduler step into fixed-shape numpy inputs padded to a bucket.
+
+Layout of one step (T = token bucket, R = row bucket = min(T, max_num_seqs), M = max blocks/seq):
+sequences in scheduler order (decode rows first, then prefill chunks), their new tokens laid out
+back to back from row 0, padding afterwards. Padding tokens write to the null block 0 and padded
+sequence slots have kv_len 0, so the attention ignores them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxengine.models.attention import AttentionMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    input_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    attn: AttentionMetadata
+    logits_indices: jax.Array  # [R] int32 last new token of each sequence (0 for padding rows)
+
+
+class InputBuilder:
+    """Preallocated host buffers per bucket, refilled each step (no per-step allocation of big arrays)."""
+
+    def __init__(self, max_blocks_per_seq: int, block_size: int):
+        self.m = max_blocks_per_seq
+        self.block_size = block_size
+        self._buffers: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+
+    def _bufs(self, t: int, r: int) -> dict[str, np.ndarray]:
+        key = (t, r)
+        if key not in self._buffers:
+            self._buffers[key] = {
+                "input_ids": np.zeros(t, np.int32), "positions": np.zeros(t, np.int32),
+                "slot_mapping": np.zeros(t, np.int32), "kv_lens": np.zeros(r, np.int32),
+                "block_tables": np.zeros((r, self.m), np.int32),
+                "query_start_loc": np.zeros(r + 1, np.int32), "num_seqs": np.zeros(1, np.int32),
+                "logits_indices": np.zeros(r, np.int32),
+            }
+        return self._buffers[key]
+
+    def build(self, seqs: list, t: int, r: int) -> StepInputs:
+        """`seqs`: scheduled sequences with .request, .start, .num_new_tokens, .block_ids."""
+        assert len(seqs) <= r, (len(seqs), r)
+        b = self._bufs(t, r)
+        b["slot_mapping"].fill(0)
+        b["input_ids"].fill(0)
+        b["positions"].fill(0)
+        b["kv_lens"].fill(0)
+        b["block_tables"].fill(0)
+        b["logits_indices"].fill(0)
+        bs = self.block_size
+        cursor = 0
+        qsl = b["query_start_loc"]
+        qsl[0] = 0
+        for i, s in enumerate(seqs):
+            n, start = s.num_new_tokens, s.start
+            end = cursor + n
+            assert end <= t, (end, t)
+            toks = s.request.all_token_ids[start:start + n]
+            b["input_ids"][cursor:end] = toks
+            pos = np.arange(start, start + n, dtype=np.int32)
+            b["positions"][cursor:end] = pos
+            blocks = np.asarray(s.block_ids, np.int32)
+            b["slot_mapping"][cursor:end] = blocks[pos // bs] * bs + pos % bs
+            b["block_tables"][i, :len(blocks)] = blocks
+            b["kv_lens"][i] = start + n
+            b["logits_indices"][i] = end - 1
+            cursor = end
+            qsl[i + 1] = cursor
+        qsl[len(seqs) + 1:] = cursor
+        b["num_seqs"][0] = len(seqs)
+        attn = AttentionMetadata(b["slot_mapping"], b["kv_lens"], b["block_tables"], qsl, b["num_seqs"])
+        return StepInputs(b["input_ids"], b["positions"], attn, b["logits_indices"])
+
+
+def abstract_inputs(t: int, r: int, m: int) -> StepInputs:
+    i32 = np.int32
+    s = jax.ShapeDtypeStruct
+    attn = AttentionMetadata(s((t,), i32), s((r,), i32), s((r, m), i32), s((r + 1,), i32), s((1,), i32))
+    return StepInputs(s((t,), i32), s((t,), i32), attn, s((r,), i32))

@@ -1,0 +1,153 @@
+"""`LLM`: the offline Python API, shaped like vLLM's (`generate`, `chat`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from jaxengine.config import EngineConfig
+from jaxengine.engine import LLMEngine
+from jaxengine.outputs import RequestOutput
+from jaxengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict | Sequence[int]
+Message = dict[str, object]
+
+
+class LLM:
+    """An LLM engine for offline batched generation.
+
+    `LLM()` with no model loads the embedded default, SmolLM2-135M-Instruct.
+    Every keyword is an `EngineConfig` field (max_model_len, max_num_seqs, block_size, ...).
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, block_size: int = 16,
+                 gpu_memory_utilization: float = 0.9, num_kv_blocks: int | None = None,
+                 enable_prefix_caching: bool = True, tensor_parallel_size: int = 1, seed: int = 0,
+                 load_format: str = "auto", **kwargs):
+        config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                              num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
+                              tensor_parallel_size=tensor_parallel_size, seed=seed, load_format=load_format,
+                              **kwargs)
+        self.llm_engine = LLMEngine(config)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates completions; results come back in input order."""
+        prompt_list = self._as_list(prompts)
+        params = self._params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
+        """Applies the model's chat template (or `chat_template`) to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": ids, "prompt": text} for text, ids in (
+            render_chat(self.llm_engine.tokenizer, conv, chat_template, add_generation_prompt,
+                        continue_final_message) for conv in conversations)]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # -- helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def _as_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
+        return list(prompts)
+
+    @staticmethod
+    def _params_list(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
+        return sp
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = engine.new_request_id()
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except ValueError:
+            engine.abort_request(ids)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm,
+                   postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        in_toks = out_toks = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        in_toks += len(out.prompt_token_ids)
+                        out_toks += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.postfix = (f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
+                                       f"output: {out_toks / elapsed:.2f} toks/s")
+                        bar.update(1)
+        finally:
+            bar.close()
+        missing = [ids[i] for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"requests {missing} ended without a final output")
+        return results  # type: ignore[return-value]
+
+
+def render_chat(tokenizer, conversation: list[Message], chat_template: str | None,
+                add_generation_prompt: bool, continue_final_message: bool = False) -> tuple[str, list[int]]:
+    """Renders one conversation with the chat template; returns (text, token ids)."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so chat is not available")
+    msgs = [normalize_message(m) for m in conversation]
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("the model has no chat template; pass chat_template=")
+    text = tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                         continue_final_message=continue_final_message)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return text, list(ids)
+
+
+def normalize_message(m: Message) -> dict[str, object]:
+    """Text-part content lists are joined to one string; roles and other keys pass through."""
+    if not isinstance(m, dict) or "role" not in m:
+        raise ValueError(f"each chat message needs a 'role', got {m!r}")
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"unsupported content part {part!r}: only {{'type': 'text', 'text': ...}}")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise ValueError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
+    out = dict(m)
+    out["content"] = content if content is not None else ""
+    return out

@@ -1,0 +1,138 @@
+"""Owns the device side: parameters, the paged KV cache, and the compiled step programs.
+
+Per token bucket T one forward program (KV caches donated, logits for R = min(T, max_num_seqs)
+rows); per row count R two small sampler programs (with and without penalties). All of them are
+compiled ahead of time at start-up; running a shape that was not compiled is a bug and raises.
+The host waits once per step, for the sampler's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxengine.config import EngineConfig, pick_bucket, token_buckets
+from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs
+from jaxengine.models.config import ModelConfig
+from jaxengine.sampler import SamplingRow, build_sampling_metadata, needs_penalties, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    """Host-side results of one step, one entry per scheduled sequence (plain numpy)."""
+
+    token_ids: np.ndarray  # [num_seqs] int32 sampled token of each sequence's last row
+    logprob: np.ndarray  # [num_seqs] f32 raw log-probability of the sampled token
+    rank: np.ndarray  # [num_seqs] int32 1-based rank of the sampled token
+    top_ids: np.ndarray  # [num_seqs, max_logprobs] int32
+    top_logprobs: np.ndarray  # [num_seqs, max_logprobs] f32
+
+
+def _forward(graphdef, state, kv_caches, inputs: StepInputs):
+    model = nnx.merge(graphdef, state)
+    hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)
+    logits = model.compute_logits(hidden[inputs.logits_indices])
+    return kv_caches, logits
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype,
+                 kv_sharding=None):
+        self.config = config
+        self.model_config = model_config
+        self.graphdef = graphdef
+        self.state = state
+        self.dtype = dtype
+        self.token_buckets = token_buckets(config.max_num_batched_tokens)
+        self.builder = InputBuilder(config.max_blocks_per_seq, config.block_size)
+        self.num_blocks = config.num_kv_blocks
+        self.kv_sharding = kv_sharding
+        self.kv_caches = self._allocate_kv()
+        self._forward_fns: dict[int, jax.stages.Compiled] = {}
+        self._sample_fns: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._jit_forward = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,))
+        self.compile_seconds = 0.0
+
+    # -- buckets ---------------------------------------------------------------------------
+    def rows_for(self, t: int) -> int:
+        return min(t, self.config.max_num_seqs)
+
+    def _allocate_kv(self) -> list[tuple[jax.Array, jax.Array]]:
+        c = self.model_config
+        shape = (self.num_blocks, c.num_kv_heads, self.config.block_size, c.head_dim)
+        make = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.kv_sharding)
+        return [(make(), make()) for _ in range(c.num_layers)]
+
+    def _compile_forward(self, t: int) -> jax.stages.Compiled:
+        r = self.rows_for(t)
+        kv_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_caches)
+        st_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
+        return self._jit_forward.lower(st_abs, kv_abs, abstract_inputs(t, r, self.config.max_blocks_per_seq)).compile()
+
+    def _compile_sampler(self, r: int, penalties: bool) -> jax.stages.Compiled:
+        md = build_sampling_metadata([], r, self._history_len(penalties))
+        logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32)
+        md_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), md)
+        fn = jax.jit(functools.partial(sample, use_penalties=penalties))
+        return fn.lower(logits, md_abs).compile()
+
+    def _history_len(self, penalties: bool) -> int:
+        return self.config.max_model_len if penalties else 1
+
+    def warmup(self) -> None:
+        """Compiles every bucket (forward per token bucket, samplers per row count)."""
+        rows = sorted({self.rows_for(t) for t in self.token_buckets})
+        jobs = [("forward", t) for t in self.token_buckets] + [("sampler", (r, p)) for r in rows for p in (False, True)]
+        t0 = time.perf_counter()
+        for kind, key in tqdm(jobs, desc="Compiling buckets", unit="program", disable=not jobs):
+            if kind == "forward":
+                self._forward_fns[key] = self._compile_forward(key)
+            else:
+                self._sample_fns[key] = self._compile_sampler(*key)
+        self.compile_seconds = time.perf_counter() - t0
+        logger.info("compiled %d programs in %.1f s (token buckets %s, row buckets %s)",
+                    len(jobs), self.compile_seconds, list(self.token_buckets), rows)
+
+    def _get_forward(self, t: int) -> jax.stages.Compiled:
+        fn = self._forward_fns.get(t)
+        if fn is None:
+            if self.config.warmup:
+                raise RuntimeError(f"token bucket {t} was not compiled at start-up")
+            fn = self._forward_fns[t] = self._compile_forward(t)
+        return fn
+
+    def _get_sampler(self, r: int, penalties: bool) -> jax.stages.Compiled:
+        fn = self._sample_fns.get((r, penalties))
+        if fn is None:
+            if self.config.warmup:
+                raise RuntimeError(f"sampler for {r} rows was not compiled at start-up")
+            fn = self._sample_fns[(r, penalties)] = self._compile_sampler(r, penalties)
+        return fn
+
+    # -- one step --------------------------------------------------------------------------
+    def execute(self, seqs: list, rows: list[SamplingRow]) -> RunnerOutput:
+        """Runs one step for `seqs` (scheduler order); `rows[i]` gives seqs[i]'s sampling state."""
+        n_tokens = sum(s.num_new_tokens for s in seqs)
+        t = pick_bucket(self.token_buckets, n_tokens)
+        r = self.rows_for(t)
+        inputs = self.builder.build(seqs, t, r)
+        penalties = needs_penalties([row.params for row in rows])
+        md = build_sampling_metadata(rows, r, self._history_len(penalties))
+        self.kv_caches, logits = self._get_forward(t)(self.state, self.kv_caches, inputs)
+        out = jax.device_get(self._get_sampler(r, penalties)(logits, md))
+        n = len(seqs)
+        return RunnerOutput(out.token_ids[:n], out.logprob[:n], out.rank[:n], out.top_ids[:n], out.top_logprobs[:n])

@@ -1,0 +1,125 @@
+"""Per-request output state: incremental text, stop strings, logprobs, and `RequestOutput`s.
+
+A user request with n > 1 fans out into n child requests (ids "<i>_<parent id>") that share the
+prompt (and so its prefix-cache blocks); their completions are gathered into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from jaxengine.detokenizer import IncrementalDetokenizer, decode_token
+from jaxengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxengine.request import Request, RequestStatus
+from jaxengine.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class ChildState:
+    request: Request
+    index: int
+    detok: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[ChildState]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, ParentState] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams, children: list[Request]) -> None:
+        metrics = RequestMetrics(arrival_time=children[0].arrival_time, first_scheduled_time=None,
+                                 first_token_time=None, last_token_time=None, finished_time=None)
+        states = []
+        for i, child in enumerate(children):
+            detok = None
+            if self.tokenizer is not None and child.sampling_params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child.sampling_params)
+            lps = [] if child.sampling_params.logprobs is not None else None
+            states.append(ChildState(child, i, detok, lps))
+        parent = ParentState(request_id, prompt, prompt_token_ids, params, states, metrics)
+        self.parents[request_id] = parent
+        for st in states:
+            self.child_to_parent[st.request.request_id] = parent
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [c.request.request_id for c in parent.children] if parent else []
+
+    def process_token(self, child_id: str, token: int, logprob: float, rank: int,
+                      top_ids: np.ndarray, top_logprobs: np.ndarray) -> str | None:
+        """Records one new token of a child. Returns a matched stop string, if any."""
+        parent = self.child_to_parent[child_id]
+        st = next(c for c in parent.children if c.request.request_id == child_id)
+        now = time.monotonic()
+        if parent.metrics.first_token_time is None:
+            parent.metrics.first_token_time = now
+        parent.metrics.last_token_time = now
+        params = st.request.sampling_params
+        st.cumulative_logprob += float(logprob)
+        if st.logprobs is not None:
+            entry: dict[int, Logprob] = {}
+            for j in range(params.logprobs):
+                tid = int(top_ids[j])
+                entry[tid] = Logprob(float(top_logprobs[j]), j + 1, self._decode(tid))
+            entry[token] = Logprob(float(logprob), int(rank), self._decode(token))
+            st.logprobs.append(entry)
+        req = st.request
+        stopped_by_token = req.status.is_finished and req.stop_reason == token and req.status == RequestStatus.FINISHED_STOPPED
+        if st.detok is None or (stopped_by_token and not params.include_stop_str_in_output):
+            return None
+        return st.detok.update([token])
+
+    def _decode(self, token: int) -> str | None:
+        return decode_token(self.tokenizer, token) if self.tokenizer is not None else None
+
+    def finish_child(self, child_id: str, finish_reason: str, stop_reason: int | str | None) -> None:
+        parent = self.child_to_parent.get(child_id)
+        if parent is None:
+            return
+        st = next(c for c in parent.children if c.request.request_id == child_id)
+        st.finish_reason, st.stop_reason = finish_reason, stop_reason
+        if parent.finished:
+            parent.metrics.finished_time = time.monotonic()
+
+    def make_output(self, request_id: str) -> RequestOutput:
+        p = self.parents[request_id]
+        outs = []
+        for c in p.children:
+            outs.append(CompletionOutput(
+                index=c.index, text=c.detok.output_text if c.detok else "",
+                token_ids=list(c.request.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return RequestOutput(request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids,
+                             prompt_logprobs=None, outputs=outs, finished=p.finished, metrics=p.metrics,
+                             num_cached_tokens=p.children[0].request.num_cached_tokens)
+
+    def pop_if_finished(self, request_id: str) -> None:
+        p = self.parents.get(request_id)
+        if p is not None and p.finished:
+            del self.parents[request_id]
+            for c in p.children:
+                self.child_to_parent.pop(c.request.request_id, None)

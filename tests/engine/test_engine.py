@@ -1,0 +1,199 @@
+"""Engine behaviour end to end on tiny random checkpoints (CPU): greedy output against transformers,
+chunked prefill, prefix caching, preemption, sampling, stops, logprobs, and no compile after warm-up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.compile_monitor import compile_count
+from tests.tiny_checkpoints import load_reference
+
+PROMPTS = [
+    "Hello, my name is",
+    "The president of the United States is",
+    "a",
+    "In the beginning the Universe was created. This has made a lot of people very angry and been "
+    "widely regarded as a bad move.",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13",
+    "Paris is the capital of",
+    "def add(a, b):\n    return",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+]
+ENGINE_KW = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=128,
+                 block_size=16)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+def make_llm(path: str, cache: str, **kw) -> LLM:
+    args = dict(ENGINE_KW)
+    args.update(kw)
+    return LLM(path, compilation_cache_dir=cache, **args)
+
+
+def reference_greedy(ref, tokenizer, prompt: str, n: int) -> tuple[list[int], np.ndarray]:
+    ids = tokenizer.encode(prompt)
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True, pad_token_id=0)
+    toks = out.sequences[0, len(ids):].tolist()
+    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), -1).numpy()
+    return toks, logprobs
+
+
+def assert_close_greedy(ours, ref_toks: list[int], ref_logprobs: np.ndarray, k: int = 5) -> None:
+    """Equal tokens, or at the first divergence each token is in the other's top-k."""
+    got = ours.token_ids
+    for i, (a, b) in enumerate(zip(got, ref_toks)):
+        if a != b:
+            ours_topk = set(ours.logprobs[i])
+            ref_topk = set(np.argsort(-ref_logprobs[i])[:k].tolist())
+            assert b in ours_topk and a in ref_topk, f"diverged at {i}: ours {a}, reference {b}"
+            return
+    assert len(got) == len(ref_toks)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+def family_llm(request, tiny_model_factory, xla_cache_dir):
+    path = tiny_model_factory(request.param)
+    return request.param, path, make_llm(path, xla_cache_dir)
+
+
+def test_greedy_matches_transformers_batch8(family_llm):
+    family, path, llm = family_llm
+    ref = load_reference(path)
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == PROMPTS
+    for prompt, out in zip(PROMPTS, outs):
+        ref_toks, ref_lp = reference_greedy(ref, tok, prompt, 16)
+        assert_close_greedy(out.outputs[0], ref_toks, ref_lp)
+        # logprobs of the sampled tokens are transformers' log-softmax
+        for i, t in enumerate(out.outputs[0].token_ids[:4]):
+            assert abs(out.outputs[0].logprobs[i][t].logprob - ref_lp[i][t]) < 1e-3
+        assert out.outputs[0].finish_reason == "length"
+    # batch size 1 gives the same tokens as inside the batch of 8
+    single = llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)[0]
+    assert single.outputs[0].token_ids == outs[3].outputs[0].token_ids
+
+
+def test_chunked_prefill_equals_unchunked(tiny_model_factory, xla_cache_dir):
+    path = tiny_model_factory("llama")
+    long_prompts = [PROMPTS[3] * 2, PROMPTS[7], PROMPTS[0]]
+    base = make_llm(path, xla_cache_dir).generate(long_prompts, GREEDY, use_tqdm=False)
+    small = make_llm(path, xla_cache_dir, max_num_batched_tokens=16)
+    chunked = small.generate(long_prompts, GREEDY, use_tqdm=False)
+    assert len(small.get_tokenizer().encode(long_prompts[0])) > 16  # really chunked
+    assert [o.outputs[0].token_ids for o in chunked] == [o.outputs[0].token_ids for o in base]
+
+
+def test_prefix_caching_on_equals_off_and_hits(tiny_model_factory, xla_cache_dir):
+    path = tiny_model_factory("llama")
+    shared = PROMPTS[3] + " " + PROMPTS[7]
+    prompts = [shared + " one", shared + " two", shared + " three"]
+    on = make_llm(path, xla_cache_dir)
+    first = on.generate(prompts[0], GREEDY, use_tqdm=False)
+    hits_before = on.llm_engine.stats()["prefix_cache_hits"]
+    rest = on.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert on.llm_engine.stats()["prefix_cache_hits"] > hits_before
+    assert rest[0].num_cached_tokens and rest[0].num_cached_tokens >= 16
+    off = make_llm(path, xla_cache_dir, enable_prefix_caching=False)
+    ref = off.generate(prompts, GREEDY, use_tqdm=False)
+    assert off.llm_engine.stats()["prefix_cache_hits"] == 0
+    assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_preemption_gives_identical_outputs(tiny_model_factory, xla_cache_dir):
+    path = tiny_model_factory("llama")
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:6]
+    big = make_llm(path, xla_cache_dir).generate(prompts, params, use_tqdm=False)
+    tight = make_llm(path, xla_cache_dir, num_kv_blocks=17, max_num_seqs=8)
+    small = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in big]
+    assert tight.llm_engine.scheduler.block_manager.num_free_blocks == 16  # nothing leaked
+
+
+def test_seeded_sampling_reproducible_and_n(family_llm):
+    _, _, llm = family_llm
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    a = llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0].token_ids
+    # same seed inside a different batch composition -> same tokens
+    mixed = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+                         [SamplingParams(max_tokens=5, temperature=0.7), p, GREEDY], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == a
+    b = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.0, seed=99), use_tqdm=False)
+    assert b[0].outputs[0].token_ids != a
+    multi = llm.generate(PROMPTS[0], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7), use_tqdm=False)[0]
+    assert [c.index for c in multi.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in multi.outputs}) == 3
+    assert all(len(c.token_ids) == 8 for c in multi.outputs)
+
+
+def test_stop_strings_and_token_limits(family_llm):
+    _, _, llm = family_llm
+    base = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    text = base[0].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), text
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0, stop=[stop], ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[: text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0, stop=[stop], ignore_eos=True,
+                                                   include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+    # stop token ids, min_tokens and max_tokens
+    first = base[0].outputs[0].token_ids[0]
+    st = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[first]),
+                      use_tqdm=False)[0].outputs[0]
+    assert st.token_ids == [first] and st.finish_reason == "stop" and st.stop_reason == first
+    mt = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[first], min_tokens=4),
+                      use_tqdm=False)[0].outputs[0]
+    assert len(mt.token_ids) >= 4 and first not in mt.token_ids[:4]
+    short = llm.generate(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(short[0].outputs[0].token_ids) == 3 and short[0].outputs[0].finish_reason == "length"
+
+
+def test_no_compile_after_warmup(family_llm):
+    _, _, llm = family_llm
+    before = compile_count()
+    workload = [
+        (PROMPTS, SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=1)),
+        ([PROMPTS[3] * 3], SamplingParams(max_tokens=5, temperature=0)),
+        (PROMPTS[:3], SamplingParams(max_tokens=10, repetition_penalty=1.3, presence_penalty=0.5,
+                                     frequency_penalty=0.2, logprobs=3)),
+        ([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(n=4, max_tokens=6, min_p=0.1)),
+    ]
+    for prompts, params in workload:
+        llm.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before
+
+
+def test_bad_inputs(family_llm):
+    _, _, llm = family_llm
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": list(range(300))}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate({"prompt_token_ids": [10**7]}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError):
+        llm.generate("x", SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        llm.generate("x", SamplingParams(n=9), use_tqdm=False)
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate(["x"], [GREEDY, GREEDY], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    # the engine still serves after rejected input
+    assert len(llm.generate("ok", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+
+
+def test_engine_arguments_validated():
+    for kw, msg in [(dict(block_size=12), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
+                    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+                    (dict(dtype="int4"), "dtype"), (dict(load_format="pickle"), "load_format")]:
+        with pytest.raises(ValueError, match=msg):
+            LLM(**kw)
