@@ -55,3 +55,25 @@ def test_logits_match_transformers(smollm2):
         assert int(np.argmax(ours)) == int(np.argmax(want))
         top5 = np.argsort(-want)[:5]
         np.testing.assert_allclose(ours[top5], want[top5], atol=2e-3)
+
+
+def test_engine_greedy_matches_transformers_generate(smollm2, xla_cache_dir):
+    """`LLM.chat` on the default model (float32) against transformers' greedy `generate`."""
+    from jaxengine import LLM, SamplingParams
+    from tests.engine.test_engine import assert_close_greedy
+
+    *_, ref = smollm2
+    llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64,
+              compilation_cache_dir=xla_cache_dir)
+    conversations = [[{"role": "user", "content": q}] for q in
+                     ("What is the capital of France?", "Name three colors.", "Write one word about the sea.")]
+    outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=20, logprobs=5), use_tqdm=False)
+    assert "Paris" in outs[0].outputs[0].text
+    for out in outs:
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            gen = ref.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=2, eos_token_id=2)
+        ref_toks = gen.sequences[0, len(ids):].tolist()
+        ref_lp = torch.log_softmax(torch.stack(gen.logits)[:, 0].float(), -1).numpy()
+        assert_close_greedy(out.outputs[0], ref_toks, ref_lp)
