@@ -11,13 +11,14 @@ Kernel 1, `_decode_kernel`, grid (K, NPD): flash-decoding for the sequences with
   p % splits). Programs beyond the live work exit at once, so padded slots cost ~nothing. With one
   split the program writes its rows of the output; otherwise it writes an unnormalised partial
   (acc, running max, running sum) to f32 scratch.
-Kernel 2, `_finish_kernel`, grid (K, NQB + S), output aliased to kernel 1's output:
-  programs p < NQB are query tiles of block_q tokens of the sequences with q_len > 1 (and of the
-  padding rows, which get zeros); programs p >= NQB merge the decode partials of slot p - NQB.
-  Query tiles are mapped to (sequence, tile) without the host: tile starts are numbered
-  `query_start_loc[s] // block_q + s`, which leaves room for every sequence's tiles, so
-  NQB = cdiv(T, block_q) + S is a static bound and each program finds its sequence by a binary
-  search over query_start_loc.
+Kernel 2, `_finish_kernel`, grid (K, NQB), output aliased to kernel 1's output: program p is
+  a query tile of block_q tokens. Tiles are mapped to (sequence, tile) without the host: the
+  tiles of sequence s are numbered from `query_start_loc[s] // block_q + s`, which leaves room
+  for every sequence's tiles, so NQB = cdiv(T, block_q) + S is a static bound and each program
+  finds its sequence with one vector compare over query_start_loc. A tile of a sequence with
+  q_len > 1 runs causal flash attention over its KV pages; the one tile of a decode sequence
+  merges that row's split partials (when there are several); the padding rows (the pseudo
+  sequence after the last live one) get zeros.
 
 K/V pages are gathered row by row through the block table (masked loads: tokens past the
 sequence's end or before its sliding window are never fetched), so any block size works and a
@@ -108,7 +109,7 @@ class _Dims:
     npd: int    # decode programs per KV head (static bound)
     block_q: int   # query tokens per prefill tile
     nqb: int    # prefill tile programs per KV head (static bound)
-    search_steps: int  # binary-search steps over query_start_loc
+    qsl_pad: int  # S + 1 padded to a power of two (one vector load)
 
 
 def _num_splits(n_live, dims: _Dims, tiling: Tiling):
@@ -228,21 +229,20 @@ def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref,
 
 
 def _find_tile(qsl_ref, n_live, p, dims: _Dims):
-    """Largest s in [0, n_live] with qsl[s] // block_q + s <= p (slot n_live = the padding)."""
+    """Largest s in [0, n_live] with qsl[s] // block_q + s <= p (slot n_live = the padding).
 
-    def step(_, lohi):
-        lo, hi = lohi
-        mid = (lo + hi + 1) // 2
-        ok = qsl_ref[mid] // dims.block_q + mid <= p
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
-
-    lo, _ = lax.fori_loop(0, dims.search_steps, step, (jnp.int32(0), n_live))
-    return lo
+    One vector load of query_start_loc instead of a chain of dependent scalar loads.
+    """
+    idx = jnp.arange(dims.qsl_pad, dtype=jnp.int32)
+    qsl = plgpu.load(qsl_ref.at[idx], mask=idx <= dims.s, other=0)
+    hit = (idx <= n_live) & (qsl // dims.block_q + idx <= p)
+    return jnp.sum(hit.astype(jnp.int32)) - 1
 
 
-def _prefill_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p, n_live,
-                  dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
-                  window: int | None):
+def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, op_ref, mp_ref, lp_ref, out_ref,
+                *, kh, p, n_live, dims: _Dims, tiling: Tiling, sm_scale: float,
+                soft_cap: float | None, window: int | None):
+    """Program p of a KV head: a prefill tile, a decode merge, padding zeros, or nothing."""
     bq = dims.block_q
     s = _find_tile(qsl_ref, n_live, p, dims)
     is_pad = s == n_live
@@ -261,6 +261,12 @@ def _prefill_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh,
     @pl.when((t0 < q_end) & is_pad)
     def _():
         _store_rows(out_ref, out_rows, jnp.zeros((rq, dims.h), jnp.float32), row_ok)
+
+    # A decode sequence owns one tile; it merges the split partials (if any) of its row.
+    @pl.when((t0 < q_end) & jnp.logical_not(is_pad) & (q_len == 1))
+    def _():
+        _merge_partials(op_ref, mp_ref, lp_ref, out_ref, kh=kh, seq=s, q_start=q_start,
+                        n_live=n_live, dims=dims, tiling=tiling)
 
     @pl.when((t0 < q_end) & jnp.logical_not(is_pad) & (q_len > 1))
     def _():
@@ -296,14 +302,11 @@ def _prefill_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh,
         _store_rows(out_ref, out_rows, out, row_ok)
 
 
-def _merge_partials(qsl_ref, op_ref, mp_ref, lp_ref, out_ref, *, kh, seq, n_live,
+def _merge_partials(op_ref, mp_ref, lp_ref, out_ref, *, kh, seq, q_start, n_live,
                     dims: _Dims, tiling: Tiling):
     splits = _num_splits(n_live, dims, tiling)
-    seq_c = jnp.minimum(seq, dims.s - 1)
-    q_start = qsl_ref[seq_c]
-    q_len = qsl_ref[seq_c + 1] - q_start
 
-    @pl.when((splits > 1) & (seq < n_live) & (q_len == 1))
+    @pl.when(splits > 1)
     def _():
         g = jnp.arange(dims.gp, dtype=jnp.int32)
         g_c = jnp.minimum(g, dims.g - 1)
@@ -333,17 +336,13 @@ def _finish_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, op_ref
     kh = pl.program_id(0)
     p = pl.program_id(1)
     n_live = jnp.minimum(ns_ref[0], dims.s)
+    n_tiles_max = _cdiv(dims.t, dims.block_q) + n_live  # bound on live virtual tiles
 
-    @pl.when(p < dims.nqb)
+    @pl.when(p < n_tiles_max)
     def _():
-        _prefill_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, kh=kh, p=p,
-                      n_live=n_live, dims=dims, tiling=tiling, sm_scale=sm_scale,
-                      soft_cap=soft_cap, window=window)
-
-    @pl.when(p >= dims.nqb)
-    def _():
-        _merge_partials(qsl_ref, op_ref, mp_ref, lp_ref, out_ref, kh=kh, seq=p - dims.nqb,
-                        n_live=n_live, dims=dims, tiling=tiling)
+        _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, op_ref, mp_ref, lp_ref,
+                    out_ref, kh=kh, p=p, n_live=n_live, dims=dims, tiling=tiling,
+                    sm_scale=sm_scale, soft_cap=soft_cap, window=window)
 
 
 def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
@@ -358,7 +357,7 @@ def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
         t=t, n=n, h=h, k=k, p=p, s=s, m=m, g=g, gp=gp, rows_dec=max(16, gp),
         npd=min(s * tiling.max_splits, _cdiv(tiling.target_programs, k) + s),
         block_q=block_q, nqb=_cdiv(t, block_q) + s,
-        search_steps=max(1, (s + 1).bit_length()),
+        qsl_pad=_next_pow2(s + 1),
     )
 
 
@@ -390,7 +389,7 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
 
     out = pl.pallas_call(
         functools.partial(_finish_kernel, **common),
-        grid=(dims.k, dims.nqb + dims.s),
+        grid=(dims.k, dims.nqb),
         out_shape=jax.ShapeDtypeStruct((dims.t * dims.n, dims.h), q.dtype),
         input_output_aliases={10: 0},
         compiler_params=plgpu.CompilerParams(num_warps=tiling.prefill_num_warps,

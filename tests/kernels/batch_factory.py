@@ -84,7 +84,7 @@ def dense_reference(b: Batch, *, sm_scale: float, soft_cap: float | None = None,
         vals = np.repeat(vals, g, axis=0)
         qpos = kv_len - (hi - lo) + np.arange(hi - lo)
         kpos = np.arange(kv_len)
-        logits = np.einsum("tnh,nkh->ntk", q[lo:hi], keys) * sm_scale
+        logits = np.matmul(q[lo:hi].transpose(1, 0, 2), keys.transpose(0, 2, 1)) * sm_scale
         if soft_cap is not None:
             logits = soft_cap * np.tanh(logits / soft_cap)
         allowed = kpos[None, :] <= qpos[:, None]
@@ -93,5 +93,5 @@ def dense_reference(b: Batch, *, sm_scale: float, soft_cap: float | None = None,
         logits = np.where(allowed[None], logits, -np.inf)
         w = np.exp(logits - logits.max(-1, keepdims=True))
         w /= w.sum(-1, keepdims=True)
-        out[lo:hi] = np.einsum("ntk,nkh->tnh", w, vals)
+        out[lo:hi] = np.matmul(w, vals).transpose(1, 0, 2)  # [N, t, H] -> [t, N, H]
     return out

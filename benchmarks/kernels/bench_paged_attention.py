@@ -1,0 +1,624 @@
+"""Checks and times the ragged paged-attention kernel on one GPU, in one run.
+
+Order: device facts -> ceilings measured in this run (device copy bandwidth, bf16 matmul rate)
+-> correctness (random mixed batches against the jnp reference and a float64 dense reference)
+-> a small tiling sweep -> decode grid (Llama-3-8B heads: 32 q / 8 kv, head dim 128, bf16,
+block 16) against the JAX-bundled Pallas `paged_attention` and the XLA reference -> prefill and
+mixed shapes against the XLA reference. Full results go to <out>/kernels_bench.json; a short
+table is printed last.
+
+Timing: kernel time from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`), i.e. the sum of
+every kernel one call launches, median over iterations. Each timed function chains R calls
+(the q of call i+1 is the output of call i) over disjoint block sets where memory allows, so
+small shapes are not served from L2; per-call time = chain time / R. The wall time of the same
+chain (launch gaps and 1/R of one dispatch included) is recorded beside it.
+
+Usage (device machine, repo root): python benchmarks/kernels/bench_paged_attention.py --out $OUT
+`--smoke` runs tiny shapes through the interpreter on the CPU to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import types
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bootstrap_imports() -> None:
+    """Maps the repo folders to jaxengine.* when the package is not installed (device machine)."""
+    try:
+        import jaxengine.pallas_kernels  # noqa: F401
+        return
+    except ImportError:
+        pass
+    for name, folder in (("jaxengine", "jaxengine"), ("jaxengine.pallas_kernels", "pallas_kernels")):
+        mod = types.ModuleType(name)
+        mod.__path__ = [os.path.join(ROOT, folder)]
+        sys.modules[name] = mod
+    sys.modules["jaxengine"].pallas_kernels = sys.modules["jaxengine.pallas_kernels"]
+
+
+_bootstrap_imports()
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxengine.pallas_kernels.ragged_paged_attention import (  # noqa: E402
+    ragged_paged_attention_reference,
+)
+from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (  # noqa: E402
+    Tiling,
+    ragged_paged_attention_gpu,
+)
+from tests.kernels.batch_factory import dense_reference, make_batch  # noqa: E402
+
+N_HEADS, N_KV, HEAD_DIM, BLOCK = 32, 8, 128, 16
+SM_SCALE = HEAD_DIM ** -0.5
+L2_ROTATION_BYTES = 256 << 20  # aim for this much distinct KV per timed chain
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+class Timer:
+    """CUPTI kernel time when available, wall time of the same function always."""
+
+    def __init__(self, iters: int, use_cupti: bool):
+        self.iters = iters
+        self.cupti_error: str | None = None
+        self.profiler = None
+        if use_cupti:
+            try:
+                from jax.experimental.mosaic.gpu import profiler
+                self.profiler = profiler
+            except Exception as e:  # noqa: BLE001
+                self.cupti_error = repr(e)
+
+    def __call__(self, f, args, iters: int | None = None) -> dict:
+        iters = iters or self.iters
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        first_s = time.perf_counter() - t0
+        walls = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            walls.append((time.perf_counter() - t0) * 1e3)
+        kernel_ms = None
+        if self.profiler is not None:
+            try:
+                _, ts = self.profiler.measure(f, iterations=iters)(*args)
+                if ts is not None:
+                    kernel_ms = statistics.median(ts) if isinstance(ts, list) else float(ts)
+            except Exception as e:  # noqa: BLE001
+                self.cupti_error = repr(e)
+                self.profiler = None
+        return {"kernel_ms": kernel_ms, "wall_ms": statistics.median(walls),
+                "first_call_s": first_s}
+
+
+def _ms(t: dict) -> float:
+    return t["kernel_ms"] if t["kernel_ms"] is not None else t["wall_ms"]
+
+
+def device_facts() -> dict:
+    facts = {"jax": jax.__version__, "backend": jax.default_backend(),
+             "device_kind": jax.devices()[0].device_kind}
+    try:
+        import jaxlib
+        facts["jaxlib"] = jaxlib.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        q = ("name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,"
+             "power.draw,temperature.gpu")
+        r = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        facts["nvidia_smi"] = r.stdout.strip() or r.stderr.strip()
+        facts["nvidia_smi_fields"] = q
+    except Exception as e:  # noqa: BLE001
+        facts["nvidia_smi"] = repr(e)
+    return facts
+
+
+def ceilings(timer: Timer, smoke: bool) -> dict:
+    key = jax.random.PRNGKey(0)
+    n = (1 << 14) if smoke else (1 << 29)  # 2 GiB of f32
+    x = jax.random.normal(key, (n,), jnp.float32)
+    t = timer(jax.jit(lambda x: x * 1.0001), (x,), 10)
+    copy_bps = 2 * n * 4 / (_ms(t) * 1e-3)
+    del x
+    d = 256 if smoke else 8192
+    a = jax.random.normal(key, (d, d), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (d, d), jnp.bfloat16)
+    t2 = timer(jax.jit(lambda a, b: a @ b), (a, b), 10)
+    flops = 2 * d ** 3 / (_ms(t2) * 1e-3)
+    return {"copy_bytes_per_s": copy_bps, "copy_timing": t, "copy_bytes": 2 * n * 4,
+            "matmul_flops_per_s": flops, "matmul_timing": t2, "matmul_dim": d}
+
+
+def rel_err(a, b) -> float:
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_reference(sm_scale, soft_cap, sliding_window):
+    return jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale,
+                                     soft_cap=soft_cap, sliding_window=sliding_window))
+
+
+def correctness(interpret: bool, smoke: bool) -> list[dict]:
+    rng = np.random.default_rng(1234)
+    cases = [
+        dict(name="mixed bf16 G4 H128 P16", q_lens=[1, 1, 1, 1, 1, 37, 300, 17],
+             ctx_lens=[0, 15, 16, 17, 3000, 0, 500, 1234], n=32, k=8, h=128, p=16,
+             dtype=jnp.bfloat16, pad_slots=3, pad_tokens=11),
+        dict(name="mixed f32 G8 H64 P32 window+cap", q_lens=[1, 1, 64, 5],
+             ctx_lens=[700, 31, 100, 0], n=16, k=2, h=64, p=32, dtype=jnp.float32,
+             soft_cap=30.0, sliding_window=128, pad_slots=1, pad_tokens=3),
+        dict(name="G3 bf16 H64 P64", q_lens=[1, 1, 129], ctx_lens=[64, 1000, 65], n=9, k=3,
+             h=64, p=64, dtype=jnp.bfloat16),
+        dict(name="decode x64 ragged bf16", q_lens=[1] * 64,
+             ctx_lens=list(rng.integers(0, 3000, 64)), n=32, k=8, h=128, p=16,
+             dtype=jnp.bfloat16, pad_slots=64),
+        dict(name="prefill 1000@3000 + 20 decodes", q_lens=[1] * 20 + [1000],
+             ctx_lens=list(rng.integers(1, 2000, 20)) + [3000], n=32, k=8, h=128, p=16,
+             dtype=jnp.bfloat16, pad_tokens=4),
+    ]
+    if smoke:
+        cases = [dict(c, q_lens=[min(x, 9) for x in c["q_lens"]][:6],
+                      ctx_lens=[min(int(x), 40) for x in c["ctx_lens"]][:6]) for c in cases[:3]]
+    results = []
+    for c in cases:
+        row = {"name": c["name"]}
+        try:
+            b = make_batch(rng, q_lens=c["q_lens"], ctx_lens=[int(x) for x in c["ctx_lens"]],
+                           num_heads=c["n"], num_kv_heads=c["k"], head_dim=c["h"],
+                           block_size=c["p"], dtype=c["dtype"], pad_slots=c.get("pad_slots", 0),
+                           pad_tokens=c.get("pad_tokens", 0))
+            kw = dict(sm_scale=c["h"] ** -0.5, soft_cap=c.get("soft_cap"),
+                      sliding_window=c.get("sliding_window"))
+            out = ragged_paged_attention_gpu(*b.args(), **kw, interpret=interpret)
+            ref = _jit_reference(**kw)(*b.args())
+            dense = dense_reference(b, **kw)
+            live_end = int(np.asarray(b.query_start_loc)[int(b.num_seqs[0])])
+            o = np.asarray(out.astype(jnp.float32))
+            tol = 1e-4 if c["dtype"] == jnp.float32 else 2e-2
+            row.update(rel_err_vs_reference=rel_err(out, ref),
+                       rel_err_vs_dense_f64=float(np.linalg.norm(o - dense)
+                                                  / np.linalg.norm(dense)),
+                       nan_rows=int(np.isnan(o).any(axis=(1, 2)).sum()),
+                       padding_rows_zero=bool((o[live_end:] == 0).all()), tol=tol)
+            row["ok"] = (row["rel_err_vs_dense_f64"] < tol and row["nan_rows"] == 0
+                         and row["padding_rows_zero"])
+        except Exception as e:  # noqa: BLE001
+            row.update(ok=False, error=repr(e), trace=traceback.format_exc()[-2000:])
+        log("correctness", json.dumps(row)[:400])
+        results.append(row)
+    return results
+
+
+@dataclasses.dataclass
+class Pool:
+    """One layer's K/V pool shared by every timed shape; block 0 is the null block."""
+
+    k: jax.Array  # [NB, K, P, H]
+    v: jax.Array
+    k_t: jax.Array | None = None  # [K, NB, P, H] for the bundled kernel
+    v_t: jax.Array | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[0]
+
+
+def make_pool(num_blocks: int, with_transposed: bool) -> Pool:
+    shape = (num_blocks, N_KV, BLOCK, HEAD_DIM)
+    k = jax.random.normal(jax.random.PRNGKey(2), shape, jnp.bfloat16)
+    v = jax.random.normal(jax.random.PRNGKey(3), shape, jnp.bfloat16)
+    pool = Pool(k, v)
+    if with_transposed:
+        pool.k_t = jnp.transpose(k, (1, 0, 2, 3))
+        pool.v_t = jnp.transpose(v, (1, 0, 2, 3))
+    return pool
+
+
+def kv_bytes(kv_lens) -> int:
+    return int(sum(kv_lens)) * N_KV * HEAD_DIM * 2 * 2
+
+
+def attn_flops(q_lens, ctx_lens) -> int:
+    """QK^T and PV, causal within the chunk: 4 * N * H * sum of attended keys."""
+    keys = sum(q * c + q * (q + 1) // 2 for q, c in zip(q_lens, ctx_lens))
+    return 4 * N_HEADS * HEAD_DIM * keys
+
+
+def build_step(rng, pool: Pool, q_lens, ctx_lens, *, slots: int | None = None,
+               tokens: int | None = None, n_sets: int = 1):
+    """Inputs of one step: q, kv_lens, n_sets disjoint block tables, qsl, num_seqs."""
+    live = len(q_lens)
+    slots = slots or live
+    tokens = tokens or sum(q_lens)
+    kv = [q + c for q, c in zip(q_lens, ctx_lens)]
+    need = [-(-x // BLOCK) for x in kv]
+    m = max(need)
+    per_set = sum(need)
+    ids = rng.permutation(np.arange(1, pool.num_blocks, dtype=np.int32))
+    if n_sets * per_set > len(ids):
+        n_sets = max(1, len(ids) // per_set)
+    tables = []
+    for j in range(n_sets):
+        t = np.zeros((slots, m), np.int32)
+        chunk = ids[j * per_set:(j + 1) * per_set]
+        o = 0
+        for i, nb in enumerate(need):
+            t[i, :nb] = chunk[o:o + nb]
+            o += nb
+        tables.append(jnp.asarray(t))
+    qsl = np.zeros(slots + 1, np.int32)
+    qsl[1:live + 1] = np.cumsum(q_lens)
+    qsl[live + 1:] = qsl[live]
+    kv_lens = np.zeros(slots, np.int32)
+    kv_lens[:live] = kv
+    q = jax.random.normal(jax.random.PRNGKey(int(rng.integers(1 << 30))),
+                          (tokens, N_HEADS, HEAD_DIM), jnp.bfloat16)
+    return dict(q=q, kv_lens=jnp.asarray(kv_lens), tables=tuple(tables), qsl=jnp.asarray(qsl),
+                num_seqs=jnp.asarray([live], jnp.int32), n_sets=n_sets)
+
+
+def chain_ours(reps: int, tiling: Tiling, interpret: bool):
+    @jax.jit
+    def f(q, kc, vc, kvl, tables, qsl, ns):
+        for i in range(reps):
+            q = ragged_paged_attention_gpu(q, kc, vc, kvl, tables[i % len(tables)], qsl, ns,
+                                           sm_scale=SM_SCALE, tiling=tiling, interpret=interpret)
+        return q
+    return f
+
+
+def chain_reference(reps: int):
+    @jax.jit
+    def f(q, kc, vc, kvl, tables, qsl, ns):
+        for i in range(reps):
+            q = ragged_paged_attention_reference(q, kc, vc, kvl, tables[i % len(tables)], qsl, ns,
+                                                 sm_scale=SM_SCALE)
+        return q
+    return f
+
+
+def chain_bundled(reps: int, interpret: bool):
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    @jax.jit
+    def f(q, kt, vt, lengths, tables):
+        for i in range(reps):
+            # The bundled kernel takes pre-scaled queries; the scale (an extra elementwise op)
+            # is left out of the timed chain, it does not change the work.
+            q = paged_attention(q, kt, vt, tables[i % len(tables)], lengths,
+                                interpret=interpret)
+        return q
+    return f
+
+
+class Runner:
+    def __init__(self, args, timer: Timer, ceil: dict, t_start: float):
+        self.args = args
+        self.timer = timer
+        self.ceil = ceil
+        self.t_start = t_start
+        self.interpret = args.smoke
+
+    def over_budget(self) -> bool:
+        return time.time() - self.t_start > self.args.budget_s
+
+    def ours(self, step, pool, reps, tiling) -> dict:
+        f = chain_ours(reps, tiling, self.interpret)
+        t = self.timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
+                           step["qsl"], step["num_seqs"]))
+        return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
+                for k, v in t.items()}
+
+    def reference(self, step, pool, reps) -> dict:
+        f = chain_reference(reps)
+        t = self.timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
+                           step["qsl"], step["num_seqs"]), iters=3)
+        return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
+                for k, v in t.items()}
+
+    def bundled(self, step, pool, reps) -> dict:
+        f = chain_bundled(reps, self.interpret)
+        t = self.timer(f, (step["q"], pool.k_t, pool.v_t, step["kv_lens"], step["tables"]))
+        return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
+                for k, v in t.items()}
+
+    def check(self, step, pool, tiling, with_bundled: bool) -> dict:
+        args = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"][0], step["qsl"],
+                step["num_seqs"])
+        out = ragged_paged_attention_gpu(*args, sm_scale=SM_SCALE, tiling=tiling,
+                                         interpret=self.interpret)
+        ref = _jit_reference(SM_SCALE, None, None)(*args)
+        res = {"rel_err_vs_reference": rel_err(out, ref),
+               "nan": bool(jnp.isnan(out.astype(jnp.float32)).any())}
+        if with_bundled:
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+            bo = paged_attention(step["q"] * SM_SCALE, pool.k_t, pool.v_t, step["tables"][0],
+                                 step["kv_lens"], interpret=self.interpret)
+            res["bundled_rel_err_vs_reference"] = rel_err(bo, ref)
+        return res
+
+
+def n_sets_for(bytes_per_call: int, reps: int) -> int:
+    return max(1, min(reps, math.ceil(L2_ROTATION_BYTES / max(bytes_per_call, 1))))
+
+
+def sweep(runner: Runner, pool: Pool, rng, smoke: bool) -> dict:
+    base = Tiling()
+    dec_variants = {
+        "bkv64_w4_s2": base,
+        "bkv128_w4_s3": dataclasses.replace(base, decode_block_kv=128, decode_num_stages=3),
+        "bkv64_w4_s3": dataclasses.replace(base, decode_num_stages=3),
+        "bkv32_w4_s3": dataclasses.replace(base, decode_block_kv=32, decode_num_stages=3),
+        "bkv128_w8_s2": dataclasses.replace(base, decode_block_kv=128, decode_num_warps=8),
+    }
+    pre_variants = {
+        "r128_bkv64_w8_s2": base,
+        "r128_bkv64_w4_s3": dataclasses.replace(base, prefill_num_warps=4, prefill_num_stages=3),
+        "r128_bkv32_w4_s3": dataclasses.replace(base, prefill_block_kv=32, prefill_num_warps=4,
+                                                prefill_num_stages=3),
+        "r64_bkv64_w4_s3": dataclasses.replace(base, prefill_rows=64, prefill_num_warps=4,
+                                               prefill_num_stages=3),
+        "r128_bkv128_w8_s2": dataclasses.replace(base, prefill_block_kv=128),
+    }
+    dec_shapes = [(8, 128), (2, 256)] if smoke else [(32, 2048), (8, 8192), (256, 2048)]
+    pre_shapes = [(32, 16)] if smoke else [(2048, 2048), (512, 4096)]
+    out = {"decode": [], "prefill": []}
+    for b, ctx in dec_shapes:
+        step = build_step(rng, pool, [1] * b, [ctx - 1] * b,
+                          n_sets=n_sets_for(kv_bytes([ctx] * b), runner.args.reps))
+        for name, til in dec_variants.items():
+            if runner.over_budget():
+                break
+            try:
+                t = runner.ours(step, pool, runner.args.reps, til)
+                out["decode"].append({"batch": b, "ctx": ctx, "variant": name, **t})
+            except Exception as e:  # noqa: BLE001
+                out["decode"].append({"batch": b, "ctx": ctx, "variant": name, "error": repr(e)})
+            log("sweep decode", json.dumps(out["decode"][-1])[:300])
+    for c, ctx in pre_shapes:
+        step = build_step(rng, pool, [c], [ctx])
+        for name, til in pre_variants.items():
+            if runner.over_budget():
+                break
+            try:
+                t = runner.ours(step, pool, 2, til)
+                out["prefill"].append({"chunk": c, "ctx": ctx, "variant": name, **t})
+            except Exception as e:  # noqa: BLE001
+                out["prefill"].append({"chunk": c, "ctx": ctx, "variant": name, "error": repr(e)})
+            log("sweep prefill", json.dumps(out["prefill"][-1])[:300])
+
+    def best(rows, variants):
+        score = {}
+        for name in variants:
+            ts = [r for r in rows if r["variant"] == name and "error" not in r]
+            if len(ts) != len({(r.get("batch"), r.get("ctx"), r.get("chunk")) for r in rows}):
+                continue
+            base_t = {(r.get("batch"), r.get("chunk"), r["ctx"]): _ms(r) for r in rows
+                      if r["variant"] == next(iter(variants)) and "error" not in r}
+            try:
+                score[name] = sum(_ms(r) / base_t[(r.get("batch"), r.get("chunk"), r["ctx"])]
+                                  for r in ts)
+            except KeyError:
+                continue
+        return min(score, key=score.get) if score else next(iter(variants))
+
+    bd = best(out["decode"], dec_variants)
+    bp = best(out["prefill"], pre_variants)
+    d, p = dec_variants[bd], pre_variants[bp]
+    chosen = dataclasses.replace(d, prefill_rows=p.prefill_rows,
+                                 prefill_block_kv=p.prefill_block_kv,
+                                 prefill_num_warps=p.prefill_num_warps,
+                                 prefill_num_stages=p.prefill_num_stages)
+    out["chosen"] = {"decode": bd, "prefill": bp, "tiling": dataclasses.asdict(chosen)}
+    return out, chosen
+
+
+def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -> list[dict]:
+    batches = [1, 2] if smoke else [1, 8, 32, 64, 128, 256]
+    ctxs = [256] if smoke else [512, 1024, 2048, 4096, 8192]
+    reps = runner.args.reps
+    rows = []
+    for b in batches:
+        for ctx in ctxs:
+            row = {"batch": b, "ctx": ctx, "kv_bytes": kv_bytes([ctx] * b)}
+            if runner.over_budget():
+                row["skipped"] = "budget"
+                rows.append(row)
+                continue
+            try:
+                step = build_step(rng, pool, [1] * b, [ctx - 1] * b,
+                                  n_sets=n_sets_for(row["kv_bytes"], reps))
+                row["n_sets"] = step["n_sets"]
+                row["rotation_bytes"] = row["kv_bytes"] * min(step["n_sets"], reps)
+                row["check"] = runner.check(step, pool, tiling, with_bundled=True)
+                row["ours"] = runner.ours(step, pool, reps, tiling)
+                row["bundled"] = runner.bundled(step, pool, reps)
+                row["reference"] = runner.reference(step, pool, 2)
+                t = _ms(row["ours"])
+                row["ours_bw_frac_of_copy"] = row["kv_bytes"] / (t * 1e-3) / \
+                    runner.ceil["copy_bytes_per_s"]
+                row["speedup_vs_bundled"] = _ms(row["bundled"]) / t
+                row["speedup_vs_reference"] = _ms(row["reference"]) / t
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)
+                row["trace"] = traceback.format_exc()[-1500:]
+            log("decode", json.dumps(row)[:500])
+            rows.append(row)
+    return rows
+
+
+def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -> list[dict]:
+    if smoke:
+        shapes = [("prefill", [16], [0]), ("mixed", [1, 1, 8], [20, 30, 10])]
+    else:
+        shapes = [("prefill", [c], [ctx]) for c in (256, 512, 1024, 2048) for ctx in (0, 2048, 8192)]
+        shapes += [
+            ("mixed 32x dec@2048 + 512@1536", [1] * 32 + [512], [2047] * 32 + [1536]),
+            ("mixed 128x dec@1024 + 2x1024@0", [1] * 128 + [1024, 1024], [1023] * 128 + [0, 0]),
+            ("mixed 8x dec@4096 + 2048@4096", [1] * 8 + [2048], [4095] * 8 + [4096]),
+        ]
+    rows = []
+    for kind, q_lens, ctx_lens in shapes:
+        row = {"kind": kind, "q_lens_summary": f"{len(q_lens)} seqs, {sum(q_lens)} tokens",
+               "chunk": max(q_lens), "ctx": max(ctx_lens),
+               "flops": attn_flops(q_lens, ctx_lens),
+               "kv_bytes": kv_bytes([q + c for q, c in zip(q_lens, ctx_lens)])}
+        if runner.over_budget():
+            row["skipped"] = "budget"
+            rows.append(row)
+            continue
+        try:
+            step = build_step(rng, pool, q_lens, ctx_lens)
+            row["check"] = runner.check(step, pool, tiling, with_bundled=False)
+            row["ours"] = runner.ours(step, pool, 2, tiling)
+            row["reference"] = runner.reference(step, pool, 1)
+            t = _ms(row["ours"])
+            row["ours_flops_frac_of_matmul"] = row["flops"] / (t * 1e-3) / \
+                runner.ceil["matmul_flops_per_s"]
+            row["ours_bw_frac_of_copy"] = row["kv_bytes"] / (t * 1e-3) / \
+                runner.ceil["copy_bytes_per_s"]
+            row["speedup_vs_reference"] = _ms(row["reference"]) / t
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)
+            row["trace"] = traceback.format_exc()[-1500:]
+        log("prefill", json.dumps(row)[:500])
+        rows.append(row)
+    return rows
+
+
+def padding_rows(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -> list[dict]:
+    """Same 8 live decodes in 8 slots vs padded into 256 slots / 256 tokens."""
+    live, ctx, slots = (2, 64, 16) if smoke else (8, 2048, 256)
+    rows = []
+    for s, t in ((live, live), (slots, slots)):
+        if runner.over_budget():
+            break
+        step = build_step(rng, pool, [1] * live, [ctx - 1] * live, slots=s, tokens=t,
+                          n_sets=n_sets_for(kv_bytes([ctx] * live), runner.args.reps))
+        row = {"live": live, "ctx": ctx, "slots": s, "tokens": t,
+               "check": runner.check(step, pool, tiling, with_bundled=False),
+               "ours": runner.ours(step, pool, runner.args.reps, tiling)}
+        log("padding", json.dumps(row)[:300])
+        rows.append(row)
+    return rows
+
+
+def table(res: dict) -> str:
+    c = res["ceilings"]
+    lines = [f"device: {res['facts'].get('nvidia_smi', '?')}",
+             f"jax {res['facts'].get('jax')} jaxlib {res['facts'].get('jaxlib')}; "
+             f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s; "
+             f"bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s; "
+             f"timing: {'CUPTI kernel time' if res.get('cupti_ok') else 'wall'}",
+             "correctness: " + ", ".join(f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
+                                         for r in res["correctness"]),
+             f"tiling: {res['sweep'].get('chosen', {}).get('decode')} / "
+             f"{res['sweep'].get('chosen', {}).get('prefill')}",
+             "decode  batch x ctx | ours us | %copyBW | bundled us | x bundled | ref us | x ref"]
+    for r in res["decode"]:
+        if "ours" not in r:
+            lines.append(f"  {r['batch']:>4} x {r['ctx']:<5} | {r.get('skipped') or r.get('error', '')[:60]}")
+            continue
+        lines.append(f"  {r['batch']:>4} x {r['ctx']:<5} | {_ms(r['ours']) * 1e3:8.1f} | "
+                     f"{100 * r['ours_bw_frac_of_copy']:5.1f}% | {_ms(r['bundled']) * 1e3:9.1f} | "
+                     f"{r['speedup_vs_bundled']:6.2f} | {_ms(r['reference']) * 1e3:8.1f} | "
+                     f"{r['speedup_vs_reference']:6.1f}")
+    lines.append("prefill/mixed            | ours us | %matmul | %copyBW | ref us | x ref")
+    for r in res["prefill"]:
+        name = f"{r['kind'][:14]} {r['chunk']}@{r['ctx']}"
+        if "ours" not in r:
+            lines.append(f"  {name:<22} | {r.get('skipped') or r.get('error', '')[:60]}")
+            continue
+        lines.append(f"  {name:<22} | {_ms(r['ours']) * 1e3:8.1f} | "
+                     f"{100 * r['ours_flops_frac_of_matmul']:6.1f}% | "
+                     f"{100 * r['ours_bw_frac_of_copy']:6.1f}% | "
+                     f"{_ms(r['reference']) * 1e3:8.1f} | {r['speedup_vs_reference']:6.1f}")
+    for r in res.get("padding", []):
+        lines.append(f"padding: {r['live']} live @ {r['ctx']} in {r['slots']} slots/"
+                     f"{r['tokens']} tokens: {_ms(r['ours']) * 1e3:.1f} us")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="stop starting new rows after this many seconds")
+    ap.add_argument("--reps", type=int, default=8, help="chained calls per timed function")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter, CPU")
+    ap.add_argument("--skip-sweep", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        args.reps = 2
+        args.iters = 1
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    res: dict = {"params": {"num_heads": N_HEADS, "num_kv_heads": N_KV, "head_dim": HEAD_DIM,
+                            "block_size": BLOCK, "dtype": "bfloat16", "sm_scale": SM_SCALE,
+                            "reps": args.reps, "iters": args.iters,
+                            "l2_rotation_bytes": L2_ROTATION_BYTES, "smoke": args.smoke}}
+    res["facts"] = device_facts()
+    log("facts", res["facts"])
+    timer = Timer(args.iters, use_cupti=not args.smoke)
+
+    def dump():
+        res["elapsed_s"] = time.time() - t_start
+        res["cupti_error"] = timer.cupti_error
+        with open(os.path.join(args.out, "kernels_bench.json"), "w") as fh:
+            json.dump(res, fh, indent=1, default=str)
+
+    res["ceilings"] = ceilings(timer, args.smoke)
+    res["cupti_ok"] = res["ceilings"]["copy_timing"]["kernel_ms"] is not None
+    log("ceilings", res["ceilings"])
+    res["correctness"] = correctness(args.smoke, args.smoke)
+    dump()
+    rng = np.random.default_rng(0)
+    pool = make_pool(300 if args.smoke else 131072 + 4096, with_transposed=True)
+    runner = Runner(args, timer, res["ceilings"], t_start)
+    tiling = Tiling()
+    res["sweep"] = {}
+    if not args.skip_sweep:
+        res["sweep"], tiling = sweep(runner, pool, rng, args.smoke)
+        dump()
+    res["tiling"] = dataclasses.asdict(tiling)
+    res["decode"] = decode_grid(runner, pool, rng, tiling, args.smoke)
+    dump()
+    res["prefill"] = prefill_grid(runner, pool, rng, tiling, args.smoke)
+    dump()
+    res["padding"] = padding_rows(runner, pool, rng, tiling, args.smoke)
+    dump()
+    txt = table(res)
+    with open(os.path.join(args.out, "kernels_table.txt"), "w") as fh:
+        fh.write(txt + "\n")
+    log("\n" + txt)
+
+
+if __name__ == "__main__":
+    main()
