@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+from jaxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -89,63 +89,79 @@ def _banned_for(row: SamplingRow) -> list[int]:
     return list(dict.fromkeys([*eos, *p.stop_token_ids]))
 
 
+# Column order of SamplingParams.sampler_row, and the values of a padding row.
+_NEUTRAL_ROW = (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0)
+
+
+def _fill_history(history: np.ndarray, num_prompt: np.ndarray, rows: Sequence[SamplingRow]) -> None:
+    """Writes prompt + output ids of the rows that use penalties, right-aligned to the newest
+    `L` tokens when longer (output tokens matter most: frequency / presence read only them)."""
+    length = history.shape[1]
+    for i, r in enumerate(rows):
+        if not r.params.uses_penalties:
+            continue
+        n_p, n_o = len(r.prompt_ids), len(r.output_ids)
+        if n_p + n_o <= length:
+            history[i, :n_p] = r.prompt_ids
+            history[i, n_p : n_p + n_o] = r.output_ids
+            num_prompt[i] = n_p
+        elif n_o >= length:
+            history[i] = r.output_ids[n_o - length :]
+            num_prompt[i] = 0
+        else:
+            keep = length - n_o
+            history[i, :keep] = r.prompt_ids[n_p - keep :]
+            history[i, keep:] = r.output_ids
+            num_prompt[i] = keep
+
+
 def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int, history_len: int) -> SamplingMetadata:
     """Fixed-shape numpy metadata for `rows`, padded to `num_rows` with neutral greedy rows.
 
-    The history (prompt + output ids per row, for penalties) is filled only when some row
-    uses penalties: the plain variant never reads it, so callers compiling that variant may
-    pass `history_len=1`. Histories longer than `history_len` keep their most recent tokens.
+    The history (prompt + output ids per row, for penalties) is filled only for rows that use
+    penalties: the plain variant never reads it, so callers compiling that variant may pass
+    `history_len=1`. Histories longer than `history_len` keep their most recent tokens.
+    Runs every step for every running request, so the per-row Python work is kept minimal
+    (the parameter columns come from bytes cached on each frozen SamplingParams).
     """
     n = len(rows)
     if n > num_rows:
         raise ValueError(f"{n} sampling rows do not fit in a bucket of {num_rows}")
     if history_len < 1:
         raise ValueError(f"history_len must be at least 1, got {history_len}")
-    params = [r.params for r in rows]
-
-    def column(values: list[float] | list[int], dtype: type, pad: float) -> np.ndarray:
-        out = np.full((num_rows,), pad, dtype=dtype)
-        out[:n] = values
-        return out
-
-    temperature = column([p.temperature for p in params], np.float32, 0.0)
-    temperature[temperature < SAMPLING_EPS] = 0.0
-    top_p = column([p.top_p for p in params], np.float32, 1.0)
-    top_k = column([p.top_k for p in params], np.int32, 0)
-    min_p = column([p.min_p for p in params], np.float32, 0.0)
-    presence = column([p.presence_penalty for p in params], np.float32, 0.0)
-    frequency = column([p.frequency_penalty for p in params], np.float32, 0.0)
-    repetition = column([p.repetition_penalty for p in params], np.float32, 1.0)
-    seeds = column([r.seed & 0xFFFFFFFF for r in rows], np.uint32, 0)
-    steps = column([r.step for r in rows], np.int32, 0)
+    width = len(_NEUTRAL_ROW)
+    values = np.empty((num_rows, width), np.float32)
+    values[n:] = _NEUTRAL_ROW
+    seeds = np.zeros((num_rows,), np.uint32)
+    steps = np.zeros((num_rows,), np.int32)
     num_prompt = np.zeros((num_rows,), np.int32)
     history = np.full((num_rows, history_len), -1, np.int32)
-    if needs_penalties(params):
-        for i, r in enumerate(rows):
-            if not r.params.uses_penalties:
-                continue
-            n_p, n_o = len(r.prompt_ids), len(r.output_ids)
-            if n_p + n_o <= history_len:
-                history[i, :n_p] = r.prompt_ids
-                history[i, n_p : n_p + n_o] = r.output_ids
-                num_prompt[i] = n_p
-            else:  # keep the newest tokens; output tokens matter most (frequency/presence)
-                tail = (list(r.prompt_ids) + list(r.output_ids))[-history_len:]
-                history[i] = tail
-                num_prompt[i] = max(0, history_len - n_o)
     banned = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
-    for i, r in enumerate(rows):
-        if r.step < r.params.min_tokens:
-            ids = _banned_for(r)
+    if n:
+        params, row_seeds, row_steps = [], [], []
+        for r in rows:
+            params.append(r.params)
+            row_seeds.append(r.seed & 0xFFFFFFFF)
+            row_steps.append(r.step)
+        values[:n] = np.frombuffer(b"".join([p.sampler_row_f32 for p in params]), np.float32).reshape(n, width)
+        seeds[:n] = row_seeds
+        steps[:n] = row_steps
+        if needs_penalties(params):
+            _fill_history(history, num_prompt, rows)
+        min_tokens = np.fromiter([p.min_tokens for p in params], np.int64, n)
+        for i in np.flatnonzero(steps[:n] < min_tokens):
+            ids = _banned_for(rows[i])
             if len(ids) > MAX_BANNED_IDS:
                 logger.warning("request bans %d stop ids during min_tokens; only the first %d are enforced",
                                len(ids), MAX_BANNED_IDS)
                 ids = ids[:MAX_BANNED_IDS]
             banned[i, : len(ids)] = ids
-    return SamplingMetadata(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                            presence_penalty=presence, frequency_penalty=frequency,
-                            repetition_penalty=repetition, seeds=seeds, steps=steps,
-                            history=history, num_prompt=num_prompt, banned_ids=banned)
+    columns = values.T  # [7, R]; each row below is a contiguous copy
+    return SamplingMetadata(
+        temperature=columns[0].copy(), top_p=columns[1].copy(), top_k=columns[2].astype(np.int32),
+        min_p=columns[3].copy(), presence_penalty=columns[4].copy(), frequency_penalty=columns[5].copy(),
+        repetition_penalty=columns[6].copy(), seeds=seeds, steps=steps,
+        history=history, num_prompt=num_prompt, banned_ids=banned)
 
 
 # -- device side -----------------------------------------------------------------------------
@@ -178,25 +194,64 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return logits
 
 
+def _sort_key(x: jax.Array) -> jax.Array:
+    """int32 keys ordered like the float32 values `x` (total order, -inf lowest).
+
+    XLA sorts plain int32 keys with CUB radix sort on GPU, about twice as fast as its
+    comparator sort of floats."""
+    i = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def _from_sort_key(k: jax.Array) -> jax.Array:
+    """Inverse of `_sort_key`."""
+    i = jnp.where(k < 0, k ^ jnp.int32(0x7FFFFFFF), k)
+    return jax.lax.bitcast_convert_type(i, jnp.float32)
+
+
 def _truncate_sorted(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Masks (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
 
-    Sorts each row's values once and derives a per-row logit threshold, so no scatter back
-    is needed; tokens tied with the threshold are all kept.
+    Sorts each row once and derives a per-row threshold, so nothing is scattered back;
+    tokens tied with the threshold are all kept.
     """
     vocab = scaled.shape[-1]
-    desc = -jnp.sort(-scaled, axis=-1)  # [R, V] descending
+    keys = _sort_key(scaled)  # [R, V]
+    desc_keys = ~jax.lax.sort(~keys, dimension=1)  # [R, V] descending (~ reverses int order)
+    desc = _from_sort_key(desc_keys)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)  # [R]
     ranks = jnp.arange(vocab)[None, :]
-    desc = jnp.where(ranks < k[:, None], desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)
+    in_k = ranks < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)  # renormalised over the top k
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # [R, V] exclusive cumulative mass
     # Keep the smallest prefix whose mass reaches top_p: token i stays while the mass before it
     # is still short of top_p. The first token always stays.
-    keep = (mass_before < top_p[:, None]) & (ranks < k[:, None])
+    keep = (mass_before < top_p[:, None]) & in_k
     num_keep = jnp.where(top_p < 1.0, jnp.maximum(keep.sum(-1), 1), k)  # [R]
-    threshold = jnp.take_along_axis(desc, (num_keep - 1)[:, None], axis=-1)  # [R, 1]
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    threshold = jnp.take_along_axis(desc_keys, (num_keep - 1)[:, None], axis=-1)  # [R, 1]
+    return jnp.where(keys >= threshold, scaled, -jnp.inf)
+
+
+def top_k_logprobs(logprobs: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
+    """The k largest entries per row of `logprobs` [R, V]: (values [R, k] descending, ids [R, k]).
+
+    XLA lowers `lax.top_k` with k > 16 to a full sort of [R, V] (milliseconds at 256 x 128k
+    on an H100), so go in two stages: the k blocks of `block` entries with the largest maxima
+    hold the k largest values (a block outside them has k blocks above it, so k larger
+    values), then top-k among those k * block candidates. Same values as `lax.top_k`; among
+    equal values the ids may differ.
+    """
+    r, vocab = logprobs.shape
+    num_blocks = -(-vocab // block)
+    if num_blocks < 2 * k:  # small vocabularies: one stage is cheap
+        return jax.lax.top_k(logprobs, k)
+    padded = jnp.pad(logprobs, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
+    blocks = padded.reshape(r, num_blocks, block)
+    _, best_blocks = jax.lax.top_k(blocks.max(axis=-1), k)  # [R, k]
+    candidates = jnp.take_along_axis(blocks, best_blocks[:, :, None], axis=1).reshape(r, k * block)
+    values, j = jax.lax.top_k(candidates, k)  # [R, k]
+    ids = (best_blocks[:, :, None] * block + jnp.arange(block)[None, None, :]).reshape(r, k * block)
+    return values, jnp.minimum(jnp.take_along_axis(ids, j, axis=-1), vocab - 1)
 
 
 def _gumbel(seeds: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
@@ -250,6 +305,6 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, use_penalties: bool,
 
     logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]  # [R]
     rank = 1 + jnp.sum(raw_logprobs > logprob[:, None], axis=-1, dtype=jnp.int32)
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
+    top_logprobs, top_ids = top_k_logprobs(raw_logprobs, num_top_logprobs)
     return SamplerOutput(token_ids=tokens, logprob=logprob, top_ids=top_ids.astype(jnp.int32),
                          top_logprobs=top_logprobs, rank=rank)

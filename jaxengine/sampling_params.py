@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import logging
 import math
 import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +207,7 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
-    @property
+    @functools.cached_property
     def uses_penalties(self) -> bool:
         """Whether the sampler needs this request's token history (the slower variant)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
@@ -216,6 +219,21 @@ class SamplingParams:
         if self.stop and not self.include_stop_str_in_output:
             return max(len(s) for s in self.stop) - 1
         return 0
+
+    @functools.cached_property
+    def sampler_row(self) -> tuple[float, float, float, float, float, float, float]:
+        """The values the on-device sampler reads, in its column order: temperature (0 when
+        greedy), top_p, top_k, min_p, presence, frequency and repetition penalty. Cached (the
+        params are frozen) because the engine reads it for every running request every step."""
+        temperature = 0.0 if self.is_greedy else self.temperature
+        return (temperature, self.top_p, float(min(self.top_k, 1 << 24)), self.min_p,
+                self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+
+    @functools.cached_property
+    def sampler_row_f32(self) -> bytes:
+        """`sampler_row` packed as float32 bytes: joining these is the fastest way to build the
+        sampler's per-row columns on the host."""
+        return np.asarray(self.sampler_row, np.float32).tobytes()
 
     def clone(self) -> SamplingParams:
         """A deep copy (the stop lists are not shared)."""

@@ -17,6 +17,7 @@ from jaxengine.sampler import (
     build_sampling_metadata,
     needs_penalties,
     sample,
+    top_k_logprobs,
 )
 from jaxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -128,6 +129,19 @@ def test_greedy_is_argmax_and_logprobs_are_raw(use_penalties):
     np.testing.assert_array_equal(out.top_ids, order)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, order, -1), rtol=1e-6, atol=1e-6)
     assert out.top_ids.shape == (8, MAX_LOGPROBS) and out.top_ids.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("vocab", [8192, 8000 + 37])  # two-stage path, with a ragged last block
+def test_two_stage_top_k_matches_lax_top_k(vocab):
+    x = _logits(3, vocab, seed=20)
+    x[1, 5000:5030] = 9.0  # many ties at the top, spread over blocks
+    x[2, :] = -1.0
+    x[2, [7, vocab - 1]] = 3.0  # the maximum in the ragged last block
+    values, ids = jax.jit(top_k_logprobs, static_argnums=1)(x, MAX_LOGPROBS)
+    ref_values, _ = jax.lax.top_k(x, MAX_LOGPROBS)
+    np.testing.assert_array_equal(values, ref_values)
+    np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), -1), values)  # ids point at them
+    assert all(np.unique(np.asarray(row)).size == MAX_LOGPROBS for row in ids)  # no id twice
 
 
 def test_logprob_and_rank_of_random_samples_use_raw_logits():
