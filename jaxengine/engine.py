@@ -85,6 +85,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._request_seeds: dict[str, int] = {}
         self._ids = itertools.count()
+        self._inflight = None  # (SchedulerOutput, InFlight) of the step running on the device
         cap = (config.num_kv_blocks - 1) * config.block_size / config.max_model_len
         logger.info("model %s (%s, %s), %d KV blocks of %d tokens: maximum concurrency %.2fx at "
                     "max_model_len %d; ready in %.1f s", config.model or "default SmolLM2-135M-Instruct",
@@ -213,31 +214,53 @@ class LLMEngine:
             self.outputs.pop_if_finished(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._inflight is not None or self.scheduler.has_unfinished_requests()
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine iteration, pipelined by one step.
+
+        Waits for the step in flight (N), applies its tokens to the scheduler (eos, stop ids and
+        length are decided there), schedules and dispatches step N+1, and only then does the
+        host-heavy output work for N (detokenizing, stop strings, logprobs, RequestOutputs) while
+        the device runs N+1. A stop string found here finishes a request that may already sit in
+        N+1: the scheduler drops that row's token, and its freed blocks are only reused by steps
+        enqueued after N+1.
+        """
+        done = self._inflight
+        self._inflight = None
+        finished: set[str] = set()
+        if done is not None:
+            sched, out = done[0], self.runner.collect(done[1])
+            sampled = [int(out.token_ids[i]) if s.samples else None for i, s in enumerate(sched.seqs)]
+            finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        self._dispatch_next()
+        if done is None:
+            return []
+        return self._process_outputs(sched, out, sampled, finished)
+
+    def _dispatch_next(self) -> None:
         sched = self.scheduler.schedule()
         if not sched.seqs:
-            return []
+            return
         rows = [SamplingRow(s.request.sampling_params, self._request_seeds[s.request.request_id],
                             len(s.request.output_token_ids), s.request.prompt_token_ids,
                             s.request.output_token_ids, self.eos_token_ids) for s in sched.seqs]
-        out = self.runner.execute(sched.seqs, rows)
-        sampled = [int(out.token_ids[i]) if s.samples else None for i, s in enumerate(sched.seqs)]
-        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        self._inflight = (sched, self.runner.dispatch(sched.seqs, rows))
+
+    def _process_outputs(self, sched, out, sampled: list[int | None], finished: set[str]) -> list[RequestOutput]:
         touched: list[str] = []
         stopped: list[tuple[str, str]] = []
         for i, s in enumerate(sched.seqs):
-            if sampled[i] is None:
-                continue
             cid = s.request.request_id
+            if sampled[i] is None or not self._is_live_child(cid):
+                continue
             stop = self.outputs.process_token(cid, sampled[i], out.logprob[i], out.rank[i],
                                               out.top_ids[i], out.top_logprobs[i])
-            if stop is not None and cid not in finished:
-                stopped.append((cid, stop))
             if cid in finished:
                 self.outputs.finish_child(cid, s.request.status.finish_reason, s.request.stop_reason)
+            elif stop is not None:
+                stopped.append((cid, stop))
             touched.append(cid)
         if stopped:
             self.scheduler.finish_requests([cid for cid, _ in stopped], RequestStatus.FINISHED_STOPPED)
@@ -255,6 +278,14 @@ class LLMEngine:
                     self._request_seeds.pop(c.request.request_id, None)
                 self.outputs.pop_if_finished(parent.request_id)
         return results
+
+    def _is_live_child(self, cid: str) -> bool:
+        """False for a child already finished earlier (aborted, or stopped by a string one step late)."""
+        parent = self.outputs.child_to_parent.get(cid)
+        if parent is None:
+            return False
+        st = next(c for c in parent.children if c.request.request_id == cid)
+        return st.finish_reason is None
 
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -124,8 +124,12 @@ class ModelRunner:
         return fn
 
     # -- one step --------------------------------------------------------------------------
-    def execute(self, seqs: list, rows: list[SamplingRow]) -> RunnerOutput:
-        """Runs one step for `seqs` (scheduler order); `rows[i]` gives seqs[i]'s sampling state."""
+    def dispatch(self, seqs: list, rows: list[SamplingRow]) -> "InFlight":
+        """Enqueues one step for `seqs` (scheduler order) without waiting for the device.
+
+        `rows[i]` gives seqs[i]'s sampling state. The host buffers behind the inputs are reused by
+        the next `dispatch` of the same bucket, so `collect` must come first (the engine does so).
+        """
         n_tokens = sum(s.num_new_tokens for s in seqs)
         t = pick_bucket(self.token_buckets, n_tokens)
         r = self.rows_for(t)
@@ -133,6 +137,22 @@ class ModelRunner:
         penalties = needs_penalties([row.params for row in rows])
         md = build_sampling_metadata(rows, r, self._history_len(penalties))
         self.kv_caches, logits = self._get_forward(t)(self.state, self.kv_caches, inputs)
-        out = jax.device_get(self._get_sampler(r, penalties)(logits, md))
-        n = len(seqs)
+        return InFlight(self._get_sampler(r, penalties)(logits, md), len(seqs))
+
+    @staticmethod
+    def collect(handle: "InFlight") -> RunnerOutput:
+        """Waits for a dispatched step: the one device-to-host transfer of the step."""
+        out = jax.device_get(handle.sampler_out)
+        n = handle.num_seqs
         return RunnerOutput(out.token_ids[:n], out.logprob[:n], out.rank[:n], out.top_ids[:n], out.top_logprobs[:n])
+
+    def execute(self, seqs: list, rows: list[SamplingRow]) -> RunnerOutput:
+        return self.collect(self.dispatch(seqs, rows))
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step whose results are still on the device."""
+
+    sampler_out: object  # SamplerOutput of device arrays
+    num_seqs: int
