@@ -224,10 +224,12 @@ class IncrementalDetokenizer:
 
 def decode_token(tokenizer: Tokenizer, token_id: int) -> str:
     """The text of one token on its own (for `Logprob.decoded_token`); special tokens included."""
+    if token_id < 0:
+        return ""
     backend = _backend(tokenizer)
-    if backend is not None:
+    if backend is not None:  # ids past the vocabulary decode to ""
         return backend.decode([int(token_id)], skip_special_tokens=False)
-    if not 0 <= token_id < len(tokenizer):
+    if token_id >= len(tokenizer):
         return ""
     return tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
@@ -236,5 +238,5 @@ def decode_tokens(tokenizer: Tokenizer, token_ids: Sequence[int]) -> list[str]:
     """`decode_token` for many ids at once (one Rust call with a fast tokenizer)."""
     backend = _backend(tokenizer)
     if backend is not None:
-        return backend.decode_batch([[int(t)] for t in token_ids], skip_special_tokens=False)
+        return backend.decode_batch([[int(t)] if t >= 0 else [] for t in token_ids], skip_special_tokens=False)
     return [decode_token(tokenizer, t) for t in token_ids]

@@ -205,7 +205,8 @@ def test_decode_token(tok):
     assert [decode_token(tok, t) for t in ids] == [tok.decode([t]) for t in ids]
     assert decode_token(tok, ids[-1]) == "<|im_end|>"  # special tokens are named
     assert decode_tokens(tok, ids) == [decode_token(tok, t) for t in ids]
-    assert decode_token(tok, len(tok) + 5) == ""
+    assert decode_token(tok, len(tok) + 5) == "" and decode_token(tok, -1) == ""
+    assert decode_tokens(tok, [-1, ids[0], len(tok) + 5]) == ["", decode_token(tok, ids[0]), ""]
 
 
 # -- the search itself -----------------------------------------------------------------------
