@@ -105,8 +105,8 @@ class BlockManager:
         Never the whole request: its last token must be computed so that its logits exist.
         Pure lookup: no ref counts change until `allocate_slots` takes the blocks.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         hashes = request.block_hashes

@@ -200,8 +200,8 @@ class LLMEngine:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={self.config.max_logprobs}")
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -246,11 +246,30 @@ class LLMEngine:
         rows = [SamplingRow(s.request.sampling_params, self._request_seeds[s.request.request_id],
                             len(s.request.output_token_ids), s.request.prompt_token_ids,
                             s.request.output_token_ids, self.eos_token_ids) for s in sched.seqs]
-        self._inflight = (sched, self.runner.dispatch(sched.seqs, rows))
+        self._inflight = (sched, self.runner.dispatch(sched.seqs, rows, self._prompt_targets(sched.seqs)))
+
+    @staticmethod
+    def _prompt_targets(seqs: list) -> np.ndarray | None:
+        """Next prompt token of every row whose request asked for prompt logprobs (-1 elsewhere)."""
+        if not any(s.request.sampling_params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens
+                   for s in seqs):
+            return None
+        targets = np.full(sum(s.num_new_tokens for s in seqs), -1, np.int32)
+        cursor = 0
+        for s in seqs:
+            req = s.request
+            if req.sampling_params.prompt_logprobs is not None:
+                pos = np.arange(s.start, s.start + s.num_new_tokens)
+                ok = pos + 1 < req.num_prompt_tokens
+                targets[cursor:cursor + s.num_new_tokens][ok] = np.asarray(req.prompt_token_ids)[pos[ok] + 1]
+            cursor += s.num_new_tokens
+        return targets
 
     def _process_outputs(self, sched, out, sampled: list[int | None], finished: set[str]) -> list[RequestOutput]:
         touched: list[str] = []
         stopped: list[tuple[str, str]] = []
+        if out.prompt_lp is not None:
+            self._record_prompt_logprobs(sched.seqs, out.prompt_lp)
         for i, s in enumerate(sched.seqs):
             cid = s.request.request_id
             if sampled[i] is None or not self._is_live_child(cid):
@@ -278,6 +297,17 @@ class LLMEngine:
                     self._request_seeds.pop(c.request.request_id, None)
                 self.outputs.pop_if_finished(parent.request_id)
         return results
+
+    def _record_prompt_logprobs(self, seqs: list, prompt_lp: tuple) -> None:
+        lp, rank, top_ids, top_lps = prompt_lp
+        cursor = 0
+        for s in seqs:
+            req = s.request
+            if req.sampling_params.prompt_logprobs is not None and s.start < req.num_prompt_tokens:
+                rows = slice(cursor, cursor + s.num_new_tokens)
+                self.outputs.record_prompt_logprobs(req.request_id, s.start, lp[rows], rank[rows],
+                                                    top_ids[rows], top_lps[rows])
+            cursor += s.num_new_tokens
 
     def _is_live_child(self, cid: str) -> bool:
         """False for a child already finished earlier (aborted, or stopped by a string one step late)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 
 import jax
@@ -36,13 +37,41 @@ class RunnerOutput:
     rank: np.ndarray  # [num_seqs] int32 1-based rank of the sampled token
     top_ids: np.ndarray  # [num_seqs, max_logprobs] int32
     top_logprobs: np.ndarray  # [num_seqs, max_logprobs] f32
+    prompt_lp: tuple | None = None  # (logprob [T], rank [T], top_ids [T, k], top_logprobs [T, k]) per token row
 
 
 def _forward(graphdef, state, kv_caches, inputs: StepInputs):
     model = nnx.merge(graphdef, state)
     hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)
     logits = model.compute_logits(hidden[inputs.logits_indices])
-    return kv_caches, logits
+    return kv_caches, logits, hidden
+
+
+PROMPT_LOGPROB_CHUNK = 128  # rows of [rows, V] float32 logits alive at once
+
+
+def _prompt_logprobs(graphdef, state, hidden: jax.Array, targets: jax.Array, *, k: int):
+    """Raw log-probabilities of each row's next prompt token, its rank and the top-k, chunked
+    over rows so at most PROMPT_LOGPROB_CHUNK x V logits exist at a time.
+
+    hidden [T, D], targets [T] int32 (-1: row not wanted) ->
+    (logprob [T], rank [T], top_ids [T, k], top_logprobs [T, k]).
+    """
+    model = nnx.merge(graphdef, state)
+    t, d = hidden.shape
+    c = math.gcd(t, PROMPT_LOGPROB_CHUNK)
+
+    def one(args):
+        h, tgt = args
+        lp = jax.nn.log_softmax(model.compute_logits(h), axis=-1)  # [c, V]
+        safe = jnp.maximum(tgt, 0)
+        chosen = jnp.take_along_axis(lp, safe[:, None], axis=-1)[:, 0]
+        rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1).astype(jnp.int32)
+        top_lp, top_ids = jax.lax.top_k(lp, k)
+        return chosen, rank, top_ids.astype(jnp.int32), top_lp
+
+    out = jax.lax.map(one, (hidden.reshape(t // c, c, d), targets.reshape(t // c, c)))
+    return tuple(x.reshape((t,) + x.shape[2:]) for x in out)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
@@ -64,7 +93,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv()
         self._forward_fns: dict[int, jax.stages.Compiled] = {}
         self._sample_fns: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
         self._jit_forward = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,))
+        self._jit_prompt_lp = jax.jit(functools.partial(_prompt_logprobs, graphdef, k=config.max_logprobs or 1))
         self.compile_seconds = 0.0
 
     # -- buckets ---------------------------------------------------------------------------
@@ -83,6 +114,11 @@ class ModelRunner:
         st_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
         return self._jit_forward.lower(st_abs, kv_abs, abstract_inputs(t, r, self.config.max_blocks_per_seq)).compile()
 
+    def _compile_prompt_logprobs(self, t: int) -> jax.stages.Compiled:
+        st_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
+        hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype)
+        return self._jit_prompt_lp.lower(st_abs, hidden, jax.ShapeDtypeStruct((t,), jnp.int32)).compile()
+
     def _compile_sampler(self, r: int, penalties: bool) -> jax.stages.Compiled:
         md = build_sampling_metadata([], r, self._history_len(penalties))
         logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32)
@@ -96,11 +132,14 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compiles every bucket (forward per token bucket, samplers per row count)."""
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
-        jobs = [("forward", t) for t in self.token_buckets] + [("sampler", (r, p)) for r in rows for p in (False, True)]
+        jobs = ([("forward", t) for t in self.token_buckets] + [("prompt_logprobs", t) for t in self.token_buckets]
+                + [("sampler", (r, p)) for r in rows for p in (False, True)])
         t0 = time.perf_counter()
         for kind, key in tqdm(jobs, desc="Compiling buckets", unit="program", disable=not jobs):
             if kind == "forward":
                 self._forward_fns[key] = self._compile_forward(key)
+            elif kind == "prompt_logprobs":
+                self._prompt_lp_fns[key] = self._compile_prompt_logprobs(key)
             else:
                 self._sample_fns[key] = self._compile_sampler(*key)
         self.compile_seconds = time.perf_counter() - t0
@@ -115,6 +154,14 @@ class ModelRunner:
             fn = self._forward_fns[t] = self._compile_forward(t)
         return fn
 
+    def _get_prompt_lp(self, t: int) -> jax.stages.Compiled:
+        fn = self._prompt_lp_fns.get(t)
+        if fn is None:
+            if self.config.warmup:
+                raise RuntimeError(f"prompt-logprob program for bucket {t} was not compiled at start-up")
+            fn = self._prompt_lp_fns[t] = self._compile_prompt_logprobs(t)
+        return fn
+
     def _get_sampler(self, r: int, penalties: bool) -> jax.stages.Compiled:
         fn = self._sample_fns.get((r, penalties))
         if fn is None:
@@ -124,10 +171,11 @@ class ModelRunner:
         return fn
 
     # -- one step --------------------------------------------------------------------------
-    def dispatch(self, seqs: list, rows: list[SamplingRow]) -> "InFlight":
+    def dispatch(self, seqs: list, rows: list[SamplingRow], prompt_targets: np.ndarray | None = None) -> "InFlight":
         """Enqueues one step for `seqs` (scheduler order) without waiting for the device.
 
-        `rows[i]` gives seqs[i]'s sampling state. The host buffers behind the inputs are reused by
+        `rows[i]` gives seqs[i]'s sampling state; `prompt_targets` [n_tokens] (next prompt token per
+        row, -1 where not wanted) asks for prompt logprobs of this step's rows. The host buffers behind the inputs are reused by
         the next `dispatch` of the same bucket, so `collect` must come first (the engine does so).
         """
         n_tokens = sum(s.num_new_tokens for s in seqs)
@@ -136,15 +184,21 @@ class ModelRunner:
         inputs = self.builder.build(seqs, t, r)
         penalties = needs_penalties([row.params for row in rows])
         md = build_sampling_metadata(rows, r, self._history_len(penalties))
-        self.kv_caches, logits = self._get_forward(t)(self.state, self.kv_caches, inputs)
-        return InFlight(self._get_sampler(r, penalties)(logits, md), len(seqs))
+        self.kv_caches, logits, hidden = self._get_forward(t)(self.state, self.kv_caches, inputs)
+        prompt_lp = None
+        if prompt_targets is not None:
+            targets = np.full(t, -1, np.int32)
+            targets[:len(prompt_targets)] = prompt_targets
+            prompt_lp = self._get_prompt_lp(t)(self.state, hidden, targets)
+        return InFlight(self._get_sampler(r, penalties)(logits, md), len(seqs), prompt_lp)
 
     @staticmethod
     def collect(handle: "InFlight") -> RunnerOutput:
         """Waits for a dispatched step: the one device-to-host transfer of the step."""
-        out = jax.device_get(handle.sampler_out)
+        out, prompt_lp = jax.device_get((handle.sampler_out, handle.prompt_lp))
         n = handle.num_seqs
-        return RunnerOutput(out.token_ids[:n], out.logprob[:n], out.rank[:n], out.top_ids[:n], out.top_logprobs[:n])
+        return RunnerOutput(out.token_ids[:n], out.logprob[:n], out.rank[:n], out.top_ids[:n], out.top_logprobs[:n],
+                            prompt_lp)
 
     def execute(self, seqs: list, rows: list[SamplingRow]) -> RunnerOutput:
         return self.collect(self.dispatch(seqs, rows))
@@ -156,3 +210,4 @@ class InFlight:
 
     sampler_out: object  # SamplerOutput of device arrays
     num_seqs: int
+    prompt_lp: tuple | None = None  # device (logprob, rank, top_ids, top_logprobs), each [T, ...]

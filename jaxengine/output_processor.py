@@ -36,6 +36,8 @@ class ParentState:
     params: SamplingParams
     children: list[ChildState]
     metrics: RequestMetrics
+    # vLLM layout: None for the first prompt token, then {token: Logprob} per later prompt token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -59,7 +61,8 @@ class OutputProcessor:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child.sampling_params)
             lps = [] if child.sampling_params.logprobs is not None else None
             states.append(ChildState(child, i, detok, lps))
-        parent = ParentState(request_id, prompt, prompt_token_ids, params, states, metrics)
+        parent = ParentState(request_id, prompt, prompt_token_ids, params, states, metrics,
+                             [None] if params.prompt_logprobs is not None else None)
         self.parents[request_id] = parent
         for st in states:
             self.child_to_parent[st.request.request_id] = parent
@@ -92,6 +95,26 @@ class OutputProcessor:
             return None
         return st.detok.update([token])
 
+    def record_prompt_logprobs(self, child_id: str, start: int, logprob: np.ndarray, rank: np.ndarray,
+                               top_ids: np.ndarray, top_logprobs: np.ndarray) -> None:
+        """Rows start.. of the prompt (row i predicts prompt token start + i + 1); children share
+        the prompt, so the first child records it, and recomputed rows (after preemption) are skipped."""
+        parent = self.child_to_parent.get(child_id)
+        if parent is None or parent.prompt_logprobs is None or parent.children[0].request.request_id != child_id:
+            return
+        k = parent.params.prompt_logprobs
+        ids = parent.prompt_token_ids
+        for i in range(len(logprob)):
+            pos = start + i + 1  # the prompt token this row predicts
+            if pos >= len(ids) or pos < len(parent.prompt_logprobs):
+                continue
+            entry: dict[int, Logprob] = {}
+            for j in range(k):
+                tid = int(top_ids[i, j])
+                entry[tid] = Logprob(float(top_logprobs[i, j]), j + 1, self._decode(tid))
+            entry[ids[pos]] = Logprob(float(logprob[i]), int(rank[i]), self._decode(ids[pos]))
+            parent.prompt_logprobs.append(entry)
+
     def _decode(self, token: int) -> str | None:
         return decode_token(self.tokenizer, token) if self.tokenizer is not None else None
 
@@ -114,7 +137,7 @@ class OutputProcessor:
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return RequestOutput(request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids,
-                             prompt_logprobs=None, outputs=outs, finished=p.finished, metrics=p.metrics,
+                             prompt_logprobs=p.prompt_logprobs, outputs=outs, finished=p.finished, metrics=p.metrics,
                              num_cached_tokens=p.children[0].request.num_cached_tokens)
 
     def pop_if_finished(self, request_id: str) -> None:

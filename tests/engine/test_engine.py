@@ -197,3 +197,20 @@ def test_engine_arguments_validated():
                     (dict(dtype="int4"), "dtype"), (dict(load_format="pickle"), "load_format")]:
         with pytest.raises(ValueError, match=msg):
             LLM(**kw)
+
+
+def test_prompt_logprobs_match_transformers(family_llm):
+    family, path, llm = family_llm
+    ref = load_reference(path)
+    prompt = PROMPTS[3]
+    out = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert ids[pos] in entry and len(entry) in (3, 4)
+        assert abs(entry[ids[pos]].logprob - want[pos - 1, ids[pos]]) < 1e-3, (family, pos)
+        best = max(entry.values(), key=lambda lp: lp.logprob)
+        assert best.rank == 1 and abs(best.logprob - want[pos - 1].max()) < 1e-3
