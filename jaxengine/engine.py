@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxengine.config import EngineConfig
 from jaxengine.default_model import default_model_path
-from jaxengine.model_runner import ModelRunner, kv_bytes_per_block
+from jaxengine.model_runner import ModelRunner, kv_bytes_per_block, profile_step_bytes
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
 from jaxengine.models.presets import PRESETS
@@ -69,7 +69,7 @@ class LLMEngine:
             graphdef, state = dummy_params(model_config, dtype, config.seed, config.attention_backend)
         else:
             graphdef, state = load_params(ckpt, model_config, dtype, config.attention_backend)
-        config = dataclasses.replace(config, num_kv_blocks=self._num_blocks(config, model_config, dtype))
+        config = dataclasses.replace(config, num_kv_blocks=self._num_blocks(config, model_config, dtype, graphdef, state))
         self.config, self.model_config = config, model_config
         self.eos_token_ids = tuple(model_config.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and not self.eos_token_ids:
@@ -109,28 +109,34 @@ class LLMEngine:
         return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget)
 
     @staticmethod
-    def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype) -> int:
-        """Blocks that fit in free device memory (or the CPU budget), never more than needed."""
+    def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graphdef, state) -> int:
+        """Blocks that fit in free device memory (or the CPU budget), never more than useful.
+
+        On accelerators: bytes_limit x gpu_memory_utilization, minus what is in use after the
+        weights, minus the profiled peak of one step of the largest bucket.
+        """
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         per_block = kv_bytes_per_block(mc, config.block_size, dtype)
         most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
-            # Activation peak estimate for the largest bucket (hidden, q/k/v, MLP, float32 logits and
-            # the sampler's sorted copy for up to max_num_seqs rows), with a 2x margin.
-            t = config.max_num_batched_tokens
-            r = min(t, config.max_num_seqs)
-            act = 2 * (t * (4 * mc.hidden_size + 3 * mc.intermediate_size + 3 * mc.num_heads * mc.head_dim)
-                       * jnp.dtype(dtype).itemsize + 4 * r * mc.vocab_size * 4)
-            budget = stats["bytes_limit"] * config.gpu_memory_utilization - stats.get("bytes_in_use", 0) - act
-            n = int(budget // per_block)
+            step = profile_step_bytes(config, mc, graphdef, state, dtype)
+            if step is None:  # no buffer analysis: a rough bound (activations, logits, sampler copies)
+                t, r = config.max_num_batched_tokens, min(config.max_num_batched_tokens, config.max_num_seqs)
+                step = 2 * (t * (4 * mc.hidden_size + 3 * mc.intermediate_size) * jnp.dtype(dtype).itemsize
+                            + 4 * r * mc.vocab_size * 4)
+            free = stats["bytes_limit"] * config.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+            n = int((free - step) // per_block)
+            logger.info("KV cache: %.2f GiB free after weights, %.2f GiB profiled step peak",
+                        free / 2**30, step / 2**30)
         else:
             n = int(config.cpu_kv_cache_bytes // per_block)
         n = min(n, most_useful)
-        if n < 2:
-            raise ValueError("not enough device memory for the KV cache; lower max_model_len or raise "
-                             "gpu_memory_utilization")
+        if (n - 1) * config.block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {max(n - 1, 0) * config.block_size} tokens, fewer than max_model_len="
+                f"{config.max_model_len}; lower max_model_len, or raise gpu_memory_utilization / num_kv_blocks")
         return n
 
     # -- requests -------------------------------------------------------------------------

@@ -74,6 +74,35 @@ def _prompt_logprobs(graphdef, state, hidden: jax.Array, targets: jax.Array, *, 
     return tuple(x.reshape((t,) + x.shape[2:]) for x in out)
 
 
+def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype) -> int | None:
+    """Device memory one step of the largest bucket needs beyond weights and KV cache.
+
+    Compiles that bucket's forward against a 2-block cache (the temporaries do not depend on the
+    pool size) plus the penalties sampler, and reads XLA's buffer assignment. None when the
+    backend reports no memory analysis.
+    """
+    t = token_buckets(config.max_num_batched_tokens)[-1]
+    r = min(t, config.max_num_seqs)
+    c = model_config
+    kv = jax.ShapeDtypeStruct((2, c.num_kv_heads, config.block_size, c.head_dim), dtype)
+    st_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    fwd = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,)).lower(
+        st_abs, [(kv, kv)] * c.num_layers, abstract_inputs(t, r, config.max_blocks_per_seq)).compile()
+    md = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                      build_sampling_metadata([], r, config.max_model_len))
+    smp = jax.jit(functools.partial(sample, use_penalties=True)).lower(
+        jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32), md).compile()
+    total = 0
+    for compiled in (fwd, smp):
+        ma = compiled.memory_analysis()
+        if ma is None:
+            return None
+        total += ma.temp_size_in_bytes + ma.output_size_in_bytes + ma.argument_size_in_bytes
+    # Arguments counted above include the weights: take them back out.
+    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
+    return max(total - weights, 0)
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
 

@@ -214,3 +214,15 @@ def test_prompt_logprobs_match_transformers(family_llm):
         assert abs(entry[ids[pos]].logprob - want[pos - 1, ids[pos]]) < 1e-3, (family, pos)
         best = max(entry.values(), key=lambda lp: lp.logprob)
         assert best.rank == 1 and abs(best.logprob - want[pos - 1].max()) < 1e-3
+
+
+def test_profiled_step_bytes(family_llm):
+    """The KV-sizing profile reads XLA's buffer analysis of the largest bucket."""
+    from jaxengine.model_runner import profile_step_bytes
+
+    _, _, llm = family_llm
+    eng = llm.llm_engine
+    r = eng.runner
+    got = profile_step_bytes(eng.config, eng.model_config, r.graphdef, r.state, r.dtype)
+    # at least the float32 logits of the largest bucket's rows
+    assert got is not None and got >= 4 * min(64, 8) * eng.model_config.vocab_size
