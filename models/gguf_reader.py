@@ -252,13 +252,26 @@ class GGUFCheckpoint(Checkpoint):
             if tok is None:
                 tok = _load_disk_cached_tokenizer(key)
             if tok is None:
-                p = Path(self.path)
-                tok = load_hf_tokenizer(str(p.parent), gguf_file=p.name)
-                template = self._meta_value("tokenizer.chat_template")
-                if template:
-                    tok.chat_template = template
+                tok = self._build_tokenizer()
                 _save_disk_cached_tokenizer(key, tok)
             _tokenizer_cache[key] = tok
+        return tok
+
+    def _build_tokenizer(self) -> "PreTrainedTokenizerBase":
+        if self._meta_value("tokenizer.ggml.model") == "gpt2":
+            from jaxengine.models.gguf_tokenizer import build_bpe_tokenizer
+            return build_bpe_tokenizer(self._meta_value)
+        try:  # SentencePiece-style vocabularies: transformers' converter (needs PyTorch)
+            import torch  # noqa: F401
+        except ImportError:
+            raise ValueError(f"building the tokenizer of {self.path} (tokenizer model "
+                             f"{self._meta_value('tokenizer.ggml.model')!r}) needs PyTorch installed; "
+                             "or pass tokenizer= a Hugging Face tokenizer folder or hub id") from None
+        p = Path(self.path)
+        tok = load_hf_tokenizer(str(p.parent), gguf_file=p.name)
+        template = self._meta_value("tokenizer.chat_template")
+        if template:
+            tok.chat_template = template
         return tok
 
     def generation_config(self) -> dict:
