@@ -1,0 +1,155 @@
+"""The FastAPI app: routes, API-key check, lifespan (engine loop start / drain), error handlers.
+
+`build_app(async_engine, ...)` wires one `AsyncEngine` into an app; the app's lifespan starts the
+engine loop on uvicorn's event loop and, at shutdown, finishes or aborts what is still running.
+Routes under `/v1` need `Authorization: Bearer <api key>` when a key is set; `/health`,
+`/version`, `/metrics`, `/tokenize` and `/detokenize` never do (as in vLLM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import jaxengine
+from jaxengine.server.async_engine import AsyncEngine
+from jaxengine.server.errors import OpenAIError, install_error_handlers
+from jaxengine.server.metrics import ServerMetrics
+from jaxengine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       DetokenizeResponse, ModelCard,
+                                       ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
+                                       TokenizeResponse, VersionResponse)
+from jaxengine.server.serving_chat import create_chat_completion, render_messages
+from jaxengine.server.serving_common import ServingContext
+from jaxengine.server.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+
+class ApiKeyMiddleware:
+    """401 for `/v1` routes without `Authorization: Bearer <key>` (constant-time comparison).
+
+    A plain ASGI middleware, not `BaseHTTPMiddleware`, so streaming responses and client
+    disconnects pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            path, root = scope["path"], scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root):]
+            if path.startswith("/v1"):
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    msg = ("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'." if given else
+                           "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+                    response = OpenAIError(msg, 401, code="invalid_api_key").response()
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = None, model_path: str | None = None,
+              api_key: str | None = None, chat_template: str | None = None,
+              shutdown_drain_timeout: float = 0.0) -> FastAPI:
+    """An app serving `engine`. The engine loop starts with the app's lifespan.
+
+    `served_model_names`: the names clients may send as `model` (the first is reported);
+    default: the model path, or "SmolLM2-135M-Instruct" for the embedded default model.
+    """
+    llm_engine = engine.engine
+    names = list(served_model_names or [default_served_name(model_path or llm_engine.config.model)])
+    max_model_len = int(llm_engine.config.max_model_len)
+    ctx = ServingContext(engine=engine, model_names=names, model_path=model_path or llm_engine.config.model,
+                         max_model_len=max_model_len, chat_template=chat_template)
+    metrics = ServerMetrics(names[0], max_model_len, engine.stats)
+    if engine.observer is None:
+        engine.observer = metrics
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown(shutdown_drain_timeout)
+
+    app = FastAPI(title="jaxengine OpenAI-compatible server", version=jaxengine.__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    app.state.engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            reason = engine.error or "not running"
+            return OpenAIError(f"The engine is not running: {reason}", 503).response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=jaxengine.__version__)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=ctx.model_path or name, max_model_len=max_model_len)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[card(n) for n in names])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        return card(ctx.resolve_model(model_id))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(ctx, req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(ctx, req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        ctx.resolve_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message)
+            if req.add_special_tokens:
+                ids = ctx.tokenize(text, add_special_tokens=True)
+        else:
+            ids = ctx.tokenize(req.prompt, req.add_special_tokens)
+        strs = ctx.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.resolve_model(req.model)
+        vocab = llm_engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", 400, param="tokens")
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
+
+    return app
+
+
+def default_served_name(model: str | None) -> str:
+    """vLLM reports the model argument as given; the embedded default gets its own name."""
+    return model if model else "SmolLM2-135M-Instruct"

@@ -1,0 +1,283 @@
+"""`jaxengine serve [MODEL]` (and `python -m jaxengine.server`): flags, YAML config, start-up, shutdown.
+
+Settings come from three places, strongest first: command-line flags, the `--config` YAML file
+(the same keys as the long flags, with dashes or underscores), then defaults. To tell "given on
+the command line" from "argparse's default", every default is wrapped in `_Default` until the
+YAML file has been merged.
+
+Shutdown: SIGINT / SIGTERM make uvicorn stop accepting connections and wait up to
+`--shutdown-timeout` seconds for in-flight requests to finish; what is still running then is
+cancelled, and the app's lifespan aborts it in the engine. The process exits 0, without a stack
+trace. If the engine loop dies, the server shuts down the same way and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+
+import yaml
+
+from jaxengine.arg_utils import add_engine_args, engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+API_KEY_ENV = "JAXENGINE_API_KEY"
+_NOT_CONFIGURABLE = {"help", "config", "func", "_serve_actions"}
+
+
+class _Default:
+    """An argparse default, as opposed to a value given on the command line."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"default({self.value!r})"
+
+
+def _unwrap(value: object) -> object:
+    return value.value if isinstance(value, _Default) else value
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags (server and engine) on `parser`."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="HF folder, GGUF file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="the model, as a flag (same as MODEL)")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set ${API_KEY_ENV})")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use as `model` (default: the model argument)")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template: a file, or the template itself (default: the model's own)")
+    g.add_argument("--config", default=None, help="YAML file with any of these flags as keys (flags win)")
+    g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are aborted")
+    add_engine_args(parser)
+    actions = [a for a in parser._actions if a.dest not in _NOT_CONFIGURABLE or a.dest == "config"]
+    for a in actions:
+        if a.default is not argparse.SUPPRESS:
+            a.default = _Default(a.default)
+    parser.set_defaults(func=cmd_serve, _serve_actions=actions)
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Adds `jaxengine serve` to the main CLI."""
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                              description="OpenAI-compatible HTTP server (completions, chat, tokenize, metrics)")
+    add_serve_args(p)
+    return p
+
+
+# -- configuration ------------------------------------------------------------------------------
+def _convert(action: argparse.Action, key: str, value: object) -> object:
+    """A YAML value checked and converted like argparse would treat the flag's text."""
+    if value is None:
+        return None
+    where = f"config key {key!r}"
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false, got {value!r}")
+        return value
+    if action.nargs in ("+", "*"):
+        items = value if isinstance(value, list) else [value]
+        return [_convert_scalar(action, where, v) for v in items]
+    return _convert_scalar(action, where, value)
+
+
+def _convert_scalar(action: argparse.Action, where: str, value: object) -> object:
+    tp = action.type or str
+    if isinstance(value, bool) or isinstance(value, (list, dict)):
+        raise ValueError(f"{where} must be a {tp.__name__}, got {value!r}")
+    if tp is int and isinstance(value, float):
+        raise ValueError(f"{where} must be an integer, got {value!r}")
+    try:
+        out = tp(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where} must be a {tp.__name__}, got {value!r}") from e
+    if action.choices is not None and out not in action.choices:
+        raise ValueError(f"{where} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return out
+
+
+def load_config_file(path: str) -> dict[str, object]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of flag names to values")
+    return data
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Merges the YAML config under the command-line flags; returns plain values."""
+    values = dict(vars(args))
+    actions = {a.dest: a for a in values.get("_serve_actions", [])}
+    path = _unwrap(values.get("config"))
+    if path:
+        for key, value in load_config_file(str(path)).items():
+            dest = str(key).replace("-", "_")
+            if dest == "model_tag" or dest in _NOT_CONFIGURABLE or dest not in actions:
+                raise ValueError(f"unknown key {key!r} in config file {path}")
+            if isinstance(values.get(dest), _Default):
+                values[dest] = _convert(actions[dest], str(key), value)
+    out = argparse.Namespace(**{k: _unwrap(v) for k, v in values.items()})
+    if out.model_tag is not None and out.model is not None and out.model_tag != out.model:
+        raise ValueError(f"two models given: {out.model_tag!r} and --model {out.model!r}")
+    out.model = out.model_tag if out.model_tag is not None else out.model
+    if out.api_key is None:
+        out.api_key = os.environ.get(API_KEY_ENV) or None
+    return out
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A template file's text, or the value itself when it is a Jinja template."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{%" in value or "{{" in value:
+        return value
+    raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: tuple[str, ...] | None = None
+    chat_template: str | None = None  # the template text
+    uvicorn_log_level: str = "info"
+    shutdown_timeout: float = 10.0
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
+        names = tuple(args.served_model_name) if args.served_model_name else None
+        return cls(host=args.host, port=args.port, api_key=args.api_key, served_model_names=names,
+                   chat_template=load_chat_template(args.chat_template), uvicorn_log_level=args.uvicorn_log_level,
+                   shutdown_timeout=args.shutdown_timeout, model=args.model)
+
+
+# -- running ----------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Builds the engine (model load + compile), then serves until SIGINT / SIGTERM."""
+    from jaxengine.config import EngineConfig
+    from jaxengine.engine import LLMEngine
+
+    args = resolve_args(args)
+    settings = ServerSettings.from_args(args)
+    config = EngineConfig(model=args.model, **engine_kwargs(args))
+    with _interrupt_on_sigterm():
+        try:
+            engine = LLMEngine(config)
+        except KeyboardInterrupt:
+            logger.info("interrupted while starting; exiting")
+            return 130
+    return run_server(engine, settings)
+
+
+def run_server(engine, settings: ServerSettings, sockets: Sequence[socket.socket] | None = None) -> int:  # noqa: ANN001
+    """Serves `engine` (an `LLMEngine`) until a signal or the engine's death; the exit status."""
+    import uvicorn
+
+    from jaxengine.server.api_server import build_app
+    from jaxengine.server.async_engine import AsyncEngine
+
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, served_model_names=list(settings.served_model_names or []) or None,
+                    model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
+                            timeout_graceful_shutdown=settings.shutdown_timeout, lifespan="on")
+    server = uvicorn.Server(config)
+
+    def on_death(_: BaseException) -> None:
+        server.should_exit = True  # polled by uvicorn's main loop; starts the graceful shutdown
+
+    async_engine.on_death = on_death
+    with _quiet_signals():
+        server.run(sockets=list(sockets) if sockets else None)
+    if async_engine.error is not None:
+        logger.error("exiting because the engine loop died: %s: %s", type(async_engine.error).__name__,
+                     async_engine.error)
+        return 1
+    return 0
+
+
+@contextlib.contextmanager
+def _quiet_signals() -> Iterator[None]:
+    """SIGINT / SIGTERM handlers that do nothing, for the duration of `server.run`.
+
+    uvicorn installs its own handlers while it runs and, after its graceful shutdown, restores
+    the previous ones and re-raises the signal it caught. With Python's defaults that re-raise
+    would be a KeyboardInterrupt traceback (SIGINT) or death by signal (SIGTERM); with these the
+    shutdown that already happened is the whole effect.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _interrupt_on_sigterm() -> Iterator[None]:
+    """During start-up, SIGTERM interrupts like Ctrl+C does (a clean exit instead of a kill)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxengine.server ...`"""
+    parser = argparse.ArgumentParser(prog="python -m jaxengine.server",
+                                     description="OpenAI-compatible HTTP server for jaxengine")
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_serve(args)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")
+        return 2

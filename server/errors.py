@@ -1,0 +1,117 @@
+"""Errors as OpenAI sends them: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
+
+Every failure a client can cause (bad JSON, wrong types, unknown fields, out-of-range values,
+unknown model, missing API key) becomes one of these, so the official clients raise their usual
+exception classes (`BadRequestError`, `NotFoundError`, `AuthenticationError`, ...). Handlers raise
+`OpenAIError`; the exception handlers installed by `install_error_handlers` turn everything else
+(FastAPI validation errors, engine `ValueError`s, HTTP errors, crashes) into the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's `type` per status class: 4xx are the caller's, 5xx the server's.
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          500: "server_error", 503: "server_error"}
+
+
+class OpenAIError(Exception):
+    """An error response: HTTP status plus OpenAI's error object."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):  # noqa: A002 - OpenAI's field name
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, dict[str, object]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+    def sse(self) -> str:
+        """The error as one Server-Sent Event (for failures after a stream has started)."""
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop thread stopped (crashed or shut down): no request can be served."""
+
+
+def from_value_error(e: ValueError, known_params: set[str] | None = None) -> OpenAIError:
+    """A `ValueError` from the engine or `SamplingParams` as a 400; `param` is the field its message names."""
+    msg = str(e)
+    m = re.match(r"([a-z_]+)\b", msg)
+    param = m.group(1) if m and known_params and m.group(1) in known_params else None
+    return OpenAIError(msg, 400, param=param)
+
+
+def _loc_to_param(loc: tuple[object, ...]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    # Union members show up as path parts ('str', 'list[int]'); they are not field names.
+    parts = [p for p in parts if not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool|function-.*", p)]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """FastAPI/pydantic validation errors as one 400, naming every offending field."""
+    errors = exc.errors()
+    unknown = [_loc_to_param(tuple(e["loc"])) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        names = ", ".join(str(u) for u in unknown)
+        return OpenAIError(f"Unrecognized request argument supplied: {names}", 400, param=unknown[0])
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return OpenAIError(f"We could not parse the JSON body of your request ({detail}). The body must be "
+                           "valid JSON.", 400)
+    seen: dict[str | None, str] = {}
+    for e in errors:
+        param = _loc_to_param(tuple(e["loc"]))
+        seen.setdefault(param, e.get("msg", "invalid value"))
+    parts = [f"{p}: {m}" if p else m for p, m in seen.items()]
+    return OpenAIError("Invalid request: " + "; ".join(parts), 400, param=next(iter(seen)))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        try:
+            phrase = HTTPStatus(exc.status_code).phrase
+        except ValueError:
+            phrase = "error"
+        message = exc.detail if isinstance(exc.detail, str) and exc.detail != phrase else phrase
+        return OpenAIError(message, exc.status_code).response()
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, exc: ValueError) -> JSONResponse:
+        return from_value_error(exc).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return OpenAIError(f"The engine is not running: {exc}", 503).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500).response()

@@ -1,0 +1,336 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests forbid unknown fields (a typo must not be silently ignored) and use strict scalar
+types (`"n": true` or `"max_tokens": 1.5` are errors, as on OpenAI). Fields that OpenAI defines
+but this server does not implement are declared, so that they can be rejected by name when set
+to anything but their neutral value (`unsupported_fields`). vLLM's sampling extras (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens, ...) are accepted like vLLM does.
+
+Responses follow OpenAI's shapes field for field; `stop_reason` is vLLM's extra (the stop
+string or token id that ended a choice).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # strict float still accepts JSON integers
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+# Any JSON value: declared so that unsupported OpenAI fields are recognised and rejected by name.
+JSONValue = object
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Unsupported field -> its neutral values (None always counts as neutral).
+    _neutral: ClassVar[dict[str, tuple[object, ...]]] = {}
+
+    def unsupported_fields(self) -> list[str]:
+        """Names of declared-but-unimplemented fields that the request sets to a non-neutral value."""
+        out = []
+        for name, neutral in self._neutral.items():
+            value = getattr(self, name)
+            if value is not None and value not in neutral:
+                out.append(name)
+        return out
+
+
+class StreamOptions(RequestModel):
+    include_usage: Bool | None = False
+    continuous_usage_stats: Bool | None = False  # vLLM: usage on every chunk
+
+
+class SamplingFields(RequestModel):
+    """Fields shared by completions and chat completions."""
+
+    model: Str | None = None  # None: the first served model name
+    n: Int = 1
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Float | None = None  # None: 1.0 (OpenAI's default)
+    top_p: Float | None = None
+    stop: Str | list[Str] | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[Str, Float] | None = None  # not implemented: rejected unless empty
+    user: Str | None = None  # accepted and ignored, as an end-user id for abuse monitoring would be
+    # vLLM's extras
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int = 0
+    stop_token_ids: list[Int] | None = None
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+
+
+Prompt = Str | list[Str] | list[Int] | list[list[Int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: Int | None = 16  # OpenAI's default for completions
+    logprobs: Int | None = None
+    echo: Bool = False
+    best_of: Int | None = None  # must equal n (no server-side ranking)
+    suffix: JSONValue | None = None  # not implemented
+    add_special_tokens: Bool = True  # vLLM: tokenizer special tokens around a text prompt
+
+    _neutral: ClassVar[dict[str, tuple[object, ...]]] = {"suffix": ("",), "logit_bias": ({},)}
+
+    def unsupported_fields(self) -> list[str]:
+        out = super().unsupported_fields()
+        if self.best_of is not None and self.best_of != self.n:
+            out.append("best_of")
+        return out
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[dict[Str, JSONValue]] | None = None  # string or text parts
+    name: Str | None = None
+    tool_calls: list[dict[Str, JSONValue]] | None = None  # assistant turns, passed to the template
+    tool_call_id: Str | None = None  # tool turns
+    # Fields the official clients echo back on assistant messages; ignored.
+    refusal: Str | None = None
+    annotations: list[JSONValue] | None = None
+    audio: JSONValue | None = None
+    function_call: JSONValue | None = None
+    reasoning_content: Str | None = None
+
+    def template_dict(self) -> dict[str, object]:
+        """The message as the chat template sees it (developer turns are system turns)."""
+        out: dict[str, object] = {"role": "system" if self.role == "developer" else self.role,
+                                  "content": self.content}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
+    add_generation_prompt: Bool = True  # vLLM
+    continue_final_message: Bool = False  # vLLM
+    # Accepted and ignored: they do not change what is generated.
+    metadata: dict[Str, Str] | None = None
+    service_tier: Str | None = None
+    parallel_tool_calls: Bool | None = None
+    store: Bool | None = None
+    # OpenAI features this server does not implement.
+    tools: list[JSONValue] | None = None
+    tool_choice: JSONValue | None = None
+    functions: list[JSONValue] | None = None
+    function_call: JSONValue | None = None
+    response_format: JSONValue | None = None
+    audio: JSONValue | None = None
+    modalities: list[Str] | None = None
+    prediction: JSONValue | None = None
+    reasoning_effort: JSONValue | None = None
+    web_search_options: JSONValue | None = None
+    verbosity: JSONValue | None = None
+
+    _neutral: ClassVar[dict[str, tuple[object, ...]]] = {"logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+                "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
+                "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
+                "web_search_options": (), "verbosity": (), "store": (False,)}
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeCompletionRequest(RequestModel):
+    model: Str | None = None
+    prompt: Str
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
+
+
+class TokenizeChatRequest(RequestModel):
+    model: Str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
+    return_token_strs: Bool = False
+
+
+class DetokenizeRequest(RequestModel):
+    model: Str | None = None
+    tokens: list[Int]
+
+
+# -- responses ---------------------------------------------------------------------------------
+def _now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "jaxengine"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, object]] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A streamed message fragment: only the keys that are set (`{}` on the final chunk)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer protocol
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

@@ -1,0 +1,141 @@
+"""`POST /v1/chat/completions`: the conversation rendered with the chat template (the model's own or
+`--chat-template`) exactly as `LLM.chat` renders it, then one engine request with n choices.
+
+Streaming sends, per choice, a role delta first (`{"role": "assistant", "content": ""}`), then
+content deltas, then a last chunk with an empty delta and the finish_reason; with
+`stream_options.include_usage` a usage chunk with no choices follows, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from jaxengine.llm import render_chat
+from jaxengine.server.async_engine import RequestStream
+from jaxengine.server.errors import EngineDeadError, OpenAIError
+from jaxengine.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                       ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice, ChoiceLogprobs,
+                                       DeltaMessage)
+from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, chat_logprobs,
+                                             chat_logprobs_setting, open_streams, reject_unsupported,
+                                             sampling_params, sse, until_disconnected, usage)
+
+logger = logging.getLogger(__name__)
+
+
+def render_messages(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of a conversation; template failures are the caller's 400."""
+    if continue_final_message and add_generation_prompt:
+        raise OpenAIError("add_generation_prompt and continue_final_message cannot both be true.", 400,
+                          param="continue_final_message")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise OpenAIError("continue_final_message needs the last message to be an assistant message.", 400,
+                          param="messages")
+    conversation = [m.template_dict() for m in messages]
+    try:
+        return render_chat(ctx.tokenizer, conversation, ctx.chat_template, add_generation_prompt,
+                           continue_final_message)
+    except ValueError as e:
+        raise OpenAIError(str(e), 400, param="messages") from e
+    except jinja2.TemplateError as e:
+        raise OpenAIError(f"The chat template could not render these messages: {e}", 400,
+                          param="messages") from e
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    model = ctx.resolve_model(req.model)
+    reject_unsupported(req)
+    top_logprobs = chat_logprobs_setting(req)
+    text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message)
+    max_tokens = req.max_new_tokens
+    ctx.check_prompt(len(ids), max_tokens, "messages")
+    params = sampling_params(req, max_tokens, top_logprobs)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    [stream] = await open_streams(ctx.engine, request_id, [(text, ids)], params)
+    if req.stream:
+        return StreamingResponse(_stream(req, model, request_id, stream, len(ids), top_logprobs,
+                                         params.output_text_buffer_length), media_type="text/event-stream")
+    result = await until_disconnected(raw, _collect(req, model, request_id, stream, top_logprobs))
+    if result is None:
+        return Response(status_code=499)
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+async def _collect(req: ChatCompletionRequest, model: str, request_id: str, stream: RequestStream,
+                   top_logprobs: int | None) -> ChatCompletionResponse:
+    final = None
+    try:
+        async for out in stream:
+            final = out
+    finally:
+        stream.close()
+    if final is None:
+        raise EngineDeadError("the request ended without a final output")
+    choices = []
+    for c in final.outputs:
+        lp = None
+        if top_logprobs is not None and c.logprobs is not None:
+            lp = ChoiceLogprobs(content=chat_logprobs(c.token_ids, c.logprobs[:len(c.token_ids)], top_logprobs))
+        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=lp,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=usage(len(final.prompt_token_ids), completion_tokens,
+                                              final.num_cached_tokens))
+
+
+async def _stream(req: ChatCompletionRequest, model: str, request_id: str, stream: RequestStream,
+                  prompt_tokens: int, top_logprobs: int | None, hold: int) -> AsyncIterator[str]:
+    """SSE chunks; `hold`: characters held back from unfinished text (a stop string may start there)."""
+    created = int(time.time())
+    states = [ChoiceState() for _ in range(req.n)]
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        u = usage(prompt_tokens, sum(s.tokens_sent for s in states)) if continuous else None
+        return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
+                                                usage=u).model_dump_json())
+
+    try:
+        for i in range(req.n):
+            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        async for out in stream:
+            for c in out.outputs:
+                d = states[c.index].delta(c, hold)
+                if d is None:
+                    continue
+                lp = None
+                if top_logprobs is not None and d.logprobs is not None and d.token_ids:
+                    lp = ChoiceLogprobs(content=chat_logprobs(d.token_ids, d.logprobs, top_logprobs))
+                if d.text or lp is not None:
+                    yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=d.text), logprobs=lp))
+                if d.finish_reason is not None:
+                    yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(),
+                                                 finish_reason=d.finish_reason, stop_reason=d.stop_reason))
+        if include_usage:
+            completion_tokens = sum(s.tokens_sent for s in states)
+            yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                   usage=usage(prompt_tokens, completion_tokens)).model_dump_json())
+        yield SSE_DONE
+    except OpenAIError as e:
+        yield e.sse()
+        yield SSE_DONE
+    except EngineDeadError as e:
+        yield OpenAIError(f"The engine is not running: {e}", 503).sse()
+        yield SSE_DONE
+    except Exception as e:  # noqa: BLE001 - headers are sent: the error can only travel in the stream
+        logger.exception("error while streaming %s", request_id)
+        yield OpenAIError(f"Internal server error: {type(e).__name__}: {e}", 500).sse()
+        yield SSE_DONE
+    finally:
+        stream.close()

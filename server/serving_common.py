@@ -1,0 +1,274 @@
+"""What completions and chat completions share: the serving context, request -> `SamplingParams`,
+prompt checks, streamed deltas per choice, logprob formats, stream merging and disconnect watching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TypeVar
+
+from fastapi import Request
+
+from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxengine.sampling_params import SamplingParams
+from jaxengine.server.async_engine import AsyncEngine, RequestStream
+from jaxengine.server.errors import OpenAIError, from_value_error
+from jaxengine.server.protocol import (ChatCompletionRequest, CompletionLogProbs, PromptTokensDetails,
+                                       SamplingFields, TokenLogprob, TopLogprob, UsageInfo)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# OpenAI clients choke on -inf; vLLM reports this instead.
+MIN_LOGPROB = -9999.0
+
+
+@dataclasses.dataclass
+class ServingContext:
+    """Everything a handler needs besides the request (one per app)."""
+
+    engine: AsyncEngine
+    model_names: list[str]  # served names; the first is the default and the one reported
+    model_path: str | None
+    max_model_len: int
+    chat_template: str | None = None
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        tok = self.engine.engine.tokenizer
+        if tok is None:
+            raise OpenAIError("this model has no tokenizer: send token ids", 400, param="prompt")
+        return tok
+
+    def resolve_model(self, name: str | None) -> str:
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise OpenAIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
+        return name
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The same ids `LLMEngine.tokenize` gives (so server and `LLM.generate` agree)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+        """OpenAI's context-length errors (the engine checks too, but without the numbers)."""
+        if num_prompt_tokens == 0:
+            raise OpenAIError("The prompt is empty.", 400, param=param)
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, your "
+                              f"{param} has {num_prompt_tokens} tokens; at most {limit - 1} leave room for "
+                              "one generated token. Please reduce the length of the input.", 400, param=param,
+                              code="context_length_exceeded")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {param}, "
+                              f"{max_tokens} in the completion). Please reduce the length of the {param} or "
+                              "completion.", 400, param="max_tokens", code="context_length_exceeded")
+
+
+SAMPLING_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"max_completion_tokens",
+                                                                              "top_logprobs"}
+
+
+def reject_unsupported(req: SamplingFields) -> None:
+    names = req.unsupported_fields()  # type: ignore[attr-defined]
+    if names:
+        raise OpenAIError(f"Unsupported parameter(s): {', '.join(names)}. This server does not implement "
+                          f"{'it' if len(names) == 1 else 'them'}; leave {'it' if len(names) == 1 else 'them'} "
+                          "unset.", 400, param=names[0])
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError("stream_options is only allowed when stream is true.", 400, param="stream_options")
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's `SamplingParams` (OpenAI defaults where the request is silent)."""
+    try:
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output)
+    except ValueError as e:
+        raise from_value_error(e, SAMPLING_PARAM_NAMES) from e
+
+
+def chat_logprobs_setting(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError("top_logprobs requires logprobs to be true.", 400, param="top_logprobs")
+    if not req.logprobs:
+        return None
+    return req.top_logprobs or 0
+
+
+async def open_streams(engine: AsyncEngine, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
+                       params: SamplingParams) -> list[RequestStream]:
+    """One engine request per prompt (ids `<request_id>-<i>`); all or none (bad input closes the rest)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (text, ids) in enumerate(prompts):
+            prompt = {"prompt_token_ids": ids, "prompt": text}
+            streams.append(await engine.add(f"{request_id}-{i}", prompt, params))
+    except ValueError as e:
+        for s in streams:
+            s.close()
+        raise from_value_error(e, SAMPLING_PARAM_NAMES) from e
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+    return streams
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one choice adds since the last chunk."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None  # one entry per new token, when logprobs were asked
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclasses.dataclass
+class ChoiceState:
+    """Per choice: how much of the cumulative output the client already has."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    finished: bool = False
+
+    def delta(self, c: CompletionOutput, hold: int) -> Delta | None:
+        """The unsent part of `c`; None if nothing new. While unfinished, the last `hold`
+        characters are held back: they may be the start of a stop string the engine will cut."""
+        if self.finished:
+            return None
+        done = c.finish_reason is not None
+        end = len(c.text) if done else max(len(c.text) - hold, self.text_sent)
+        text = c.text[self.text_sent:end] if end > self.text_sent else ""
+        ntok = len(c.token_ids)
+        ids = c.token_ids[self.tokens_sent:ntok]
+        lps = c.logprobs[self.tokens_sent:ntok] if c.logprobs is not None else None
+        if not text and not ids and not done:
+            return None
+        self.text_sent = max(end, self.text_sent)
+        self.tokens_sent = ntok
+        self.finished = done
+        return Delta(text, ids, lps, c.finish_reason, c.stop_reason)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> UsageInfo:
+    details = PromptTokensDetails(cached_tokens=cached) if cached else None
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+
+def _lp(x: float) -> float:
+    return max(float(x), MIN_LOGPROB)
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]],
+                        text_offset: int) -> CompletionLogProbs:
+    """The legacy completions format: tokens, their logprobs, top alternatives, character offsets."""
+    out = CompletionLogProbs()
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid)
+        token = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else ""
+        out.tokens.append(token)
+        out.token_logprobs.append(_lp(chosen.logprob) if chosen is not None else None)
+        top = sorted(entry.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+        out.top_logprobs.append({(lp.decoded_token or ""): _lp(lp.logprob) for lp in top})
+        out.text_offset.append(text_offset)
+        text_offset += len(token)
+    return out
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], top_k: int) -> list[TokenLogprob]:
+    """The chat format: per token its text, logprob, UTF-8 bytes and the `top_k` most likely tokens."""
+    out = []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid)
+        token = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else ""
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_k),
+                        key=lambda lp: lp.rank)[:top_k]
+        tops = [TopLogprob(token=lp.decoded_token or "", logprob=_lp(lp.logprob),
+                           bytes=list((lp.decoded_token or "").encode("utf-8"))) for lp in ranked]
+        out.append(TokenLogprob(token=token, logprob=_lp(chosen.logprob) if chosen is not None else MIN_LOGPROB,
+                                bytes=list(token.encode("utf-8")), top_logprobs=tops))
+    return out
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Runs `work` unless the client hangs up first; then `work` is cancelled (its streams abort)
+    and None is returned (nobody is left to answer)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server itself gives up on the request (shutdown)
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})  # let its cleanup (aborting the engine requests) run
+    logger.info("client disconnected; request cancelled")
+    return None
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,152 @@
+"""`POST /v1/completions`: one engine request per prompt, n choices each (choice index = prompt
+index * n + sequence index, as OpenAI numbers them), answered whole or streamed as SSE chunks."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from jaxengine.outputs import RequestOutput
+from jaxengine.server.async_engine import RequestStream
+from jaxengine.server.errors import EngineDeadError, OpenAIError
+from jaxengine.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
+                                       CompletionStreamResponse)
+from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, completion_logprobs,
+                                             merge_streams, open_streams, reject_unsupported, sampling_params, sse,
+                                             until_disconnected, usage)
+
+logger = logging.getLogger(__name__)
+
+Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
+
+
+def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [(p, ctx.tokenize(p, req.add_special_tokens))]
+    if not p:
+        raise OpenAIError("prompt must not be an empty list.", 400, param="prompt")
+    if isinstance(p[0], str):
+        return [(s, ctx.tokenize(s, req.add_special_tokens)) for s in p]  # type: ignore[arg-type]
+    if isinstance(p[0], int):
+        return [(None, list(p))]  # type: ignore[arg-type]
+    return [(None, list(ids)) for ids in p]  # type: ignore[union-attr]
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
+    model = ctx.resolve_model(req.model)
+    reject_unsupported(req)
+    if req.echo and req.logprobs is not None:
+        raise OpenAIError("echo with logprobs needs prompt logprobs, which this server does not implement; "
+                          "drop echo or logprobs.", 400, param="echo")
+    prompts = completion_prompts(ctx, req)
+    for _, ids in prompts:
+        ctx.check_prompt(len(ids), req.max_tokens, "prompt")
+    params = sampling_params(req, req.max_tokens, req.logprobs)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await open_streams(ctx.engine, request_id, prompts, params)
+    echo = [_prompt_text(ctx, p) if req.echo else "" for p in prompts]
+    if req.stream:
+        return StreamingResponse(_stream(req, model, request_id, streams, prompts, echo,
+                                         params.output_text_buffer_length),
+                                 media_type="text/event-stream")
+    result = await until_disconnected(raw, _collect(req, model, request_id, streams, prompts, echo))
+    if result is None:
+        return Response(status_code=499)
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+def _prompt_text(ctx: ServingContext, prompt: Prompt) -> str:
+    text, ids = prompt
+    return text if text is not None else ctx.tokenizer.decode(ids)
+
+
+async def _collect(req: CompletionRequest, model: str, request_id: str, streams: Sequence[RequestStream],
+                   prompts: Sequence[Prompt], echo: Sequence[str]) -> CompletionResponse:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+    finally:
+        for s in streams:
+            s.close()
+    choices, completion_tokens, cached = [], 0, 0
+    for i, out in enumerate(finals):
+        if out is None:
+            raise EngineDeadError("a request ended without a final output")
+        cached += out.num_cached_tokens or 0
+        for c in out.outputs:
+            lp = None
+            if req.logprobs is not None and c.logprobs is not None:
+                lp = completion_logprobs(c.token_ids, c.logprobs[:len(c.token_ids)], len(echo[i]))
+            choices.append(CompletionChoice(index=i * req.n + c.index, text=echo[i] + c.text, logprobs=lp,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            completion_tokens += len(c.token_ids)
+    choices.sort(key=lambda c: c.index)
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    return CompletionResponse(id=request_id, model=model, choices=choices,
+                              usage=usage(prompt_tokens, completion_tokens, cached))
+
+
+async def _stream(req: CompletionRequest, model: str, request_id: str,
+                  streams: Sequence[RequestStream], prompts: Sequence[Prompt],
+                  echo: Sequence[str], hold: int) -> AsyncIterator[str]:
+    """SSE chunks; `hold`: characters held back from unfinished text (a stop string may start there)."""
+    created = int(time.time())
+    n = req.n
+    states: dict[int, ChoiceState] = {}
+    offsets: dict[int, int] = {}  # choice -> characters of token text so far (logprobs' text_offset)
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+
+    def chunk(choices: list[CompletionChoice]) -> str:
+        u = None
+        if continuous:
+            u = usage(prompt_tokens, sum(s.tokens_sent for s in states.values()))
+        return sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
+                                            usage=u).model_dump_json())
+
+    try:
+        for i, text in enumerate(echo):
+            if text:
+                for j in range(n):
+                    offsets[i * n + j] = len(text)
+                    yield chunk([CompletionChoice(index=i * n + j, text=text)])
+        async for i, out in merge_streams(streams):
+            for c in out.outputs:
+                index = i * n + c.index
+                state = states.setdefault(index, ChoiceState())
+                d = state.delta(c, hold)
+                if d is None:
+                    continue
+                lp = None
+                if req.logprobs is not None and d.logprobs is not None:
+                    lp = completion_logprobs(d.token_ids, d.logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp.tokens)
+                yield chunk([CompletionChoice(index=index, text=d.text, logprobs=lp,
+                                              finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+        if include_usage:
+            completion_tokens = sum(s.tokens_sent for s in states.values())
+            yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                               usage=usage(prompt_tokens, completion_tokens)).model_dump_json())
+        yield SSE_DONE
+    except OpenAIError as e:
+        yield e.sse()
+        yield SSE_DONE
+    except EngineDeadError as e:
+        yield OpenAIError(f"The engine is not running: {e}", 503).sse()
+        yield SSE_DONE
+    except Exception as e:  # noqa: BLE001 - headers are sent: the error can only travel in the stream
+        logger.exception("error while streaming %s", request_id)
+        yield OpenAIError(f"Internal server error: {type(e).__name__}: {e}", 500).sse()
+        yield SSE_DONE
+    finally:
+        for s in streams:
+            s.close()
