@@ -17,7 +17,7 @@ from jaxengine.sampler import (
     build_sampling_metadata,
     needs_penalties,
     sample,
-    top_k_logprobs,
+    top_k_two_stage,
 )
 from jaxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -137,7 +137,7 @@ def test_two_stage_top_k_matches_lax_top_k(vocab):
     x[1, 5000:5030] = 9.0  # many ties at the top, spread over blocks
     x[2, :] = -1.0
     x[2, [7, vocab - 1]] = 3.0  # the maximum in the ragged last block
-    values, ids = jax.jit(top_k_logprobs, static_argnums=1)(x, MAX_LOGPROBS)
+    values, ids = jax.jit(top_k_two_stage, static_argnums=1)(x, MAX_LOGPROBS)
     ref_values, _ = jax.lax.top_k(x, MAX_LOGPROBS)
     np.testing.assert_array_equal(values, ref_values)
     np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), -1), values)  # ids point at them
