@@ -28,7 +28,7 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 8192 on accelerators, 2048 on CPU
+    max_num_batched_tokens: int | None = None  # None: 8192 on accelerators, 512 on CPU
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # None: sized from free device memory

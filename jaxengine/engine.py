@@ -99,7 +99,7 @@ class LLMEngine:
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                              f"{mc.max_position_embeddings}")
-        budget = config.max_num_batched_tokens or (2048 if jax.default_backend() == "cpu" else 8192)
+        budget = config.max_num_batched_tokens or (512 if jax.default_backend() == "cpu" else 8192)
         if budget < config.max_num_seqs and config.max_num_batched_tokens is not None:
             raise ValueError(f"max_num_batched_tokens={budget} must be >= max_num_seqs={config.max_num_seqs}")
         budget = max(budget, min(config.max_num_seqs, 256))

@@ -8,10 +8,12 @@ The host waits once per step, for the sampler's output.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import math
+import os
 import time
 
 import jax
@@ -159,18 +161,25 @@ class ModelRunner:
         return self.config.max_model_len if penalties else 1
 
     def warmup(self) -> None:
-        """Compiles every bucket (forward per token bucket, samplers per row count)."""
+        """Compiles every bucket (forward and prompt logprobs per token bucket, samplers per row
+        count), several at a time: XLA compiles outside the GIL."""
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
-        jobs = ([("forward", t) for t in self.token_buckets] + [("prompt_logprobs", t) for t in self.token_buckets]
-                + [("sampler", (r, p)) for r in rows for p in (False, True)])
+        jobs: list[tuple[str, object]] = (
+            [("forward", t) for t in reversed(self.token_buckets)]
+            + [("prompt_logprobs", t) for t in self.token_buckets]
+            + [("sampler", (r, p)) for r in rows for p in (False, True)])
+        build = {"forward": self._compile_forward, "prompt_logprobs": self._compile_prompt_logprobs,
+                 "sampler": lambda key: self._compile_sampler(*key)}
+        tables = {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns}
         t0 = time.perf_counter()
-        for kind, key in tqdm(jobs, desc="Compiling buckets", unit="program", disable=not jobs):
-            if kind == "forward":
-                self._forward_fns[key] = self._compile_forward(key)
-            elif kind == "prompt_logprobs":
-                self._prompt_lp_fns[key] = self._compile_prompt_logprobs(key)
-            else:
-                self._sample_fns[key] = self._compile_sampler(*key)
+        workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool, \
+                tqdm(total=len(jobs), desc="Compiling buckets", unit="program") as bar:
+            futures = {pool.submit(build[kind], key): (kind, key) for kind, key in jobs}
+            for fut in concurrent.futures.as_completed(futures):
+                kind, key = futures[fut]
+                tables[kind][key] = fut.result()
+                bar.update(1)
         self.compile_seconds = time.perf_counter() - t0
         logger.info("compiled %d programs in %.1f s (token buckets %s, row buckets %s)",
                     len(jobs), self.compile_seconds, list(self.token_buckets), rows)
