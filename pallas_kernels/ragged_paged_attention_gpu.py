@@ -8,16 +8,17 @@ size, M blocks per sequence). All query heads of one KV head are packed into the
 Kernel 1, `_decode_kernel`, grid (K, NPD): flash-decoding for the sequences with q_len == 1.
   The number of KV splits is chosen at run time from num_seqs, so that live sequences x K x
   splits is about `target_programs`; program p of a KV head handles (seq p // splits, split
-  p % splits). Programs beyond the live work exit at once, so padded slots cost ~nothing. With one
-  split the program writes its rows of the output; otherwise it writes an unnormalised partial
-  (acc, running max, running sum) to f32 scratch.
-Kernel 2, `_finish_kernel`, grid (K, NQB), output aliased to kernel 1's output: program p is
+  p % splits). Splits past a sequence's end and programs beyond the live work exit at once, so
+  padded slots cost ~nothing. A row with one used split is written directly; otherwise each
+  split publishes an unnormalised partial (acc, running max, running sum) to f32 scratch and
+  bumps an arrival counter, and the last split to arrive merges them (vectorised over splits).
+Kernel 2, `_prefill_kernel`, grid (K, NQB), output aliased to kernel 1's output: program p is
   a query tile of block_q tokens. Tiles are mapped to (sequence, tile) without the host: the
   tiles of sequence s are numbered from `query_start_loc[s] // block_q + s`, which leaves room
   for every sequence's tiles, so NQB = cdiv(T, block_q) + S is a static bound and each program
   finds its sequence with one vector compare over query_start_loc. A tile of a sequence with
-  q_len > 1 runs causal flash attention over its KV pages; the one tile of a decode sequence
-  merges that row's split partials (when there are several); the padding rows (the pseudo
+  q_len > 1 runs causal flash attention over its KV pages (masks only on the tiles that cross
+  the diagonal or the window edge); decode rows are skipped; the padding rows (the pseudo
   sequence after the last live one) get zeros.
 
 K/V pages are gathered row by row through the block table (masked loads: tokens past the
@@ -71,13 +72,13 @@ class Tiling:
       split count is cdiv(target_programs, live_seqs * K), capped by max_splits.
     """
 
-    decode_block_kv: int = 64
+    decode_block_kv: int = 32
     decode_num_warps: int = 4
-    decode_num_stages: int = 2
-    prefill_rows: int = 128
+    decode_num_stages: int = 3
+    prefill_rows: int = 64
     prefill_block_kv: int = 64
-    prefill_num_warps: int = 8
-    prefill_num_stages: int = 2
+    prefill_num_warps: int = 4
+    prefill_num_stages: int = 3
     target_programs: int = 528
     max_splits: int = 64
 
@@ -158,6 +159,17 @@ def _online_step(carry, s2, allowed, v, *, f32_pv: bool):
     return m_new, l, acc
 
 
+def _online_step_unmasked(carry, s2, v, *, f32_pv: bool):
+    """`_online_step` for a tile with every key allowed for every row."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    pr = jnp.exp2(s2 - m_new[:, None])
+    l = l * alpha + jnp.sum(pr, axis=1)
+    pv = _dot(pr if f32_pv else pr.astype(v.dtype), v)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
 def _store_rows(out_ref, rows: jax.Array, val: jax.Array, valid: jax.Array) -> None:
     """Masked store of val [R, H] into rows [R] of a flat [X, H] ref."""
     h = val.shape[1]
@@ -166,9 +178,25 @@ def _store_rows(out_ref, rows: jax.Array, val: jax.Array, valid: jax.Array) -> N
     plgpu.store(out_ref.at[rows[:, None], cols], val.astype(out_ref.dtype), mask=mask)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref,
-                   out_ref, op_ref, mp_ref, lp_ref, *, dims: _Dims, tiling: Tiling,
-                   sm_scale: float, soft_cap: float | None, window: int | None):
+def _split_geometry(kv_len, splits, window: int | None, dims: _Dims, tiling: Tiling):
+    """How a decode row's KV range is cut: (first attended position, pages per split, used splits).
+
+    Every program of the sequence computes the same values, so they agree on who merges.
+    """
+    lo = jnp.maximum(kv_len - window, 0) if window is not None else jnp.int32(0)
+    first_page = lo // dims.p
+    n_pages = _cdiv(kv_len, dims.p) - first_page
+    min_chunk = _cdiv(tiling.decode_block_kv, dims.p)  # at least one full loop step per split
+    chunk = jnp.maximum(_cdiv(n_pages, splits), min_chunk)
+    chunk = _cdiv(chunk, min_chunk) * min_chunk
+    return lo, first_page, chunk, _cdiv(n_pages, chunk)
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, cnt_in_ref,
+                   out_ref, op_ref, mp_ref, lp_ref, cnt_ref, *, dims: _Dims, tiling: Tiling,
+                   sm_scale: float, soft_cap: float | None, window: int | None,
+                   interpret: bool):
+    del cnt_in_ref  # zeroed arrival counters, aliased to cnt_ref
     kh = pl.program_id(0)
     p = pl.program_id(1)
     n_live = jnp.minimum(ns_ref[0], dims.s)
@@ -178,23 +206,18 @@ def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref,
     seq_c = jnp.minimum(seq, dims.s - 1)
     q_start = qsl_ref[seq_c]
     q_len = qsl_ref[seq_c + 1] - q_start
+    kv_len = kvl_ref[seq_c]
+    lo, first_page, chunk, n_used = _split_geometry(kv_len, splits, window, dims, tiling)
 
-    @pl.when((seq < n_live) & (q_len == 1))
+    # Splits past the sequence's end (n_used) and non-decode slots do nothing.
+    @pl.when((seq < n_live) & (q_len == 1) & (split < n_used))
     def _():
         bkv = tiling.decode_block_kv
-        kv_len = kvl_ref[seq_c]
-        lo = jnp.maximum(kv_len - window, 0) if window is not None else jnp.int32(0)
-        first_page = lo // dims.p
-        end_page = _cdiv(kv_len, dims.p)
-        min_chunk = _cdiv(bkv, dims.p)  # at least one full loop step per split
-        chunk = jnp.maximum(_cdiv(end_page - first_page, splits), min_chunk)
-        chunk = _cdiv(chunk, min_chunk) * min_chunk
         page_lo = first_page + split * chunk
-        page_hi = jnp.minimum(page_lo + chunk, end_page)
         tok_base = page_lo * dims.p
         tok_lo = jnp.maximum(tok_base, lo)
-        tok_hi = jnp.minimum(page_hi * dims.p, kv_len)
-        n_iter = jnp.maximum(_cdiv(tok_hi - tok_base, bkv), 0)
+        tok_hi = jnp.minimum((page_lo + chunk) * dims.p, kv_len)
+        n_iter = _cdiv(tok_hi - tok_base, bkv)
 
         g = jnp.arange(dims.rows_dec, dtype=jnp.int32)
         heads = kh * dims.g + jnp.minimum(g, dims.g - 1)
@@ -214,18 +237,65 @@ def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref,
                 jnp.zeros((r, dims.h), jnp.float32))
         m, l, acc = lax.fori_loop(0, n_iter, body, init)
         real = g < dims.g
+        out_rows = q_start * dims.n + kh * dims.g + g
 
-        @pl.when(splits == 1)
+        @pl.when(n_used == 1)
         def _():
-            out = jnp.where(l[:, None] > 0, acc / jnp.maximum(l, 1e-30)[:, None], 0.0)
-            _store_rows(out_ref, q_start * dims.n + kh * dims.g + g, out, real)
+            _store_rows(out_ref, out_rows, acc / jnp.maximum(l, 1e-30)[:, None], real)
 
-        @pl.when(splits > 1)
+        @pl.when(n_used > 1)
         def _():
+            # Publish the partial, then count arrivals; the last split to arrive merges. The
+            # barrier orders every thread's stores before the (release) atomic.
             prow = (kh * dims.npd + p) * dims.g + g
             _store_rows(op_ref, prow, acc, real)
             plgpu.store(mp_ref.at[prow], m, mask=real)
             plgpu.store(lp_ref.at[prow], l, mask=real)
+            if not interpret:
+                plgpu.debug_barrier()
+            arrived = plgpu.atomic_add(cnt_ref, (seq_c * dims.k + kh,), jnp.int32(1))
+
+            @pl.when(arrived == n_used - 1)
+            def _():
+                _merge_partials(op_ref, mp_ref, lp_ref, out_ref, base=kh * dims.npd + seq * splits,
+                                n_used=n_used, out_row0=q_start * dims.n + kh * dims.g,
+                                dims=dims, tiling=tiling)
+
+
+def _merge_partials(op_ref, mp_ref, lp_ref, out_ref, *, base, n_used, out_row0, dims: _Dims,
+                    tiling: Tiling):
+    """Combines the n_used partials (rows (base + j) * G + g) of one decode row.
+
+    Two vector passes instead of a serial loop over splits: all running maxima and sums at
+    once, then the accumulators in chunks of `ch` splits.
+    """
+    sp = _next_pow2(tiling.max_splits)
+    gp = dims.gp
+    g2 = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), dims.g - 1)[None, :]
+    j2 = jnp.arange(sp, dtype=jnp.int32)[:, None]
+    rows2 = (base + j2) * dims.g + g2  # [SP, Gp]
+    ok2 = jnp.broadcast_to(j2 < n_used, (sp, gp))
+    m2 = plgpu.load(mp_ref.at[rows2], mask=ok2, other=_MASK, volatile=True)
+    l2 = plgpu.load(lp_ref.at[rows2], mask=ok2, other=0.0, volatile=True)
+    m_all = jnp.max(m2, axis=0)  # [Gp]
+    l_all = jnp.sum(l2 * jnp.exp2(m2 - m_all[None, :]), axis=0)
+
+    ch = max(1, min(sp, 64 // gp))
+    h3 = jnp.arange(dims.h, dtype=jnp.int32)[None, None, :]
+
+    def body(c, acc):
+        jc = c * ch + jnp.arange(ch, dtype=jnp.int32)[:, None]  # [CH, 1]
+        rows_c = (base + jc) * dims.g + g2  # [CH, Gp]
+        ok_c = jnp.broadcast_to(jc < n_used, (ch, gp))
+        mc = plgpu.load(mp_ref.at[rows_c], mask=ok_c, other=_MASK, volatile=True)
+        w = jnp.where(ok_c, jnp.exp2(mc - m_all[None, :]), 0.0)  # [CH, Gp]
+        ok3 = jnp.broadcast_to(ok_c[:, :, None], (ch, gp, dims.h))
+        o3 = plgpu.load(op_ref.at[rows_c[:, :, None], h3], mask=ok3, other=0.0, volatile=True)
+        return acc + jnp.sum(o3 * w[:, :, None], axis=0)
+
+    acc = lax.fori_loop(0, _cdiv(n_used, ch), body, jnp.zeros((gp, dims.h), jnp.float32))
+    g = jnp.arange(gp, dtype=jnp.int32)
+    _store_rows(out_ref, out_row0 + g, acc / jnp.maximum(l_all, 1e-30)[:, None], g < dims.g)
 
 
 def _find_tile(qsl_ref, n_live, p, dims: _Dims):
@@ -239,10 +309,41 @@ def _find_tile(qsl_ref, n_live, p, dims: _Dims):
     return jnp.sum(hit.astype(jnp.int32)) - 1
 
 
-def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, op_ref, mp_ref, lp_ref, out_ref,
-                *, kh, p, n_live, dims: _Dims, tiling: Tiling, sm_scale: float,
-                soft_cap: float | None, window: int | None):
-    """Program p of a KV head: a prefill tile, a decode merge, padding zeros, or nothing."""
+def _attend_tile(q, qpos, kpos0, n_iter, carry, *, masked: bool, kv_lo, kv_hi, s_c, kh,
+                 k_ref, v_ref, bt_ref, dims: _Dims, tiling: Tiling, sm_scale: float,
+                 soft_cap: float | None, window: int | None):
+    """Online softmax of q [RQ, H] over n_iter KV tiles from position kpos0.
+
+    masked=False is for tiles wholly inside every row's causal (and window) range: no
+    position masks and no masked loads.
+    """
+    bkv = tiling.prefill_block_kv
+
+    def body(it, c):
+        kpos = kpos0 + it * bkv + jnp.arange(bkv, dtype=jnp.int32)
+        rows = _kv_rows(bt_ref, s_c, kpos, kh, dims)
+        if masked:
+            valid = (kpos >= kv_lo) & (kpos < kv_hi)
+            k = _load_kv(k_ref, rows, valid, dims.h)
+            v = _load_kv(v_ref, rows, valid, dims.h)
+        else:
+            k = k_ref[rows, :]
+            v = v_ref[rows, :]
+        s2 = _logits_log2(_dot(q, k, trans_b=True), sm_scale, soft_cap)
+        if not masked:
+            return _online_step_unmasked(c, s2, v, f32_pv=q.dtype == jnp.float32)
+        allowed = (kpos[None, :] <= qpos[:, None]) & valid[None, :]
+        if window is not None:
+            allowed &= kpos[None, :] > qpos[:, None] - window
+        return _online_step(c, s2, allowed, v, f32_pv=q.dtype == jnp.float32)
+
+    return lax.fori_loop(0, n_iter, body, carry)
+
+
+def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p, n_live,
+                dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
+                window: int | None):
+    """Program p of a KV head: a prefill tile, padding zeros, or nothing (decode rows)."""
     bq = dims.block_q
     s = _find_tile(qsl_ref, n_live, p, dims)
     is_pad = s == n_live
@@ -262,12 +363,6 @@ def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, op_ref, mp_ref, l
     def _():
         _store_rows(out_ref, out_rows, jnp.zeros((rq, dims.h), jnp.float32), row_ok)
 
-    # A decode sequence owns one tile; it merges the split partials (if any) of its row.
-    @pl.when((t0 < q_end) & jnp.logical_not(is_pad) & (q_len == 1))
-    def _():
-        _merge_partials(op_ref, mp_ref, lp_ref, out_ref, kh=kh, seq=s, q_start=q_start,
-                        n_live=n_live, dims=dims, tiling=tiling)
-
     @pl.when((t0 < q_end) & jnp.logical_not(is_pad) & (q_len > 1))
     def _():
         bkv = tiling.prefill_block_kv
@@ -278,71 +373,49 @@ def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, op_ref, mp_ref, l
         q = q_ref[q_rows, :]  # [RQ, H]
         qpos = ctx + (tok - q_start)  # [RQ]
         first_pos = ctx + (t0 - q_start)
-        kv_hi = jnp.minimum(first_pos + bq, kv_len)
+        kv_hi = jnp.minimum(first_pos + bq, kv_len)  # past the tile's last live row
+        last_pos = kv_hi - 1
         kv_lo = jnp.maximum(first_pos - window + 1, 0) if window is not None else jnp.int32(0)
         start = (kv_lo // dims.p) * dims.p
         n_iter = _cdiv(kv_hi - start, bkv)
-
-        def body(it, carry):
-            kpos = start + it * bkv + jnp.arange(bkv, dtype=jnp.int32)
-            valid = (kpos >= kv_lo) & (kpos < kv_hi)
-            rows = _kv_rows(bt_ref, s_c, kpos, kh, dims)
-            k = _load_kv(k_ref, rows, valid, dims.h)
-            v = _load_kv(v_ref, rows, valid, dims.h)
-            s2 = _logits_log2(_dot(q, k, trans_b=True), sm_scale, soft_cap)
-            allowed = (kpos[None, :] <= qpos[:, None]) & valid[None, :]
-            if window is not None:
-                allowed &= kpos[None, :] > qpos[:, None] - window
-            return _online_step(carry, s2, allowed, v, f32_pv=q.dtype == jnp.float32)
-
-        init = (jnp.full((rq,), _MASK, jnp.float32), jnp.zeros((rq,), jnp.float32),
-                jnp.zeros((rq, dims.h), jnp.float32))
-        m, l, acc = lax.fori_loop(0, n_iter, body, init)
+        # Tiles [full_lo, full_hi) need no mask: every key is <= first_pos (causal for all
+        # rows) and > last_pos - window (inside every row's window).
+        full_hi = jnp.maximum((first_pos + 1 - start) // bkv, 0)
+        if window is not None:
+            full_lo = jnp.minimum(_cdiv(jnp.maximum(last_pos - window + 1 - start, 0), bkv),
+                                  full_hi)
+        else:
+            full_lo = jnp.int32(0)
+        kw = dict(kv_lo=kv_lo, kv_hi=kv_hi, s_c=s_c, kh=kh, k_ref=k_ref, v_ref=v_ref,
+                  bt_ref=bt_ref, dims=dims, tiling=tiling, sm_scale=sm_scale,
+                  soft_cap=soft_cap, window=window)
+        carry = (jnp.full((rq,), _MASK, jnp.float32), jnp.zeros((rq,), jnp.float32),
+                 jnp.zeros((rq, dims.h), jnp.float32))
+        carry = _attend_tile(q, qpos, start, full_lo, carry, masked=True, **kw)
+        carry = _attend_tile(q, qpos, start + full_lo * bkv, full_hi - full_lo, carry,
+                             masked=False, **kw)
+        carry = _attend_tile(q, qpos, start + full_hi * bkv, n_iter - full_hi, carry,
+                             masked=True, **kw)
+        _, l, acc = carry
         out = jnp.where(l[:, None] > 0, acc / jnp.maximum(l, 1e-30)[:, None], 0.0)
         _store_rows(out_ref, out_rows, out, row_ok)
 
 
-def _merge_partials(op_ref, mp_ref, lp_ref, out_ref, *, kh, seq, q_start, n_live,
-                    dims: _Dims, tiling: Tiling):
-    splits = _num_splits(n_live, dims, tiling)
-
-    @pl.when(splits > 1)
-    def _():
-        g = jnp.arange(dims.gp, dtype=jnp.int32)
-        g_c = jnp.minimum(g, dims.g - 1)
-
-        def body(j, carry):
-            m, l, acc = carry
-            prow = (kh * dims.npd + seq * splits + j) * dims.g + g_c
-            mj = mp_ref[prow]
-            lj = lp_ref[prow]
-            oj = op_ref[prow, :]
-            m_new = jnp.maximum(m, mj)
-            a = jnp.exp2(m - m_new)
-            b = jnp.exp2(mj - m_new)
-            return m_new, l * a + lj * b, acc * a[:, None] + oj * b[:, None]
-
-        init = (jnp.full((dims.gp,), _MASK, jnp.float32), jnp.zeros((dims.gp,), jnp.float32),
-                jnp.zeros((dims.gp, dims.h), jnp.float32))
-        _, l, acc = lax.fori_loop(0, splits, body, init)
-        out = jnp.where(l[:, None] > 0, acc / jnp.maximum(l, 1e-30)[:, None], 0.0)
-        _store_rows(out_ref, q_start * dims.n + kh * dims.g + g, out, g < dims.g)
-
-
-def _finish_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, op_ref, mp_ref,
-                   lp_ref, out_in_ref, out_ref, *, dims: _Dims, tiling: Tiling, sm_scale: float,
-                   soft_cap: float | None, window: int | None):
+def _prefill_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_in_ref, out_ref,
+                    *, dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
+                    window: int | None):
     del out_in_ref  # aliased to out_ref: the decode kernel's rows are already in it
     kh = pl.program_id(0)
-    p = pl.program_id(1)
+    # Reversed: the last tiles of a chunk attend to the most keys, so they start first.
+    p = dims.nqb - 1 - pl.program_id(1)
     n_live = jnp.minimum(ns_ref[0], dims.s)
     n_tiles_max = _cdiv(dims.t, dims.block_q) + n_live  # bound on live virtual tiles
 
     @pl.when(p < n_tiles_max)
     def _():
-        _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, op_ref, mp_ref, lp_ref,
-                    out_ref, kh=kh, p=p, n_live=n_live, dims=dims, tiling=tiling,
-                    sm_scale=sm_scale, soft_cap=soft_cap, window=window)
+        _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, kh=kh, p=p,
+                    n_live=n_live, dims=dims, tiling=tiling, sm_scale=sm_scale,
+                    soft_cap=soft_cap, window=window)
 
 
 def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
@@ -373,30 +446,33 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
     bt = block_tables.reshape(dims.s * dims.m)
     common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window)
     n_part = dims.k * dims.npd * dims.g
+    counters = jnp.zeros((dims.s * dims.k,), jnp.int32)
 
-    out, op, mp, lp = pl.pallas_call(
-        functools.partial(_decode_kernel, **common),
+    out, _, _, _, _ = pl.pallas_call(
+        functools.partial(_decode_kernel, interpret=interpret, **common),
         grid=(dims.k, dims.npd),
         out_shape=(jax.ShapeDtypeStruct((dims.t * dims.n, dims.h), q.dtype),
                    jax.ShapeDtypeStruct((n_part, dims.h), jnp.float32),
                    jax.ShapeDtypeStruct((n_part,), jnp.float32),
-                   jax.ShapeDtypeStruct((n_part,), jnp.float32)),
+                   jax.ShapeDtypeStruct((n_part,), jnp.float32),
+                   jax.ShapeDtypeStruct((dims.s * dims.k,), jnp.int32)),
+        input_output_aliases={7: 4},
         compiler_params=plgpu.CompilerParams(num_warps=tiling.decode_num_warps,
                                              num_stages=tiling.decode_num_stages),
         interpret=interpret,
         name="rpa_decode",
-    )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs)
+    )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, counters)
 
     out = pl.pallas_call(
-        functools.partial(_finish_kernel, **common),
+        functools.partial(_prefill_kernel, **common),
         grid=(dims.k, dims.nqb),
         out_shape=jax.ShapeDtypeStruct((dims.t * dims.n, dims.h), q.dtype),
-        input_output_aliases={10: 0},
+        input_output_aliases={7: 0},
         compiler_params=plgpu.CompilerParams(num_warps=tiling.prefill_num_warps,
                                              num_stages=tiling.prefill_num_stages),
         interpret=interpret,
-        name="rpa_prefill_merge",
-    )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, op, mp, lp, out)
+        name="rpa_prefill",
+    )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, out)
     return out.reshape(dims.t, dims.n, dims.h)
 
 

@@ -112,6 +112,20 @@ class Timer:
                 "first_call_s": first_s}
 
 
+def kernel_breakdown(timer: Timer, f, args, reps: int) -> dict | None:
+    """Per-kernel CUPTI time of one call (chain / reps), summed by kernel name, in us."""
+    if timer.profiler is None:
+        return None
+    try:
+        _, ts = timer.profiler.measure(f, aggregate=False)(*args)
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)}
+    out: dict = {}
+    for name, ms in ts or []:
+        out[name[:80]] = out.get(name[:80], 0.0) + ms * 1e3 / reps
+    return out
+
+
 def _ms(t: dict) -> float:
     return t["kernel_ms"] if t["kernel_ms"] is not None else t["wall_ms"]
 
@@ -371,23 +385,24 @@ def n_sets_for(bytes_per_call: int, reps: int) -> int:
 def sweep(runner: Runner, pool: Pool, rng, smoke: bool) -> dict:
     base = Tiling()
     dec_variants = {
-        "bkv64_w4_s2": base,
-        "bkv128_w4_s3": dataclasses.replace(base, decode_block_kv=128, decode_num_stages=3),
-        "bkv64_w4_s3": dataclasses.replace(base, decode_num_stages=3),
-        "bkv32_w4_s3": dataclasses.replace(base, decode_block_kv=32, decode_num_stages=3),
-        "bkv128_w8_s2": dataclasses.replace(base, decode_block_kv=128, decode_num_warps=8),
+        "bkv32_w4_s3": base,
+        "bkv32_w4_s4": dataclasses.replace(base, decode_num_stages=4),
+        "bkv64_w4_s3": dataclasses.replace(base, decode_block_kv=64),
+        "bkv16_w4_s4": dataclasses.replace(base, decode_block_kv=16, decode_num_stages=4),
+        "bkv32_w4_s3_t264_m32": dataclasses.replace(base, target_programs=264, max_splits=32),
     }
     pre_variants = {
-        "r128_bkv64_w8_s2": base,
-        "r128_bkv64_w4_s3": dataclasses.replace(base, prefill_num_warps=4, prefill_num_stages=3),
-        "r128_bkv32_w4_s3": dataclasses.replace(base, prefill_block_kv=32, prefill_num_warps=4,
-                                                prefill_num_stages=3),
-        "r64_bkv64_w4_s3": dataclasses.replace(base, prefill_rows=64, prefill_num_warps=4,
-                                               prefill_num_stages=3),
-        "r128_bkv128_w8_s2": dataclasses.replace(base, prefill_block_kv=128),
+        "r64_bkv64_w4_s3": base,
+        "r128_bkv64_w8_s3": dataclasses.replace(base, prefill_rows=128, prefill_num_warps=8),
+        "r64_bkv128_w4_s3": dataclasses.replace(base, prefill_block_kv=128),
+        "r128_bkv128_w8_s3": dataclasses.replace(base, prefill_rows=128, prefill_block_kv=128,
+                                                 prefill_num_warps=8),
+        "r64_bkv64_w4_s4": dataclasses.replace(base, prefill_num_stages=4),
+        "r64_bkv32_w4_s4": dataclasses.replace(base, prefill_block_kv=32, prefill_num_stages=4),
     }
-    dec_shapes = [(8, 128), (2, 256)] if smoke else [(32, 2048), (8, 8192), (256, 2048)]
-    pre_shapes = [(32, 16)] if smoke else [(2048, 2048), (512, 4096)]
+    dec_shapes = [(8, 128), (2, 256)] if smoke else [(1, 512), (1, 8192), (8, 2048), (32, 2048),
+                                                      (256, 2048)]
+    pre_shapes = [(32, 16)] if smoke else [(2048, 2048), (512, 4096), (1024, 0)]
     out = {"decode": [], "prefill": []}
     for b, ctx in dec_shapes:
         step = build_step(rng, pool, [1] * b, [ctx - 1] * b,
@@ -460,6 +475,15 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
                 row["ours"] = runner.ours(step, pool, reps, tiling)
                 row["bundled"] = runner.bundled(step, pool, reps)
                 row["reference"] = runner.reference(step, pool, 2)
+                if (b, ctx) in ((1, 512), (8, 512), (32, 2048), (1, 8192)):
+                    targs = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
+                             step["qsl"], step["num_seqs"])
+                    bargs = (step["q"], pool.k_t, pool.v_t, step["kv_lens"], step["tables"])
+                    row["breakdown_us"] = {
+                        "ours": kernel_breakdown(runner.timer, chain_ours(reps, tiling, False),
+                                                 targs, reps),
+                        "bundled": kernel_breakdown(runner.timer, chain_bundled(reps, False),
+                                                    bargs, reps)}
                 t = _ms(row["ours"])
                 row["ours_bw_frac_of_copy"] = row["kv_bytes"] / (t * 1e-3) / \
                     runner.ceil["copy_bytes_per_s"]

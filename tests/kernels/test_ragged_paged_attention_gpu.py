@@ -84,6 +84,25 @@ def test_split_counts(target):
     _check(b, sm_scale=0.125, tiling=Tiling(target_programs=target, max_splits=8))
 
 
+def test_many_splits_merge_in_chunks():
+    """G = 8 and up to 64 splits: the merging split combines partials in several chunks."""
+    rng = np.random.default_rng(21)
+    b = make_batch(rng, q_lens=[1, 1, 3], ctx_lens=[2100, 300, 9], num_heads=8, num_kv_heads=1,
+                   head_dim=64, block_size=16, dtype=jnp.float32, pad_slots=1)
+    _check(b, sm_scale=0.125, tiling=Tiling(target_programs=100_000, max_splits=64))
+
+
+def test_window_with_unmasked_middle_tiles():
+    """Small tiles so a window leaves masked tiles below, unmasked ones in the middle, and the
+    diagonal masked: all three prefill loops run."""
+    rng = np.random.default_rng(22)
+    b = make_batch(rng, q_lens=[50, 1, 23], ctx_lens=[100, 70, 0], num_heads=8, num_kv_heads=2,
+                   head_dim=64, block_size=16, dtype=jnp.float32)
+    _check(b, sm_scale=0.125, sliding_window=40,
+           tiling=Tiling(prefill_rows=16, prefill_block_kv=16))
+    _check(b, sm_scale=0.125, tiling=Tiling(prefill_rows=16, prefill_block_kv=16))
+
+
 def test_prefill_only_multi_tile_and_decode_only():
     rng = np.random.default_rng(11)
     tiling = Tiling(prefill_rows=16)  # 4 tokens per tile at G = 4: many tiles per chunk
