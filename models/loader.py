@@ -7,6 +7,7 @@ tensors are reported together by name.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Callable
@@ -179,11 +180,13 @@ def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, attn_backend
         if path[-1] == "weight":  # norms
             arr = jnp.ones(shape, dtype)
         else:
-            arr = _normal(jax.random.fold_in(key, i), shape, dtype)
+            arr = _normal(jax.random.fold_in(key, i), shape, jnp.dtype(dtype))
         _set(pure, path, put(path, arr))
     nnx.replace_by_pure_dict(abs_state, pure)
     return graphdef, abs_state
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
-    return jax.jit(lambda k: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))(key)
+    """One compile per distinct (shape, dtype): a model has only a handful."""
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
