@@ -8,10 +8,11 @@ Routes under `/v1` need `Authorization: Bearer <api key>` when a key is set; `/h
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -23,7 +24,7 @@ from jaxengine.server.errors import OpenAIError, install_error_handlers
 from jaxengine.server.metrics import ServerMetrics
 from jaxengine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        DetokenizeResponse, ModelCard,
-                                       ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
+                                       ModelList, TokenizeChatRequest, TokenizeRequest,
                                        TokenizeResponse, VersionResponse)
 from jaxengine.server.serving_chat import create_chat_completion, render_messages
 from jaxengine.server.serving_common import ServingContext
@@ -61,11 +62,14 @@ class ApiKeyMiddleware:
 
 def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = None, model_path: str | None = None,
               api_key: str | None = None, chat_template: str | None = None,
-              shutdown_drain_timeout: float = 0.0) -> FastAPI:
+              shutdown_drain_timeout: float = 0.0, exit_requested: Callable[[], bool] | None = None) -> FastAPI:
     """An app serving `engine`. The engine loop starts with the app's lifespan.
 
     `served_model_names`: the names clients may send as `model` (the first is reported);
     default: the model path, or "SmolLM2-135M-Instruct" for the embedded default model.
+    `exit_requested`: polled while serving (uvicorn's `should_exit`); once true, in-flight requests
+    get `shutdown_drain_timeout` seconds to finish and the rest are aborted, so that their
+    clients get a proper last chunk (finish_reason "abort") instead of a cut connection.
     """
     llm_engine = engine.engine
     names = list(served_model_names or [default_served_name(model_path or llm_engine.config.model)])
@@ -76,12 +80,22 @@ def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = Non
     if engine.observer is None:
         engine.observer = metrics
 
+    async def drain_on_exit(poll: Callable[[], bool]) -> None:
+        while not poll():
+            await asyncio.sleep(0.1)
+        logger.info("shutting down: %d request(s) in flight get up to %.1f s to finish",
+                    engine.num_open_requests, shutdown_drain_timeout)
+        await engine.shutdown(shutdown_drain_timeout)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        watcher = asyncio.create_task(drain_on_exit(exit_requested)) if exit_requested else None
         try:
             yield
         finally:
+            if watcher is not None and not watcher.done():
+                watcher.cancel()
             await engine.shutdown(shutdown_drain_timeout)
 
     app = FastAPI(title="jaxengine OpenAI-compatible server", version=jaxengine.__version__, lifespan=lifespan)
@@ -127,7 +141,7 @@ def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = Non
         return await create_chat_completion(ctx, req, raw)
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         ctx.resolve_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message)

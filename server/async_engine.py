@@ -216,7 +216,7 @@ class AsyncEngine:
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Finishes or aborts every in-flight request, then stops and joins the loop thread."""
         self._accepting = False
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():
             return
         if drain_timeout > 0 and self._open and self.is_alive:
             assert self._idle is not None

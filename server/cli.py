@@ -140,6 +140,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             dest = str(key).replace("-", "_")
             if dest == "model_tag" or dest in _NOT_CONFIGURABLE or dest not in actions:
                 raise ValueError(f"unknown key {key!r} in config file {path}")
+            if dest == "model" and not isinstance(values.get("model_tag"), _Default):
+                continue  # the positional MODEL on the command line wins too
             if isinstance(values.get(dest), _Default):
                 values[dest] = _convert(actions[dest], str(key), value)
     out = argparse.Namespace(**{k: _unwrap(v) for k, v in values.items()})
@@ -208,16 +210,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def run_server(engine, settings: ServerSettings, sockets: Sequence[socket.socket] | None = None) -> int:  # noqa: ANN001
     """Serves `engine` (an `LLMEngine`) until a signal or the engine's death; the exit status."""
+    import prometheus_client
     import uvicorn
 
     from jaxengine.server.api_server import build_app
     from jaxengine.server.async_engine import AsyncEngine
 
+    prometheus_client.disable_created_metrics()  # no `*_created` series, as in vLLM (process-wide)
     async_engine = AsyncEngine(engine)
+    server: uvicorn.Server | None = None
     app = build_app(async_engine, served_model_names=list(settings.served_model_names or []) or None,
-                    model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template)
+                    model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template,
+                    shutdown_drain_timeout=settings.shutdown_timeout,
+                    exit_requested=lambda: server is not None and server.should_exit)
+    # The app drains and aborts by itself (see build_app); uvicorn's own timeout is only a backstop
+    # for connections that would still hang after that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
-                            timeout_graceful_shutdown=settings.shutdown_timeout, lifespan="on")
+                            timeout_graceful_shutdown=settings.shutdown_timeout + 5.0, lifespan="on")
     server = uvicorn.Server(config)
 
     def on_death(_: BaseException) -> None:

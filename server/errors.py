@@ -59,17 +59,21 @@ def from_value_error(e: ValueError, known_params: set[str] | None = None) -> Ope
     return OpenAIError(msg, 400, param=param)
 
 
+# Union members show up in error locations ('str', 'list[int]'); they are not field names.
+_UNION_TAG = re.compile(r"[a-z]+\[.*\]|str|int|float|bool|function-.*|[A-Z][A-Za-z]*Request")
+
+
 def _loc_to_param(loc: tuple[object, ...]) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
-    # Union members show up as path parts ('str', 'list[int]'); they are not field names.
-    parts = [p for p in parts if not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool|function-.*", p)]
+    parts = [p for p in parts if not _UNION_TAG.fullmatch(p)]
     return ".".join(parts) or None
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
     """FastAPI/pydantic validation errors as one 400, naming every offending field."""
     errors = exc.errors()
-    unknown = [_loc_to_param(tuple(e["loc"])) for e in errors if e.get("type") == "extra_forbidden"]
+    unknown = [".".join(filter(None, [_loc_to_param(tuple(e["loc"])[:-1]), str(e["loc"][-1])]))
+               for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         names = ", ".join(str(u) for u in unknown)
         return OpenAIError(f"Unrecognized request argument supplied: {names}", 400, param=unknown[0])
@@ -78,9 +82,20 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError(f"We could not parse the JSON body of your request ({detail}). The body must be "
                            "valid JSON.", 400)
     seen: dict[str | None, str] = {}
+    tags: dict[str | None, list[str]] = {}  # union members tried per field
     for e in errors:
-        param = _loc_to_param(tuple(e["loc"]))
+        loc = tuple(e["loc"])
+        param = _loc_to_param(loc)
+        tag = next((str(p) for p in loc if isinstance(p, str) and _UNION_TAG.fullmatch(p)), None)
+        field = _loc_to_param(loc[:loc.index(tag)]) if tag is not None else None
+        if tag is not None and field is not None:  # a union-typed field (not the body's own union)
+            if tag not in tags.setdefault(field, []):
+                tags[field].append(tag)
+            param = field
         seen.setdefault(param, e.get("msg", "invalid value"))
+    for field, members in tags.items():
+        if len(members) > 1:
+            seen[field] = "expected one of: " + ", ".join(members)
     parts = [f"{p}: {m}" if p else m for p, m in seen.items()]
     return OpenAIError("Invalid request: " + "; ".join(parts), 400, param=next(iter(seen)))
 

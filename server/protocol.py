@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, model_serializer
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # strict float still accepts JSON integers
@@ -168,6 +168,17 @@ class TokenizeChatRequest(RequestModel):
     continue_final_message: Bool = False
     add_special_tokens: Bool = False
     return_token_strs: Bool = False
+
+
+def _tokenize_kind(body: object) -> str:
+    has_messages = isinstance(body, dict) and "messages" in body or isinstance(body, TokenizeChatRequest)
+    return "TokenizeChatRequest" if has_messages else "TokenizeCompletionRequest"
+
+
+# vLLM's /tokenize takes either shape; the presence of `messages` decides which.
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+                            | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+                            Discriminator(_tokenize_kind)]
 
 
 class DetokenizeRequest(RequestModel):

@@ -56,7 +56,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     top_logprobs = chat_logprobs_setting(req)
     text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message)
     max_tokens = req.max_new_tokens
-    ctx.check_prompt(len(ids), max_tokens, "messages")
+    max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    ctx.check_prompt(len(ids), max_tokens, "messages", max_name)
     params = sampling_params(req, max_tokens, top_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await open_streams(ctx.engine, request_id, [(text, ids)], params)

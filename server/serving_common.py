@@ -54,8 +54,12 @@ class ServingContext:
         """The same ids `LLMEngine.tokenize` gives (so server and `LLM.generate` agree)."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None, param: str,
+                     max_tokens_param: str = "max_tokens") -> None:
         """OpenAI's context-length errors (the engine checks too, but without the numbers)."""
+        if max_tokens is not None and max_tokens < 1:
+            raise OpenAIError(f"{max_tokens_param} must be at least 1, got {max_tokens}.", 400,
+                              param=max_tokens_param)
         if num_prompt_tokens == 0:
             raise OpenAIError("The prompt is empty.", 400, param=param)
         limit = self.max_model_len
@@ -68,7 +72,7 @@ class ServingContext:
             raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {param}, "
                               f"{max_tokens} in the completion). Please reduce the length of the {param} or "
-                              "completion.", 400, param="max_tokens", code="context_length_exceeded")
+                              "completion.", 400, param=max_tokens_param, code="context_length_exceeded")
 
 
 SAMPLING_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"max_completion_tokens",

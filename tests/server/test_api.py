@@ -1,0 +1,338 @@
+"""The server end to end with the official `openai` client, against a live uvicorn on a tiny random
+Llama: what it returns equals `LLM.generate` / `LLM.chat` for the same parameters (greedy and
+seeded), streams are well-formed OpenAI SSE, 32 concurrent streams complete correctly, disconnects
+abort, no KV block leaks, and /metrics moves as requests complete."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.server.api_server import build_app
+from jaxengine.server.async_engine import AsyncEngine
+from tests.server.conftest import ENGINE_KW, LiveServer, make_engine
+
+MODEL = "tiny-llama"
+PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):\n    return",
+           "1 2 3 4 5 6 7 8"]
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, xla_cache_dir):
+    engine = make_engine(tiny_llama, xla_cache_dir)
+    app = build_app(AsyncEngine(engine), served_model_names=[MODEL, "alias"], model_path=tiny_llama)
+    with LiveServer(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, xla_cache_dir) -> LLM:
+    return LLM(tiny_llama, compilation_cache_dir=xla_cache_dir, **ENGINE_KW)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def engine_call(server: LiveServer, fn):  # noqa: ANN001, ANN201
+    return server.app.state.engine.call_threadsafe(fn, timeout=30)
+
+
+def kv_pool_is_full(server: LiveServer) -> bool:
+    def check(e) -> bool:  # noqa: ANN001
+        return (not e.has_unfinished_requests()
+                and e.scheduler.block_manager.num_free_blocks == e.config.num_kv_blocks - 1)
+    return engine_call(server, check)
+
+
+def wait_idle(server: LiveServer, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine_call(server, lambda e: e.has_unfinished_requests()):
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.05)
+
+
+def metric_samples(server: LiveServer) -> dict[tuple[str, str | None], float]:
+    text = httpx.get(server.url + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, s.labels.get("finished_reason"))] = s.value
+    return out
+
+
+# -- plain endpoints ------------------------------------------------------------------------------
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL, "alias"]
+    assert client.models.retrieve("alias").id == "alias"
+    assert httpx.get(server.url + "/health").status_code == 200
+    import jaxengine
+    assert httpx.get(server.url + "/version").json() == {"version": jaxengine.__version__}
+
+
+def test_tokenize_and_detokenize(server, reference):
+    tok = reference.get_tokenizer()
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == ENGINE_KW["max_model_len"] and len(r["token_strs"]) == r["count"]
+    chat = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": CHAT}).json()
+    from jaxengine.llm import render_chat
+    assert chat["tokens"] == render_chat(tok, CHAT, None, True)[1] and chat["token_strs"] is None
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back == {"prompt": "Hello world"}
+
+
+# -- completions ------------------------------------------------------------------------------------
+def test_completions_greedy_equal_llm_generate(client, reference):
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=16, temperature=0)
+    ref = reference.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-") and resp.model == MODEL
+    assert [c.index for c in resp.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in resp.choices] == [r.outputs[0].text for r in ref]
+    assert [c.finish_reason for c in resp.choices] == [r.outputs[0].finish_reason for r in ref]
+    assert resp.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in ref)
+    assert resp.usage.completion_tokens == sum(len(r.outputs[0].token_ids) for r in ref)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+    # the same through a stream, and from token ids
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == ref[0].outputs[0].text
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].choices[0].finish_reason == ref[0].outputs[0].finish_reason
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+    ids = [r.prompt_token_ids for r in ref[:2]]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0)
+    assert [c.text for c in by_ids.choices] == [r.outputs[0].text for r in ref[:2]]
+    single = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=16, temperature=0, echo=True)
+    assert single.choices[0].text == reference.get_tokenizer().decode(ids[0]) + ref[0].outputs[0].text
+
+
+def test_completions_seeded_n_equal_llm_generate(client, reference):
+    kw = dict(n=3, temperature=0.9, top_p=0.95, seed=1234, max_tokens=12)
+    ref = reference.generate(PROMPTS[1], SamplingParams(**kw), use_tqdm=False)[0]
+    expected = [o.text for o in ref.outputs]
+    assert len(set(expected)) > 1  # the three samples differ
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[1], **kw)
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == expected
+    streamed = ["", "", ""]
+    finishes = {}
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[1], stream=True, **kw):
+        for c in chunk.choices:
+            assert c.index not in finishes, "text after the finish chunk"
+            streamed[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert streamed == expected and set(finishes) == {0, 1, 2}
+    # extras (top_k, min_p, repetition_penalty, min_tokens) reach the sampler the same way
+    extra = dict(top_k=20, min_p=0.05, repetition_penalty=1.2, min_tokens=4)
+    ref2 = reference.generate(PROMPTS[2], SamplingParams(temperature=0.7, seed=5, max_tokens=10, **extra),
+                              use_tqdm=False)[0]
+    resp2 = client.completions.create(model=MODEL, prompt=PROMPTS[2], temperature=0.7, seed=5, max_tokens=10,
+                                      extra_body=extra)
+    assert resp2.choices[0].text == ref2.outputs[0].text
+
+
+def test_completions_logprobs(client, reference):
+    ref = reference.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3,
+                                     extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    for i, tid in enumerate(ref.token_ids):
+        assert lp.token_logprobs[i] == pytest.approx(ref.logprobs[i][tid].logprob, abs=1e-5)
+        assert lp.tokens[i] == ref.logprobs[i][tid].decoded_token
+        assert 3 <= len(lp.top_logprobs[i]) <= 4
+        assert max(lp.top_logprobs[i].values()) >= lp.token_logprobs[i] - 1e-6
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    streamed_tokens = []
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                           logprobs=3, stream=True, extra_body={"ignore_eos": True}):
+        if chunk.choices[0].logprobs is not None:
+            streamed_tokens += chunk.choices[0].logprobs.tokens
+    assert streamed_tokens == lp.tokens
+
+
+def test_completions_stop_strings(client, reference):
+    free = reference.generate(PROMPTS[3], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+    stop = free[6:9]
+    assert len(stop) == 3 and stop.strip()
+    params = dict(max_tokens=24, temperature=0, stop=[stop, "\x00never"])
+    ref = reference.generate(PROMPTS[3], SamplingParams(ignore_eos=True, **params), use_tqdm=False)[0].outputs[0]
+    assert ref.finish_reason == "stop" and ref.text == free[:free.index(stop)]
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[3], extra_body={"ignore_eos": True}, **params)
+    c = resp.choices[0]
+    assert (c.text, c.finish_reason, c.model_extra["stop_reason"]) == (ref.text, "stop", stop)
+    # streamed text never shows any part of the stop string, even transiently
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[3], stream=True,
+                                            extra_body={"ignore_eos": True}, **params))
+    assert "".join(ch.choices[0].text for ch in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    inc = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, stop=stop,
+                                    extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert inc.choices[0].text == ref.text + stop
+
+
+# -- chat -------------------------------------------------------------------------------------------
+def test_chat_greedy_and_seeded_equal_llm_chat(client, reference):
+    ref = reference.chat(CHAT, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    msg = resp.choices[0].message
+    assert (msg.role, msg.content) == ("assistant", ref.outputs[0].text)
+    assert resp.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    # content as text parts, and max_completion_tokens, render and generate the same
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in CHAT]
+    resp2 = client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=12, temperature=0)
+    assert resp2.choices[0].message.content == ref.outputs[0].text
+
+    kw = dict(n=2, temperature=1.0, seed=77, max_tokens=10)
+    ref_n = reference.chat(CHAT, SamplingParams(**kw), use_tqdm=False)[0]
+    resp_n = client.chat.completions.create(model=MODEL, messages=CHAT, **kw)
+    assert [c.message.content for c in resp_n.choices] == [o.text for o in ref_n.outputs]
+
+
+def test_chat_stream_shape(client, reference):
+    history = CHAT + [{"role": "assistant", "content": "Red."},
+                      {"role": "tool", "content": "ok", "tool_call_id": "call_1"},
+                      {"role": "user", "content": "More?"}]
+    kw = dict(n=2, temperature=1.0, seed=3, max_tokens=10)
+    ref = reference.chat(history, SamplingParams(**kw), use_tqdm=False)[0]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=history, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    assert all(c.object == "chat.completion.chunk" for c in chunks) and len({c.id for c in chunks}) == 1
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == sum(
+        len(o.token_ids) for o in ref.outputs)
+    assert all(c.usage is None for c in chunks[:-1])
+    for index, expected in enumerate(o.text for o in ref.outputs):
+        mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant" and mine[0].delta.content == ""
+        assert all(ch.delta.role is None for ch in mine[1:])
+        assert all(ch.finish_reason is None for ch in mine[:-1])
+        assert mine[-1].finish_reason == ref.outputs[index].finish_reason and mine[-1].delta.content is None
+        assert "".join(ch.delta.content or "" for ch in mine) == expected
+
+
+def test_chat_logprobs(client, reference):
+    ref = reference.chat(CHAT, SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry, tid, lps in zip(content, ref.token_ids, ref.logprobs):
+        assert entry.logprob == pytest.approx(lps[tid].logprob, abs=1e-5)
+        assert entry.token == lps[tid].decoded_token and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)  # greedy: the best
+    streamed = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                                logprobs=True, top_logprobs=2, stream=True,
+                                                extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += [e.token for e in chunk.choices[0].logprobs.content]
+    assert streamed == [e.token for e in content]
+
+
+# -- many clients, disconnects, leaks ------------------------------------------------------------------
+def test_32_concurrent_streams_complete_and_leak_nothing(server, reference):
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
+    lengths = [8 + (i * 5) % 17 for i in range(32)]
+    ref = reference.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                       for n in lengths], use_tqdm=False)
+
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int]:
+        text, finish, chunks = "", None, 0
+        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i], max_tokens=lengths[i],
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            chunks += 1
+            assert finish is None, "chunk after the finish chunk"
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason
+        return text, finish, chunks
+
+    async def main():  # noqa: ANN202
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    for (text, finish, chunks), r in zip(results, ref):
+        assert (text, finish) == (r.outputs[0].text, "length")
+        assert chunks > 1
+    assert kv_pool_is_full(server)
+    assert server.app.state.engine.num_open_requests == 0
+
+
+def test_disconnects_abort_and_leak_nothing(server):
+    before = metric_samples(server)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path, payload in (("/v1/completions", body),
+                              ("/v1/chat/completions", {**{k: v for k, v in body.items() if k != "prompt"},
+                                                        "messages": CHAT})):
+            for _ in range(2):
+                with http.stream("POST", path, json={**payload, "stream": True}) as r:
+                    assert r.status_code == 200
+                    seen = 0
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            json.loads(line[6:])
+                            seen += 1
+                            if seen == 3:
+                                break  # hang up mid-stream
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client giving up
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    wait_idle(server)
+    assert kv_pool_is_full(server)
+    after = metric_samples(server)
+    aborted = after[("jaxengine:request_success_total", "abort")] - before[("jaxengine:request_success_total", "abort")]
+    assert aborted == 5
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+def test_metrics_move_as_requests_complete(server, client, reference):
+    before = metric_samples(server)
+    names = {name for name, _ in before}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_count",
+                 "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_success_total"):
+        assert "jaxengine:" + name in names, name
+    prompt = " / ".join(PROMPTS) + " metrics"  # more than one 16-token block: the second request hits the cache
+    n_prompt = len(reference.get_tokenizer().encode(prompt))
+    assert n_prompt > 16
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = metric_samples(server)
+
+    def delta(name: str, reason: str | None = None) -> float:
+        return after[("jaxengine:" + name, reason)] - before[("jaxengine:" + name, reason)]
+
+    assert delta("prompt_tokens_total") == 2 * n_prompt
+    assert delta("generation_tokens_total") == 10
+    assert delta("request_success_total", "length") == 2
+    assert delta("time_to_first_token_seconds_count") == 2
+    assert delta("e2e_request_latency_seconds_count") == 2
+    assert delta("time_per_output_token_seconds_count") == 2
+    assert delta("prefix_cache_queries_total") >= n_prompt
+    assert delta("prefix_cache_hits_total") > 0  # the second request reuses the first one's prompt blocks
+    assert after[("jaxengine:num_requests_running", None)] == 0
+    assert after[("jaxengine:kv_cache_usage_perc", None)] == 0
