@@ -68,19 +68,20 @@ class Tiling:
 
     decode_block_kv: KV tokens per decode loop step (one K and one V tile of that many rows).
     prefill_rows: matmul rows of a prefill tile = block_q tokens x G (padded to a power of two).
-    target_programs: decode programs wanted in flight (~4 per SM on a 132-SM H100): the run-time
+    target_programs: decode programs wanted in flight (~2 per SM on a 132-SM H100): the run-time
       split count is cdiv(target_programs, live_seqs * K), capped by max_splits.
+    Defaults: the best of the H100 sweeps in benchmarks/results/kernels_h100*.json.
     """
 
-    decode_block_kv: int = 32
+    decode_block_kv: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 3
-    prefill_rows: int = 64
-    prefill_block_kv: int = 64
-    prefill_num_warps: int = 4
+    prefill_rows: int = 128
+    prefill_block_kv: int = 128
+    prefill_num_warps: int = 8
     prefill_num_stages: int = 3
-    target_programs: int = 528
-    max_splits: int = 64
+    target_programs: int = 264
+    max_splits: int = 32
 
     def __post_init__(self) -> None:
         for name in ("decode_block_kv", "prefill_rows", "prefill_block_kv"):
@@ -280,7 +281,7 @@ def _merge_partials(op_ref, mp_ref, lp_ref, out_ref, *, base, n_used, out_row0, 
     m_all = jnp.max(m2, axis=0)  # [Gp]
     l_all = jnp.sum(l2 * jnp.exp2(m2 - m_all[None, :]), axis=0)
 
-    ch = max(1, min(sp, 64 // gp))
+    ch = max(1, min(sp, 16 // gp))  # small chunks: the merge must not raise register use
     h3 = jnp.arange(dims.h, dtype=jnp.int32)[None, None, :]
 
     def body(c, acc):
