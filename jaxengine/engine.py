@@ -224,35 +224,44 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration, pipelined by one step.
+        """One engine iteration; the host runs one step ahead of the device.
 
-        Waits for the step in flight (N), applies its tokens to the scheduler (eos, stop ids and
-        length are decided there), schedules and dispatches step N+1, and only then does the
-        host-heavy output work for N (detokenizing, stop strings, logprobs, RequestOutputs) while
-        the device runs N+1. A stop string found here finishes a request that may already sit in
-        N+1: the scheduler drops that row's token, and its freed blocks are only reused by steps
-        enqueued after N+1.
+        Step N+1 is scheduled and dispatched while step N still runs: N's sampled tokens are
+        placeholders on the host (`Scheduler.advance`) and reach N+1's decode rows on the device.
+        Then N's tokens come back (`Scheduler.resolve`: eos, stop ids, length) and are
+        detokenized (stop strings, logprobs, RequestOutputs) while the device runs N+1. A request
+        that N finishes may have a wasted row in N+1; its token is dropped, and its freed blocks
+        are only reused by steps enqueued after N+1. When a running request uses penalties (which
+        read every output token) the step waits for N before scheduling, as a synchronous engine.
         """
-        done = self._inflight
-        self._inflight = None
-        finished: set[str] = set()
-        if done is not None:
-            sched, out = done[0], self.runner.collect(done[1])
-            sampled = [int(out.token_ids[i]) if s.samples else None for i, s in enumerate(sched.seqs)]
-            finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
-        self._dispatch_next()
-        if done is None:
-            return []
-        return self._process_outputs(sched, out, sampled, finished)
-
-    def _dispatch_next(self) -> None:
+        prev, self._inflight = self._inflight, None
+        resolved = None
+        if prev is not None and self._needs_sync():
+            resolved = self._resolve(prev)
+            prev = None
         sched = self.scheduler.schedule()
-        if not sched.seqs:
-            return
+        handle = self._dispatch(sched, prev[1] if prev is not None else None) if sched.seqs else None
+        if prev is not None:
+            resolved = self._resolve(prev)
+        if handle is not None:
+            self.scheduler.advance(sched)
+            self._inflight = (sched, handle)
+        return self._process_outputs(*resolved) if resolved is not None else []
+
+    def _needs_sync(self) -> bool:
+        return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+
+    def _resolve(self, done):
+        sched, out = done[0], self.runner.collect(done[1])
+        sampled = [int(out.token_ids[i]) if s.samples else None for i, s in enumerate(sched.seqs)]
+        finished = {r.request_id for r in self.scheduler.resolve(sched, sampled)}
+        return sched, out, sampled, finished
+
+    def _dispatch(self, sched, prev_handle):
         rows = [SamplingRow(s.request.sampling_params, self._request_seeds[s.request.request_id],
                             len(s.request.output_token_ids), s.request.prompt_token_ids,
                             s.request.output_token_ids, self.eos_token_ids) for s in sched.seqs]
-        self._inflight = (sched, self.runner.dispatch(sched.seqs, rows, self._prompt_targets(sched.seqs)))
+        return self.runner.dispatch(sched.seqs, rows, self._prompt_targets(sched.seqs), prev_handle)
 
     @staticmethod
     def _prompt_targets(seqs: list) -> np.ndarray | None:

@@ -23,30 +23,41 @@ class StepInputs:
     positions: jax.Array  # [T] int32
     attn: AttentionMetadata
     logits_indices: jax.Array  # [R] int32 last new token of each sequence (0 for padding rows)
+    prev_index: jax.Array  # [T] int32 row of the previous step's samples that is this token, or -1
 
 
 class InputBuilder:
-    """Preallocated host buffers per bucket, refilled each step (no per-step allocation of big arrays)."""
+    """Preallocated host buffers per bucket, refilled each step (no per-step allocation of big arrays).
+
+    Two sets per bucket, used in turn: the engine builds step N+1 while step N (which may still
+    read its host buffers) runs on the device.
+    """
 
     def __init__(self, max_blocks_per_seq: int, block_size: int):
         self.m = max_blocks_per_seq
         self.block_size = block_size
-        self._buffers: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._buffers: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
+        self._turn = 0
 
     def _bufs(self, t: int, r: int) -> dict[str, np.ndarray]:
-        key = (t, r)
+        self._turn ^= 1
+        key = (t, r, self._turn)
         if key not in self._buffers:
             self._buffers[key] = {
                 "input_ids": np.zeros(t, np.int32), "positions": np.zeros(t, np.int32),
                 "slot_mapping": np.zeros(t, np.int32), "kv_lens": np.zeros(r, np.int32),
                 "block_tables": np.zeros((r, self.m), np.int32),
                 "query_start_loc": np.zeros(r + 1, np.int32), "num_seqs": np.zeros(1, np.int32),
-                "logits_indices": np.zeros(r, np.int32),
+                "logits_indices": np.zeros(r, np.int32), "prev_index": np.full(t, -1, np.int32),
             }
         return self._buffers[key]
 
-    def build(self, seqs: list, t: int, r: int) -> StepInputs:
-        """`seqs`: scheduled sequences with .request, .start, .num_new_tokens, .block_ids."""
+    def build(self, seqs: list, t: int, r: int, prev_rows: dict[str, int] | None = None) -> StepInputs:
+        """`seqs`: scheduled sequences with .request, .start, .num_new_tokens, .block_ids.
+
+        A decode row whose token is still a placeholder (sampled by the step in flight) gets
+        `prev_index` = that step's row for the request (`prev_rows`), and the device fills it in.
+        """
         assert len(seqs) <= r, (len(seqs), r)
         b = self._bufs(t, r)
         b["slot_mapping"].fill(0)
@@ -55,6 +66,7 @@ class InputBuilder:
         b["kv_lens"].fill(0)
         b["block_tables"].fill(0)
         b["logits_indices"].fill(0)
+        b["prev_index"].fill(-1)
         bs = self.block_size
         cursor = 0
         qsl = b["query_start_loc"]
@@ -64,6 +76,10 @@ class InputBuilder:
             end = cursor + n
             assert end <= t, (end, t)
             toks = s.request.all_token_ids[start:start + n]
+            if toks[-1] < 0:  # the placeholder of the step in flight: only ever a decode row's token
+                assert n == 1 and prev_rows is not None, (s.request.request_id, n)
+                b["prev_index"][cursor] = prev_rows[s.request.request_id]
+                toks = [0]
             b["input_ids"][cursor:end] = toks
             pos = np.arange(start, start + n, dtype=np.int32)
             b["positions"][cursor:end] = pos
@@ -77,11 +93,11 @@ class InputBuilder:
         qsl[len(seqs) + 1:] = cursor
         b["num_seqs"][0] = len(seqs)
         attn = AttentionMetadata(b["slot_mapping"], b["kv_lens"], b["block_tables"], qsl, b["num_seqs"])
-        return StepInputs(b["input_ids"], b["positions"], attn, b["logits_indices"])
+        return StepInputs(b["input_ids"], b["positions"], attn, b["logits_indices"], b["prev_index"])
 
 
 def abstract_inputs(t: int, r: int, m: int) -> StepInputs:
     i32 = np.int32
     s = jax.ShapeDtypeStruct
     attn = AttentionMetadata(s((t,), i32), s((r,), i32), s((r, m), i32), s((r + 1,), i32), s((1,), i32))
-    return StepInputs(s((t,), i32), s((t,), i32), attn, s((r,), i32))
+    return StepInputs(s((t,), i32), s((t,), i32), attn, s((r,), i32), s((t,), i32))

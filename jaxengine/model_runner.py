@@ -42,9 +42,13 @@ class RunnerOutput:
     prompt_lp: tuple | None = None  # (logprob [T], rank [T], top_ids [T, k], top_logprobs [T, k]) per token row
 
 
-def _forward(graphdef, state, kv_caches, inputs: StepInputs):
+def _forward(graphdef, state, kv_caches, inputs: StepInputs, prev_tokens: jax.Array):
+    """prev_tokens [max_num_seqs] int32: the previous step's samples, still on the device; rows
+    with prev_index >= 0 take their input token from there (scheduling ran ahead of them)."""
     model = nnx.merge(graphdef, state)
-    hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)
+    from_prev = prev_tokens[jnp.maximum(inputs.prev_index, 0)]
+    input_ids = jnp.where(inputs.prev_index >= 0, from_prev, inputs.input_ids)
+    hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     return kv_caches, logits, hidden
 
@@ -89,10 +93,11 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     kv = jax.ShapeDtypeStruct((2, c.num_kv_heads, config.block_size, c.head_dim), dtype)
     st_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
     fwd = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,)).lower(
-        st_abs, [(kv, kv)] * c.num_layers, abstract_inputs(t, r, config.max_blocks_per_seq)).compile()
+        st_abs, [(kv, kv)] * c.num_layers, abstract_inputs(t, r, config.max_blocks_per_seq),
+        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32)).compile()
     md = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                       build_sampling_metadata([], r, config.max_model_len))
-    smp = jax.jit(functools.partial(sample, use_penalties=True)).lower(
+    smp = jax.jit(functools.partial(_sample_padded, use_penalties=True, pad_to=config.max_num_seqs)).lower(
         jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32), md).compile()
     total = 0
     for compiled in (fwd, smp):
@@ -103,6 +108,12 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     # Arguments counted above include the weights: take them back out.
     weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
     return max(total - weights, 0)
+
+
+def _sample_padded(logits: jax.Array, md, *, use_penalties: bool, pad_to: int):
+    """The sampler, plus its tokens padded to [pad_to] (a fixed shape the next forward reads)."""
+    out = sample(logits, md, use_penalties=use_penalties)
+    return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0]))
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
@@ -122,6 +133,7 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks
         self.kv_sharding = kv_sharding
         self.kv_caches = self._allocate_kv()
+        self._no_prev = jnp.zeros((config.max_num_seqs,), jnp.int32)  # stand-in when nothing is in flight
         self._forward_fns: dict[int, jax.stages.Compiled] = {}
         self._sample_fns: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
@@ -143,7 +155,9 @@ class ModelRunner:
         r = self.rows_for(t)
         kv_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_caches)
         st_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
-        return self._jit_forward.lower(st_abs, kv_abs, abstract_inputs(t, r, self.config.max_blocks_per_seq)).compile()
+        prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32)
+        return self._jit_forward.lower(st_abs, kv_abs, abstract_inputs(t, r, self.config.max_blocks_per_seq),
+                                       prev).compile()
 
     def _compile_prompt_logprobs(self, t: int) -> jax.stages.Compiled:
         st_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
@@ -154,7 +168,7 @@ class ModelRunner:
         md = build_sampling_metadata([], r, self._history_len(penalties))
         logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32)
         md_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), md)
-        fn = jax.jit(functools.partial(sample, use_penalties=penalties))
+        fn = jax.jit(functools.partial(_sample_padded, use_penalties=penalties, pad_to=self.config.max_num_seqs))
         return fn.lower(logits, md_abs).compile()
 
     def _history_len(self, penalties: bool) -> int:
@@ -209,26 +223,31 @@ class ModelRunner:
         return fn
 
     # -- one step --------------------------------------------------------------------------
-    def dispatch(self, seqs: list, rows: list[SamplingRow], prompt_targets: np.ndarray | None = None) -> "InFlight":
+    def dispatch(self, seqs: list, rows: list[SamplingRow], prompt_targets: np.ndarray | None = None,
+                 prev: "InFlight | None" = None) -> "InFlight":
         """Enqueues one step for `seqs` (scheduler order) without waiting for the device.
 
         `rows[i]` gives seqs[i]'s sampling state; `prompt_targets` [n_tokens] (next prompt token per
-        row, -1 where not wanted) asks for prompt logprobs of this step's rows. The host buffers behind the inputs are reused by
+        row, -1 where not wanted) asks for prompt logprobs of this step's rows. `prev`, the step
+        still in flight, supplies the tokens of decode rows whose input is a placeholder. The host buffers behind the inputs are reused by
         the next `dispatch` of the same bucket, so `collect` must come first (the engine does so).
         """
         n_tokens = sum(s.num_new_tokens for s in seqs)
         t = pick_bucket(self.token_buckets, n_tokens)
         r = self.rows_for(t)
-        inputs = self.builder.build(seqs, t, r)
+        inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None else None)
+        prev_tokens = prev.tokens if prev is not None else self._no_prev
         penalties = needs_penalties([row.params for row in rows])
         md = build_sampling_metadata(rows, r, self._history_len(penalties))
-        self.kv_caches, logits, hidden = self._get_forward(t)(self.state, self.kv_caches, inputs)
+        self.kv_caches, logits, hidden = self._get_forward(t)(self.state, self.kv_caches, inputs, prev_tokens)
         prompt_lp = None
         if prompt_targets is not None:
             targets = np.full(t, -1, np.int32)
             targets[:len(prompt_targets)] = prompt_targets
             prompt_lp = self._get_prompt_lp(t)(self.state, hidden, targets)
-        return InFlight(self._get_sampler(r, penalties)(logits, md), len(seqs), prompt_lp)
+        sampler_out, tokens = self._get_sampler(r, penalties)(logits, md)
+        rows_of = {s.request.request_id: i for i, s in enumerate(seqs) if s.samples}
+        return InFlight(sampler_out, len(seqs), prompt_lp, tokens, rows_of)
 
     @staticmethod
     def collect(handle: "InFlight") -> RunnerOutput:
@@ -248,4 +267,6 @@ class InFlight:
 
     sampler_out: object  # SamplerOutput of device arrays
     num_seqs: int
-    prompt_lp: tuple | None = None  # device (logprob, rank, top_ids, top_logprobs), each [T, ...]
+    prompt_lp: tuple | None  # device (logprob, rank, top_ids, top_logprobs), each [T, ...]
+    tokens: jax.Array  # [max_num_seqs] int32 sampled tokens, on the device, for the next step's inputs
+    rows: dict[str, int]  # request id -> its row in this step's samples

@@ -133,7 +133,7 @@ class OutputProcessor:
         for c in p.children:
             outs.append(CompletionOutput(
                 index=c.index, text=c.detok.output_text if c.detok else "",
-                token_ids=list(c.request.output_token_ids),
+                token_ids=_settled(c.request.output_token_ids),
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return RequestOutput(request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids,
@@ -146,3 +146,8 @@ class OutputProcessor:
             del self.parents[request_id]
             for c in p.children:
                 self.child_to_parent.pop(c.request.request_id, None)
+
+
+def _settled(ids: list[int]) -> list[int]:
+    """Output token ids without the placeholder of a step still in flight."""
+    return list(ids[:-1]) if ids and ids[-1] < 0 else list(ids)

@@ -31,6 +31,8 @@ from jaxengine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
+PLACEHOLDER = -1  # output token of a dispatched step whose sampled token is not known yet
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -125,6 +127,8 @@ class Scheduler:
             raise ValueError(f"{status} is not a finished status")
         reqs = [r for rid in request_ids if (r := self._requests.get(rid)) is not None]
         for r in reqs:
+            while r.output_token_ids and r.output_token_ids[-1] == PLACEHOLDER:
+                r.output_token_ids.pop()  # a token of a step in flight that will never be used
             self._finish(r, status)
         if reqs:
             self._drop_finished()
@@ -214,14 +218,18 @@ class Scheduler:
         """Apply a step's results; return the requests it finished (their blocks are freed).
 
         `sampled[i]` is the token sampled for `out.seqs[i]` (None where `samples` is False).
-        Rows of requests finished in between (aborted, stop string) are skipped.
+        Rows of requests finished in between (aborted, stop string) are skipped. This is
+        `advance` then `resolve`, for a caller that waits for each step before the next.
         """
-        if len(sampled) != len(out.seqs):
-            raise ValueError(f"{len(sampled)} sampled tokens for {len(out.seqs)} scheduled rows")
-        finished: list[Request] = []
-        now = time.monotonic()
+        self.advance(out)
+        return self.resolve(out, sampled)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Right after a step is dispatched: its tokens count as computed, and each sampling row
+        gets a PLACEHOLDER output token, so the next step can be scheduled before this one's
+        tokens are known (the runner feeds them from the device)."""
         bm, bs, running = self.block_manager, self.config.block_size, RequestStatus.RUNNING
-        for seq, token in zip(out.seqs, sampled):
+        for seq in out.seqs:
             req = seq.request
             if req.status is not running:
                 continue
@@ -229,10 +237,23 @@ class Scheduler:
             req.num_computed_tokens = end
             if end // bs != seq.start // bs:  # a block was filled: offer it to the prefix cache
                 bm.cache_full_blocks(req)
-            if not seq.samples:
+            if seq.samples:
+                req.output_token_ids.append(PLACEHOLDER)
+
+    def resolve(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """When a dispatched step's tokens arrive: they replace the placeholders, and requests end
+        on eos / stop ids / length. Requests preempted meanwhile keep their (real) token."""
+        if len(sampled) != len(out.seqs):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(out.seqs)} scheduled rows")
+        finished: list[Request] = []
+        now = time.monotonic()
+        for seq, token in zip(out.seqs, sampled):
+            req = seq.request
+            if not seq.samples or req.status.is_finished:
                 continue
             assert token is not None, f"no token sampled for {req.request_id}"
-            req.output_token_ids.append(token)
+            assert req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER, req.request_id
+            req.output_token_ids[-1] = token
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req, token)

@@ -465,3 +465,66 @@ def test_random_workload_keeps_accounting_and_drains(seed: int) -> None:
         assert r.is_finished
         if r.status is not RequestStatus.FINISHED_ABORTED:
             assert r.output_token_ids == _expected_outputs(r, cfg.max_model_len)
+
+
+# ---------------------------------------------------------------------------- running ahead
+def _run_ahead(sched: Scheduler, max_steps: int = 1000) -> dict[str, list[int]]:
+    """Drive the scheduler as the engine does: schedule N+1 before N's tokens are resolved."""
+    from jaxengine.scheduler import PLACEHOLDER
+
+    outputs: dict[str, list[int]] = {}
+    inflight = None
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests() and inflight is None:
+            return outputs
+        nxt = sched.schedule()
+        if inflight is not None:
+            out, tokens = inflight
+            for req in sched.resolve(out, tokens):
+                outputs[req.request_id] = list(req.output_token_ids)
+        inflight = None
+        if nxt.seqs:
+            for s in nxt.seqs:  # only a decode row's single input token may be a placeholder
+                assert PLACEHOLDER not in s.request.all_token_ids[: s.start + s.num_new_tokens - 1]
+            sched.advance(nxt)
+            # the "device" samples from real inputs: the previous placeholders are resolved by now
+            inflight = (nxt, [(_next_after(s.request) if s.samples else None) for s in nxt.seqs])
+        sched.block_manager.check_invariants()
+    raise AssertionError("did not drain")
+
+
+def _next_after(req: Request) -> int:
+    """fake_token of the request as it was before its placeholder was appended."""
+    toks = req.all_token_ids[:-1]
+    return 10 + (sum(toks) * 31 + len(toks)) % 50
+
+
+def test_running_ahead_gives_the_same_tokens_as_lockstep() -> None:
+    lock, ahead = make_sched(num_blocks=17), make_sched(num_blocks=17)
+    for s in (lock, ahead):
+        for i, n in enumerate((5, 20, 9, 33)):
+            s.add_request(make_req(f"r{i}", n, max_tokens=12 + i))
+    want: dict[str, list[int]] = {}
+    for _ in range(1000):
+        if not lock.has_unfinished_requests():
+            break
+        _, fin = step(lock)
+        want.update({r.request_id: list(r.output_token_ids) for r in fin})
+    got = _run_ahead(ahead)
+    assert got == want
+    assert ahead.num_preemptions > 0  # the small pool forced preemption while running ahead
+    assert ahead.block_manager.num_free_blocks == 16
+
+
+def test_finish_drops_the_placeholder_of_a_step_in_flight() -> None:
+    from jaxengine.scheduler import PLACEHOLDER
+
+    sched = make_sched()
+    sched.add_request(make_req("a", 5))
+    out = sched.schedule()
+    sched.advance(out)
+    req = sched.get_request("a")
+    assert req.output_token_ids == [PLACEHOLDER]
+    sched.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)
+    assert req.output_token_ids == [] and sched.block_manager.num_free_blocks == 32
+    assert sched.resolve(out, [7]) == []  # the late token of a finished request is dropped
