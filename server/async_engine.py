@@ -178,6 +178,7 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}  # engine thread only
         self._open: dict[str, RequestStream] = {}  # loop only: streams the engine still works on
         self._idle: asyncio.Event | None = None
+        self._hurry: asyncio.Event | None = None  # set: stop draining, abort now
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -192,6 +193,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._hurry = asyncio.Event()
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="jaxengine-loop", daemon=True)
         self._thread.start()
@@ -219,17 +221,30 @@ class AsyncEngine:
         if self._thread is None or not self._thread.is_alive():
             return
         if drain_timeout > 0 and self._open and self.is_alive:
-            assert self._idle is not None
+            assert self._idle is not None and self._hurry is not None
+            waits = {asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._hurry.wait())}
             try:
-                await asyncio.wait_for(self._idle.wait(), drain_timeout)
-            except asyncio.TimeoutError:
-                logger.info("aborting %d request(s) still running after %.1f s", len(self._open), drain_timeout)
+                await asyncio.wait(waits, timeout=drain_timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            if self._open:
+                logger.info("aborting %d request(s) still running", len(self._open))
         for request_id in list(self._open):
             self._commands.put(_Abort(request_id))
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join, 30.0)
         if self._thread.is_alive():
             logger.warning("the engine loop did not stop within 30 s")
+
+    def hurry_shutdown(self) -> None:
+        """Makes a `shutdown` that is draining abort what is left now. Safe from any thread and
+        from signal handlers."""
+        if self._loop is not None and self._hurry is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._hurry.set)
+            except RuntimeError:  # the loop is closed
+                pass
 
     # -- requests -------------------------------------------------------------------------------
     async def add(self, request_id: str, prompt: PromptInput, params: SamplingParams,

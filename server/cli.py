@@ -5,10 +5,11 @@ Settings come from three places, strongest first: command-line flags, the `--con
 the command line" from "argparse's default", every default is wrapped in `_Default` until the
 YAML file has been merged.
 
-Shutdown: SIGINT / SIGTERM make uvicorn stop accepting connections and wait up to
-`--shutdown-timeout` seconds for in-flight requests to finish; what is still running then is
-cancelled, and the app's lifespan aborts it in the engine. The process exits 0, without a stack
-trace. If the engine loop dies, the server shuts down the same way and exits 1.
+Shutdown: SIGINT / SIGTERM make uvicorn stop accepting connections, and in-flight requests get up
+to `--shutdown-timeout` seconds to finish; what is still running then is
+aborted (clients get a last chunk with finish_reason "abort"); a second signal aborts at once.
+The process exits 0, without a stack trace. If the engine loop dies, the server shuts down the
+same way and exits 1.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import yaml
 
 from jaxengine.arg_utils import add_engine_args, engine_kwargs
+
+if TYPE_CHECKING:
+    from jaxengine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -208,17 +213,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(engine, settings)
 
 
-def run_server(engine, settings: ServerSettings, sockets: Sequence[socket.socket] | None = None) -> int:  # noqa: ANN001
-    """Serves `engine` (an `LLMEngine`) until a signal or the engine's death; the exit status."""
+def run_server(engine: LLMEngine, settings: ServerSettings, sockets: Sequence[socket.socket] | None = None) -> int:
+    """Serves `engine` until a signal or the engine's death; returns the exit status."""
     import prometheus_client
     import uvicorn
 
     from jaxengine.server.api_server import build_app
     from jaxengine.server.async_engine import AsyncEngine
+    from jaxengine.server.uvicorn_server import DrainingServer
 
     prometheus_client.disable_created_metrics()  # no `*_created` series, as in vLLM (process-wide)
     async_engine = AsyncEngine(engine)
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
     app = build_app(async_engine, served_model_names=list(settings.served_model_names or []) or None,
                     model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template,
                     shutdown_drain_timeout=settings.shutdown_timeout,
@@ -227,7 +233,7 @@ def run_server(engine, settings: ServerSettings, sockets: Sequence[socket.socket
     # for connections that would still hang after that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
                             timeout_graceful_shutdown=settings.shutdown_timeout + 5.0, lifespan="on")
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, async_engine)
 
     def on_death(_: BaseException) -> None:
         server.should_exit = True  # polled by uvicorn's main loop; starts the graceful shutdown

@@ -144,10 +144,11 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: JSONValue | None = None
     verbosity: JSONValue | None = None
 
-    _neutral: ClassVar[dict[str, tuple[object, ...]]] = {"logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-                "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
-                "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
-                "web_search_options": (), "verbosity": (), "store": (False,)}
+    _neutral: ClassVar[dict[str, tuple[object, ...]]] = {
+        "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+        "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
+        "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
+        "verbosity": (), "store": (False,)}
 
     @property
     def max_new_tokens(self) -> int | None:

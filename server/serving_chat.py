@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import jinja2
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from jaxengine.llm import render_chat
 from jaxengine.server.async_engine import RequestStream
@@ -63,7 +64,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     [stream] = await open_streams(ctx.engine, request_id, [(text, ids)], params)
     if req.stream:
         return StreamingResponse(_stream(req, model, request_id, stream, len(ids), top_logprobs,
-                                         params.output_text_buffer_length), media_type="text/event-stream")
+                                         params.output_text_buffer_length), media_type="text/event-stream",
+                                 background=BackgroundTask(stream.close))  # even if the body never started
     result = await until_disconnected(raw, _collect(req, model, request_id, stream, top_logprobs))
     if result is None:
         return Response(status_code=499)

@@ -133,6 +133,12 @@ async def open_streams(engine: AsyncEngine, request_id: str, prompts: Sequence[t
     return streams
 
 
+def close_all(streams: Sequence[RequestStream]) -> None:
+    """Aborts whatever is still running (a no-op for finished streams)."""
+    for s in streams:
+        s.close()
+
+
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several streams as they arrive."""
     if len(streams) == 1:

@@ -10,13 +10,14 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from jaxengine.outputs import RequestOutput
 from jaxengine.server.async_engine import RequestStream
 from jaxengine.server.errors import EngineDeadError, OpenAIError
 from jaxengine.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                        CompletionStreamResponse)
-from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, completion_logprobs,
+from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, close_all, completion_logprobs,
                                              merge_streams, open_streams, reject_unsupported, sampling_params, sse,
                                              until_disconnected, usage)
 
@@ -52,9 +53,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     streams = await open_streams(ctx.engine, request_id, prompts, params)
     echo = [_prompt_text(ctx, p) if req.echo else "" for p in prompts]
     if req.stream:
+        # The background task closes the streams even if the client left before the body started
+        # (then the generator never runs, and neither does its `finally`).
         return StreamingResponse(_stream(req, model, request_id, streams, prompts, echo,
                                          params.output_text_buffer_length),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", background=BackgroundTask(close_all, streams))
     result = await until_disconnected(raw, _collect(req, model, request_id, streams, prompts, echo))
     if result is None:
         return Response(status_code=499)
@@ -73,8 +76,7 @@ async def _collect(req: CompletionRequest, model: str, request_id: str, streams:
         async for i, out in merge_streams(streams):
             finals[i] = out
     finally:
-        for s in streams:
-            s.close()
+        close_all(streams)
     choices, completion_tokens, cached = [], 0, 0
     for i, out in enumerate(finals):
         if out is None:
@@ -148,5 +150,4 @@ async def _stream(req: CompletionRequest, model: str, request_id: str,
         yield OpenAIError(f"Internal server error: {type(e).__name__}: {e}", 500).sse()
         yield SSE_DONE
     finally:
-        for s in streams:
-            s.close()
+        close_all(streams)

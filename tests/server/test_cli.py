@@ -174,19 +174,22 @@ def finish_reason(lines: list[str]) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("sig, max_tokens, timeout, reason", [
-    (signal.SIGTERM, 1000, 0.5, "abort"),  # too long to drain: aborted, and the client is told
-    (signal.SIGINT, 60, 20.0, "length"),  # short enough: finished before the process exits
+@pytest.mark.parametrize("signals, max_tokens, timeout, reason", [
+    ([signal.SIGTERM], 1000, 0.5, "abort"),  # too long to drain: aborted, and the client is told
+    ([signal.SIGINT], 60, 20.0, "length"),  # short enough: finished before the process exits
+    ([signal.SIGINT, signal.SIGINT], 3000, 60.0, "abort"),  # a second Ctrl+C: abort now, still cleanly
 ])
-def test_signal_shutdown_is_clean(sig, max_tokens, timeout, reason):
+def test_signal_shutdown_is_clean(signals, max_tokens, timeout, reason):
     port = free_port()
     proc = start([sys.executable, "-c", FAKE_SERVER, str(port), "0", str(timeout)], port, timeout=60)
     started = threading.Event()
     res = stream_in_background(f"http://127.0.0.1:{port}/v1/completions",
                                {"prompt": "x", "max_tokens": max_tokens}, started)
     assert started.wait(30)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
+    for sig in signals:
+        proc.send_signal(sig)
+        time.sleep(0.3)
+    out, err = proc.communicate(timeout=30)
     res["thread"].join(30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "Traceback" not in out, err
