@@ -71,6 +71,7 @@ class SamplingFields(RequestModel):
     skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
+    prompt_logprobs: Int | None = None  # top logprobs per prompt token (not with stream)
 
 
 Prompt = Str | list[Str] | list[Int] | list[list[Int]]
@@ -236,12 +237,25 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's per-token entry of `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first is null): token id -> its logprob.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -302,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -25,7 +25,8 @@ from jaxengine.server.protocol import (AssistantMessage, ChatChoice, ChatComplet
                                        ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice, ChoiceLogprobs,
                                        DeltaMessage)
 from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, chat_logprobs,
-                                             chat_logprobs_setting, open_streams, reject_unsupported,
+                                             chat_logprobs_setting, open_streams, prompt_logprobs_json,
+                                             reject_unsupported,
                                              sampling_params, sse, until_disconnected, usage)
 
 logger = logging.getLogger(__name__)
@@ -90,9 +91,10 @@ async def _collect(req: ChatCompletionRequest, model: str, request_id: str, stre
         choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=lp,
                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+    prompt_lps = prompt_logprobs_json(final.prompt_logprobs) if req.prompt_logprobs is not None else None
     return ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=usage(len(final.prompt_token_ids), completion_tokens,
-                                              final.num_cached_tokens))
+                                              final.num_cached_tokens), prompt_logprobs=prompt_lps)
 
 
 async def _stream(req: ChatCompletionRequest, model: str, request_id: str, stream: RequestStream,

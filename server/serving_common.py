@@ -12,12 +12,14 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from jaxengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxengine.detokenizer import decode_token
+from jaxengine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.server.async_engine import AsyncEngine, RequestStream
 from jaxengine.server.errors import OpenAIError, from_value_error
-from jaxengine.server.protocol import (ChatCompletionRequest, CompletionLogProbs, PromptTokensDetails,
-                                       SamplingFields, TokenLogprob, TopLogprob, UsageInfo)
+from jaxengine.server.protocol import (ChatCompletionRequest, CompletionLogProbs, PromptLogprob,
+                                       PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo)
+from jaxengine.server.protocol import PromptLogprobs as PromptLogprobsJSON
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +91,11 @@ def reject_unsupported(req: SamplingFields) -> None:
         raise OpenAIError("stream_options is only allowed when stream is true.", 400, param="stream_options")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's `SamplingParams` (OpenAI defaults where the request is silent)."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise OpenAIError("prompt_logprobs is not available when stream is true.", 400, param="prompt_logprobs")
     try:
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -101,7 +106,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs)
     except ValueError as e:
         raise from_value_error(e, SAMPLING_PARAM_NAMES) from e
 
@@ -233,6 +239,42 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Lo
         out.text_offset.append(text_offset)
         text_offset += len(token)
     return out
+
+
+def echo_logprobs(tokenizer, prompt_ids: Sequence[int],  # noqa: ANN001 - a transformers tokenizer
+                  entries: PromptLogprobs) -> CompletionLogProbs:
+    """The prompt part of `logprobs` with `echo` (the first token has no logprob: null)."""
+    out = CompletionLogProbs()
+    offset = 0
+    for pos, tid in enumerate(prompt_ids):
+        entry = entries[pos] if pos < len(entries) else None
+        if entry is None or tid not in entry:
+            token = decode_token(tokenizer, tid)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            token = entry[tid].decoded_token or ""
+            out.token_logprobs.append(_lp(entry[tid].logprob))
+            top = sorted(entry.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+            out.top_logprobs.append({(lp.decoded_token or ""): _lp(lp.logprob) for lp in top})
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def join_logprobs(a: CompletionLogProbs, b: CompletionLogProbs) -> CompletionLogProbs:
+    return CompletionLogProbs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs +
+                              b.token_logprobs, tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+
+
+def prompt_logprobs_json(entries: PromptLogprobs | None) -> PromptLogprobsJSON | None:
+    """vLLM's `prompt_logprobs`: per prompt position, token id -> {logprob, rank, decoded_token}."""
+    if entries is None:
+        return None
+    return [None if e is None else {tid: PromptLogprob(logprob=_lp(lp.logprob), rank=lp.rank,
+                                                       decoded_token=lp.decoded_token) for tid, lp in e.items()}
+            for e in entries]
 
 
 def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], top_k: int) -> list[TokenLogprob]:

@@ -15,10 +15,11 @@ from starlette.background import BackgroundTask
 from jaxengine.outputs import RequestOutput
 from jaxengine.server.async_engine import RequestStream
 from jaxengine.server.errors import EngineDeadError, OpenAIError
-from jaxengine.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
-                                       CompletionStreamResponse)
+from jaxengine.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
+                                       CompletionResponse, CompletionStreamResponse)
 from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, close_all, completion_logprobs,
-                                             merge_streams, open_streams, reject_unsupported, sampling_params, sse,
+                                             echo_logprobs, join_logprobs, merge_streams, open_streams,
+                                             prompt_logprobs_json, reject_unsupported, sampling_params, sse,
                                              until_disconnected, usage)
 
 logger = logging.getLogger(__name__)
@@ -42,23 +43,22 @@ def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prom
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
     reject_unsupported(req)
-    if req.echo and req.logprobs is not None:
-        raise OpenAIError("echo with logprobs needs prompt logprobs, which this server does not implement; "
-                          "drop echo or logprobs.", 400, param="echo")
     prompts = completion_prompts(ctx, req)
     for _, ids in prompts:
         ctx.check_prompt(len(ids), req.max_tokens, "prompt")
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+    echo_lp = req.echo and req.logprobs is not None  # the prompt's tokens get logprobs too
+    params = sampling_params(req, req.max_tokens, req.logprobs,
+                             max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_lp else None)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await open_streams(ctx.engine, request_id, prompts, params)
     echo = [_prompt_text(ctx, p) if req.echo else "" for p in prompts]
     if req.stream:
         # The background task closes the streams even if the client left before the body started
         # (then the generator never runs, and neither does its `finally`).
-        return StreamingResponse(_stream(req, model, request_id, streams, prompts, echo,
+        return StreamingResponse(_stream(ctx, req, model, request_id, streams, prompts, echo,
                                          params.output_text_buffer_length),
                                  media_type="text/event-stream", background=BackgroundTask(close_all, streams))
-    result = await until_disconnected(raw, _collect(req, model, request_id, streams, prompts, echo))
+    result = await until_disconnected(raw, _collect(ctx, req, model, request_id, streams, prompts, echo))
     if result is None:
         return Response(status_code=499)
     return Response(result.model_dump_json(), media_type="application/json")
@@ -69,7 +69,14 @@ def _prompt_text(ctx: ServingContext, prompt: Prompt) -> str:
     return text if text is not None else ctx.tokenizer.decode(ids)
 
 
-async def _collect(req: CompletionRequest, model: str, request_id: str, streams: Sequence[RequestStream],
+def _echo_logprobs(ctx: ServingContext, prompt: Prompt, out: RequestOutput) -> tuple[CompletionLogProbs, int]:
+    """The prompt's part of `logprobs` with echo, and the text offset where the output's part starts."""
+    lp = echo_logprobs(ctx.tokenizer, prompt[1], out.prompt_logprobs or [])
+    end = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
+    return lp, end
+
+
+async def _collect(ctx: ServingContext, req: CompletionRequest, model: str, request_id: str, streams: Sequence[RequestStream],
                    prompts: Sequence[Prompt], echo: Sequence[str]) -> CompletionResponse:
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:
@@ -82,12 +89,16 @@ async def _collect(req: CompletionRequest, model: str, request_id: str, streams:
         if out is None:
             raise EngineDeadError("a request ended without a final output")
         cached += out.num_cached_tokens or 0
+        prefix, offset = _echo_logprobs(ctx, prompts[i], out) if req.echo and req.logprobs is not None else (None, 0)
+        prompt_lps = prompt_logprobs_json(out.prompt_logprobs) if req.prompt_logprobs is not None else None
         for c in out.outputs:
             lp = None
             if req.logprobs is not None and c.logprobs is not None:
-                lp = completion_logprobs(c.token_ids, c.logprobs[:len(c.token_ids)], len(echo[i]))
+                lp = completion_logprobs(c.token_ids, c.logprobs[:len(c.token_ids)], offset)
+                lp = join_logprobs(prefix, lp) if prefix is not None else lp
             choices.append(CompletionChoice(index=i * req.n + c.index, text=echo[i] + c.text, logprobs=lp,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_logprobs=prompt_lps))
             completion_tokens += len(c.token_ids)
     choices.sort(key=lambda c: c.index)
     prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -95,7 +106,7 @@ async def _collect(req: CompletionRequest, model: str, request_id: str, streams:
                               usage=usage(prompt_tokens, completion_tokens, cached))
 
 
-async def _stream(req: CompletionRequest, model: str, request_id: str,
+async def _stream(ctx: ServingContext, req: CompletionRequest, model: str, request_id: str,
                   streams: Sequence[RequestStream], prompts: Sequence[Prompt],
                   echo: Sequence[str], hold: int) -> AsyncIterator[str]:
     """SSE chunks; `hold`: characters held back from unfinished text (a stop string may start there)."""
@@ -115,13 +126,20 @@ async def _stream(req: CompletionRequest, model: str, request_id: str,
         return sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
                                             usage=u).model_dump_json())
 
+    # With logprobs the echoed prompt waits for the first output, which carries the prompt's logprobs.
+    echo_pending = {i for i, text in enumerate(echo) if text and req.logprobs is not None}
     try:
         for i, text in enumerate(echo):
-            if text:
+            if text and i not in echo_pending:
                 for j in range(n):
-                    offsets[i * n + j] = len(text)
                     yield chunk([CompletionChoice(index=i * n + j, text=text)])
         async for i, out in merge_streams(streams):
+            if i in echo_pending:
+                echo_pending.discard(i)
+                prefix, end = _echo_logprobs(ctx, prompts[i], out)
+                for j in range(n):
+                    offsets[i * n + j] = end
+                    yield chunk([CompletionChoice(index=i * n + j, text=echo[i], logprobs=prefix)])
             for c in out.outputs:
                 index = i * n + c.index
                 state = states.setdefault(index, ChoiceState())

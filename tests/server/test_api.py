@@ -164,6 +164,40 @@ def test_completions_logprobs(client, reference):
     assert streamed_tokens == lp.tokens
 
 
+def test_completions_echo_with_logprobs_and_prompt_logprobs(client, reference):
+    ref = reference.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=2,
+                                                        ignore_eos=True), use_tqdm=False)[0]
+    n_prompt = len(ref.prompt_token_ids)
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2, echo=True,
+              extra_body={"ignore_eos": True})
+    resp = client.completions.create(**kw)
+    c = resp.choices[0]
+    assert c.text == PROMPTS[1] + ref.outputs[0].text
+    lp = c.logprobs
+    assert len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for pos in range(1, n_prompt):
+        tid = ref.prompt_token_ids[pos]
+        assert lp.token_logprobs[pos] == pytest.approx(ref.prompt_logprobs[pos][tid].logprob, abs=1e-5)
+    for i, tid in enumerate(ref.outputs[0].token_ids):
+        assert lp.token_logprobs[n_prompt + i] == pytest.approx(ref.outputs[0].logprobs[i][tid].logprob, abs=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # streamed: the echo chunk (after the prompt is processed) carries the prompt's logprobs
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].text == PROMPTS[1]
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs[:n_prompt]
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    # vLLM's prompt_logprobs field, for completions and chat
+    raw = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 1})
+    plp = raw.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == n_prompt and plp[0] is None
+    tid = ref.prompt_token_ids[1]
+    assert plp[1][str(tid)]["logprob"] == pytest.approx(ref.prompt_logprobs[1][tid].logprob, abs=1e-5)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+
+
 def test_completions_stop_strings(client, reference):
     free = reference.generate(PROMPTS[3], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
                               use_tqdm=False)[0].outputs[0].text
