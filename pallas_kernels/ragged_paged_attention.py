@@ -13,6 +13,16 @@ Inputs (all fixed-shape; live counts are runtime values so padding costs nothing
 Token j of sequence s (0 <= j < q_len[s]) sits at absolute position kv_lens[s] - q_len[s] + j and
 attends causally to positions <= its own (and > pos - sliding_window when a window is given).
 Rows of padding tokens (t >= query_start_loc[num_seqs]) are returned as zeros.
+
+Logits are (q . k) * sm_scale; with soft_cap they become soft_cap * tanh(logits / soft_cap)
+before the softmax. A sliding window W keeps the W most recent positions, the token's own
+included. Query head n reads KV head n // G. A sequence with q_len 1 is a decode row wherever it
+sits in the batch (a one-token prefill chunk is the same computation).
+
+Backends: on an NVIDIA GPU of sm_80+ `gpu_backend.get_kernel()` returns the Pallas kernels of
+ragged_paged_attention_gpu.py; elsewhere the jnp reference below runs. The reference's einsums
+use XLA's default precision, which on a GPU is TF32 for float32 inputs (~3e-4 relative error);
+the kernel computes float32 products in full precision.
 """
 
 from __future__ import annotations
