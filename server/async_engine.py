@@ -93,9 +93,8 @@ class _Live:
 
 
 class RequestStream:
-    """The outputs of one request, newest first-come: `async for output in stream`.
-
-    Owned by the event loop; the engine thread reaches it only through `_deliver` scheduled
+    """The outputs of one request: `async for output in stream`. Only the newest undelivered output
+    is kept (outputs are cumulative, so nothing is lost). Owned by the event loop; the engine thread reaches it only through `_deliver` scheduled
     with `call_soon_threadsafe`. Iteration ends after the output with `finished=True`.
     """
 

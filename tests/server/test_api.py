@@ -134,6 +134,13 @@ def test_completions_seeded_n_equal_llm_generate(client, reference):
             if c.finish_reason:
                 finishes[c.index] = c.finish_reason
     assert streamed == expected and set(finishes) == {0, 1, 2}
+    # several prompts x n in one stream: choice index = prompt index * n + sequence index
+    two = reference.generate(PROMPTS[:2], SamplingParams(n=2, temperature=0.8, seed=9, max_tokens=6), use_tqdm=False)
+    texts = [""] * 4
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, temperature=0.8, seed=9,
+                                           max_tokens=6, stream=True):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [o.text for r in two for o in r.outputs]
     # extras (top_k, min_p, repetition_penalty, min_tokens) reach the sampler the same way
     extra = dict(top_k=20, min_p=0.05, repetition_penalty=1.2, min_tokens=4)
     ref2 = reference.generate(PROMPTS[2], SamplingParams(temperature=0.7, seed=5, max_tokens=10, **extra),
