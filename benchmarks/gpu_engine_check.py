@@ -54,6 +54,7 @@ def main() -> None:
     result["startup_s"] = time.perf_counter() - t0
     eng = llm.llm_engine
     result["num_kv_blocks"] = eng.config.num_kv_blocks
+    result["attention_impl"] = eng.runner.attention_impl
     result["compile_s"] = eng.runner.compile_seconds
     weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(eng.runner.state))
     result["weight_bytes"] = weight_bytes
@@ -62,7 +63,10 @@ def main() -> None:
     p = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(100, 132))}
     llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    eng.timing.update(steps=0, device_wait_s=0.0, step_s=0.0)
     out = llm.generate(prompt, p, use_tqdm=False)[0]
+    result["decode_timing"] = dict(eng.timing)
+    eng.timing.update(steps=0, device_wait_s=0.0, step_s=0.0)
     m = out.metrics
     ms_per_tok = (m.last_token_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1) * 1e3
     roofline_ms = weight_bytes / (result["ceilings"]["copy_bandwidth_GBps"] * 1e9) * 1e3
@@ -79,6 +83,7 @@ def main() -> None:
     outs = llm.generate(prompts, tp, use_tqdm=False)
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    result["throughput_timing"] = dict(eng.timing)
     result["throughput"] = {"seconds": dt, "requests_per_s": len(outs) / dt, "output_tok_per_s": n_out / dt,
                             "total_tok_per_s": (n_out + args.num_prompts * args.input_len) / dt}
     with open(os.path.join(out_dir, f"engine_{args.model}_{args.attention_backend}.json"), "w") as f:
@@ -88,6 +93,11 @@ def main() -> None:
     print(f"| copy bandwidth GB/s | {result['ceilings']['copy_bandwidth_GBps']:.0f} |")
     print(f"| bf16 matmul TFLOP/s | {result['ceilings']['bf16_matmul_TFLOPs']:.0f} |")
     print(f"| start-up s (compile s) | {result['startup_s']:.1f} ({result['compile_s']:.1f}) |")
+    print(f"| attention | {result['attention_impl']} |")
+    for k in ("decode_timing", "throughput_timing"):
+        tm = result[k]
+        print(f"| {k}: steps, step ms, device-wait ms | {tm['steps']}, {1e3 * tm['step_s'] / max(tm['steps'], 1):.2f}, "
+              f"{1e3 * tm['device_wait_s'] / max(tm['steps'], 1):.2f} |")
     print(f"| batch-1 decode ms/token | {ms_per_tok:.2f} (roofline {roofline_ms:.2f}, "
           f"{100 * roofline_ms / ms_per_tok:.0f}%) |")
     print(f"| throughput {args.num_prompts}x{args.input_len}/{args.output_len} output tok/s | "

@@ -86,6 +86,11 @@ class LLMEngine:
         self._request_seeds: dict[str, int] = {}
         self._ids = itertools.count()
         self._inflight = None  # (SchedulerOutput, InFlight) of the step running on the device
+        # Where step time goes: waiting for the device vs everything else (host work).
+        self.timing = {"steps": 0, "device_wait_s": 0.0, "step_s": 0.0}
+        # False: step() returns outputs of finished requests only (offline batch use needs no
+        # per-token snapshots); the server streams, so it keeps True.
+        self.emit_unfinished = True
         cap = (config.num_kv_blocks - 1) * config.block_size / config.max_model_len
         logger.info("model %s (%s, %s), %d KV blocks of %d tokens: maximum concurrency %.2fx at "
                     "max_model_len %d; ready in %.1f s", config.model or "default SmolLM2-135M-Instruct",
@@ -234,6 +239,13 @@ class LLMEngine:
         are only reused by steps enqueued after N+1. When a running request uses penalties (which
         read every output token) the step waits for N before scheduling, as a synchronous engine.
         """
+        t_start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.timing["step_s"] += time.perf_counter() - t_start
+
+    def _step(self) -> list[RequestOutput]:
         prev, self._inflight = self._inflight, None
         resolved = None
         if prev is not None and self._needs_sync():
@@ -252,7 +264,10 @@ class LLMEngine:
         return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
 
     def _resolve(self, done):
+        t0 = time.perf_counter()
         sched, out = done[0], self.runner.collect(done[1])
+        self.timing["device_wait_s"] += time.perf_counter() - t0
+        self.timing["steps"] += 1
         sampled = [int(out.token_ids[i]) if s.samples else None for i, s in enumerate(sched.seqs)]
         finished = {r.request_id for r in self.scheduler.resolve(sched, sampled)}
         return sched, out, sampled, finished
@@ -306,6 +321,8 @@ class LLMEngine:
             if parent is None or parent.request_id in seen:
                 continue
             seen.add(parent.request_id)
+            if not (self.emit_unfinished or parent.finished):
+                continue
             results.append(self.outputs.make_output(parent.request_id))
             if parent.finished:
                 for c in parent.children:

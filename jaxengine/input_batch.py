@@ -75,7 +75,7 @@ class InputBuilder:
             n, start = s.num_new_tokens, s.start
             end = cursor + n
             assert end <= t, (end, t)
-            toks = s.request.all_token_ids[start:start + n]
+            toks = s.request.token_ids_slice(start, start + n)
             if toks[-1] < 0:  # the placeholder of the step in flight: only ever a decode row's token
                 assert n == 1 and prev_rows is not None, (s.request.request_id, n)
                 b["prev_index"][cursor] = prev_rows[s.request.request_id]

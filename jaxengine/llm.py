@@ -95,6 +95,7 @@ class LLM:
             engine.abort_request(ids)
             raise
         order = {rid: i for i, rid in enumerate(ids)}
+        engine.emit_unfinished = False  # only final outputs are returned here
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm,
                    postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
