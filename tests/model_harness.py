@@ -42,7 +42,7 @@ class PagedRunner:
             blocks = self.blocks.setdefault(sid, [])
             while len(blocks) * self.bs < len(toks):
                 blocks.append(int(self.free.pop()))
-            req = types.SimpleNamespace(all_token_ids=toks)
+            req = types.SimpleNamespace(all_token_ids=toks, token_ids_slice=lambda a, b, toks=toks: toks[a:b])
             seqs.append(types.SimpleNamespace(request=req, start=start, num_new_tokens=len(toks) - start,
                                               block_ids=list(blocks)))
         n = sum(s.num_new_tokens for s in seqs)
