@@ -29,9 +29,10 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
 from jaxengine.models.presets import PRESETS
 from jaxengine.output_processor import OutputProcessor
-from jaxengine.outputs import RequestOutput
+from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.request import Request, RequestStatus
 from jaxengine.sampler import SamplingRow
+from jaxengine.sharding import make_plan
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.scheduler import Scheduler, SchedulerConfig
 
@@ -65,16 +66,21 @@ class LLMEngine:
         model_config, ckpt, self.tokenizer = _open_model(config)
         config = self._derive(config, model_config)
         dtype = resolve_dtype(config.dtype, model_config)
+        plan = make_plan(model_config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        mesh = plan.mesh if plan is not None else None
+        put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
         if ckpt is None or config.load_format == "dummy":
-            graphdef, state = dummy_params(model_config, dtype, config.seed, config.attention_backend)
+            graphdef, state = dummy_params(model_config, dtype, config.seed, config.attention_backend, put, mesh)
         else:
-            graphdef, state = load_params(ckpt, model_config, dtype, config.attention_backend)
+            graphdef, state = load_params(ckpt, model_config, dtype, config.attention_backend, put, mesh)
         config = dataclasses.replace(config, num_kv_blocks=self._num_blocks(config, model_config, dtype, graphdef, state))
+        if plan is not None:
+            logger.info("tensor parallel over %d devices (mesh %s)", plan.tp, dict(plan.mesh.shape))
         self.config, self.model_config = config, model_config
         self.eos_token_ids = tuple(model_config.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and not self.eos_token_ids:
             self.eos_token_ids = (self.tokenizer.eos_token_id,)
-        self.runner = ModelRunner(config, model_config, graphdef, state, dtype)
+        self.runner = ModelRunner(config, model_config, graphdef, state, dtype, plan)
         if config.warmup:
             self.runner.warmup()
         self.scheduler = Scheduler(SchedulerConfig(
@@ -86,6 +92,9 @@ class LLMEngine:
         self._request_seeds: dict[str, int] = {}
         self._ids = itertools.count()
         self._inflight = None  # (SchedulerOutput, InFlight) of the step running on the device
+        # Request id -> why it failed, for requests finished with finish_reason "error" (see
+        # `_fail_request`); the caller pops its entry once it has reported the failure.
+        self.request_errors: dict[str, str] = {}
         # Where step time goes: waiting for the device vs everything else (host work).
         self.timing = {"steps": 0, "device_wait_s": 0.0, "step_s": 0.0}
         # False: step() returns outputs of finished requests only (offline batch use needs no
@@ -122,7 +131,8 @@ class LLMEngine:
         """
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = kv_bytes_per_block(mc, config.block_size, dtype)
+        # per device: the KV heads are split over the tensor-parallel devices
+        per_block = kv_bytes_per_block(mc, config.block_size, dtype) // config.tensor_parallel_size
         most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
@@ -300,12 +310,17 @@ class LLMEngine:
         stopped: list[tuple[str, str]] = []
         if out.prompt_lp is not None:
             self._record_prompt_logprobs(sched.seqs, out.prompt_lp)
+        failed: dict[str, Exception] = {}  # parent id -> what broke while processing its output
         for i, s in enumerate(sched.seqs):
             cid = s.request.request_id
             if sampled[i] is None or not self._is_live_child(cid):
                 continue
-            stop = self.outputs.process_token(cid, sampled[i], out.logprob[i], out.rank[i],
-                                              out.top_ids[i], out.top_logprobs[i])
+            try:
+                stop = self.outputs.process_token(cid, sampled[i], out.logprob[i], out.rank[i],
+                                                  out.top_ids[i], out.top_logprobs[i])
+            except Exception as e:  # noqa: BLE001 - one request's failure (e.g. its detokenizer) is its own
+                failed.setdefault(self.outputs.child_to_parent[cid].request_id, e)
+                continue
             if cid in finished:
                 self.outputs.finish_child(cid, s.request.status.finish_reason, s.request.stop_reason)
             elif stop is not None:
@@ -315,7 +330,7 @@ class LLMEngine:
             self.scheduler.finish_requests([cid for cid, _ in stopped], RequestStatus.FINISHED_STOPPED)
             for cid, stop in stopped:
                 self.outputs.finish_child(cid, "stop", stop)
-        results, seen = [], set()
+        results, seen = [self._fail_request(rid, e) for rid, e in failed.items()], set(failed)
         for cid in touched:
             parent = self.outputs.child_to_parent.get(cid)
             if parent is None or parent.request_id in seen:
@@ -323,12 +338,38 @@ class LLMEngine:
             seen.add(parent.request_id)
             if not (self.emit_unfinished or parent.finished):
                 continue
-            results.append(self.outputs.make_output(parent.request_id))
+            try:
+                results.append(self.outputs.make_output(parent.request_id))
+            except Exception as e:  # noqa: BLE001 - as above: only this request fails
+                results.append(self._fail_request(parent.request_id, e))
+                continue
             if parent.finished:
                 for c in parent.children:
                     self._request_seeds.pop(c.request.request_id, None)
                 self.outputs.pop_if_finished(parent.request_id)
         return results
+
+    def _fail_request(self, request_id: str, error: Exception) -> RequestOutput:
+        """Ends one request whose output processing raised: its sequences stop (blocks freed) with
+        finish_reason "error", the error is kept in `request_errors` for the caller, and every
+        other request goes on. Returns the request's final output."""
+        logger.error("request %s failed: %s: %s", request_id, type(error).__name__, error, exc_info=error)
+        children = self.outputs.child_ids(request_id)
+        self.scheduler.abort_requests(children)
+        for cid in children:
+            if self._is_live_child(cid):
+                self.outputs.finish_child(cid, "error", None)
+            self._request_seeds.pop(cid, None)
+        self.request_errors[request_id] = f"{type(error).__name__}: {error}"
+        try:
+            final = self.outputs.make_output(request_id)
+        except Exception:  # noqa: BLE001 - the state itself is broken: report no text
+            p = self.outputs.parents[request_id]
+            final = RequestOutput(request_id, p.prompt, p.prompt_token_ids, None,
+                                  [CompletionOutput(c.index, "", [], None, None, c.finish_reason, c.stop_reason)
+                                   for c in p.children], True, p.metrics)
+        self.outputs.pop_if_finished(request_id)
+        return final
 
     def _record_prompt_logprobs(self, seqs: list, prompt_lp: tuple) -> None:
         lp, rank, top_ids, top_lps = prompt_lp

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import jaxengine
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.errors import OpenAIError, install_error_handlers
+from jaxengine.server.limits import BodyGuardMiddleware, ServerLimits
 from jaxengine.server.metrics import ServerMetrics
 from jaxengine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        DetokenizeResponse, ModelCard,
@@ -62,7 +63,8 @@ class ApiKeyMiddleware:
 
 def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = None, model_path: str | None = None,
               api_key: str | None = None, chat_template: str | None = None,
-              shutdown_drain_timeout: float = 0.0, exit_requested: Callable[[], bool] | None = None) -> FastAPI:
+              shutdown_drain_timeout: float = 0.0, exit_requested: Callable[[], bool] | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     """An app serving `engine`. The engine loop starts with the app's lifespan.
 
     `served_model_names`: the names clients may send as `model` (the first is reported);
@@ -70,12 +72,14 @@ def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = Non
     `exit_requested`: polled while serving (uvicorn's `should_exit`); once true, in-flight requests
     get `shutdown_drain_timeout` seconds to finish and the rest are aborted, so that their
     clients get a proper last chunk (finish_reason "abort") instead of a cut connection.
+    `limits`: body size, queue length and per-request limits (default: `ServerLimits()`).
     """
+    limits = limits or ServerLimits()
     llm_engine = engine.engine
     names = list(served_model_names or [default_served_name(model_path or llm_engine.config.model)])
     max_model_len = int(llm_engine.config.max_model_len)
     ctx = ServingContext(engine=engine, model_names=names, model_path=model_path or llm_engine.config.model,
-                         max_model_len=max_model_len, chat_template=chat_template)
+                         max_model_len=max_model_len, chat_template=chat_template, limits=limits)
     metrics = ServerMetrics(names[0], max_model_len, engine.stats)
     if engine.observer is None:
         engine.observer = metrics
@@ -103,7 +107,8 @@ def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = Non
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodyGuardMiddleware, limits=limits)
+    if api_key:  # added last, so it runs first: unauthenticated bodies are never read
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.get("/health")

@@ -14,6 +14,8 @@ One request's life:
    never falls behind.
 5. A handler that stops early (client disconnected, task cancelled) calls `stream.close()`, which
    sends `_Abort`: the engine drops the request and its KV blocks return to the pool.
+If processing one request's output raises (its detokenizer, say), the engine finishes that request
+alone (finish_reason "error", `LLMEngine.request_errors`) and its stream raises `RequestFailedError`.
 If a step raises, the engine is dead: every open stream (and every later `add`) raises
 `EngineDeadError`, `on_death` is called (the server then exits non-zero), and `is_alive` is False.
 
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.server.errors import EngineDeadError
+from jaxengine.server.errors import EngineDeadError, RequestFailedError
 
 if TYPE_CHECKING:
     from jaxengine.engine import LLMEngine
@@ -388,6 +390,11 @@ class AsyncEngine:
         live.tokens, live.last = tokens, output
         if output.finished:
             del self._live[output.request_id]
+            errors = getattr(self.engine, "request_errors", None)
+            error = errors.pop(output.request_id, None) if errors else None
+            if error is not None:  # this request alone failed in the engine (see LLMEngine._fail_request)
+                out.append((live.stream, RequestFailedError(error)))
+                return
         out.append((live.stream, output))
 
     def _send(self, deliveries: list) -> None:

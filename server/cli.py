@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from jaxengine.arg_utils import add_engine_args, engine_kwargs
+from jaxengine.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerLimits
 
 if TYPE_CHECKING:
     from jaxengine.engine import LLMEngine
@@ -73,6 +74,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are aborted")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get 413 before they are read")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests held beyond the max-num-seqs running ones; more get 503 "
+                        "(default: no limit, they wait)")
     add_engine_args(parser)
     actions = [a for a in parser._actions if a.dest not in _NOT_CONFIGURABLE or a.dest == "config"]
     for a in actions:
@@ -180,6 +186,7 @@ class ServerSettings:
     uvicorn_log_level: str = "info"
     shutdown_timeout: float = 10.0
     model: str | None = None
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -192,7 +199,9 @@ class ServerSettings:
         names = tuple(args.served_model_name) if args.served_model_name else None
         return cls(host=args.host, port=args.port, api_key=args.api_key, served_model_names=names,
                    chat_template=load_chat_template(args.chat_template), uvicorn_log_level=args.uvicorn_log_level,
-                   shutdown_timeout=args.shutdown_timeout, model=args.model)
+                   shutdown_timeout=args.shutdown_timeout, model=args.model,
+                   limits=ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
+                                       max_queued_requests=args.max_queued_requests))
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -228,7 +237,7 @@ def run_server(engine: LLMEngine, settings: ServerSettings, sockets: Sequence[so
     app = build_app(async_engine, served_model_names=list(settings.served_model_names or []) or None,
                     model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template,
                     shutdown_drain_timeout=settings.shutdown_timeout,
-                    exit_requested=lambda: server is not None and server.should_exit)
+                    exit_requested=lambda: server is not None and server.should_exit, limits=settings.limits)
     # The app drains and aborts by itself (see build_app); uvicorn's own timeout is only a backstop
     # for connections that would still hang after that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,

@@ -51,6 +51,18 @@ class EngineDeadError(RuntimeError):
     """The engine loop thread stopped (crashed or shut down): no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its output processing raised); the engine and every
+    other request go on. Answered with a 500 (or an error event in a stream that has started)."""
+
+
+def overloaded(num_open: int, capacity: int) -> OpenAIError:
+    """The 503 for a full queue: the client should retry later."""
+    return OpenAIError(f"The server is overloaded: {num_open} requests are running or queued and at most "
+                       f"{capacity} are allowed (--max-queued-requests). Please retry later.", 503,
+                       code="server_overloaded")
+
+
 def from_value_error(e: ValueError, known_params: set[str] | None = None) -> OpenAIError:
     """A `ValueError` from the engine or `SamplingParams` as a 400; `param` is the field its message names."""
     msg = str(e)
@@ -60,7 +72,7 @@ def from_value_error(e: ValueError, known_params: set[str] | None = None) -> Ope
 
 
 # Union members show up in error locations ('str', 'list[int]'); they are not field names.
-_UNION_TAG = re.compile(r"[a-z]+\[.*\]|str|int|float|bool|function-.*|[A-Z][A-Za-z]*Request")
+_UNION_TAG = re.compile(r"[a-z]+\[.*\]|str|int|float|bool|constrained-[a-z]+|function-.*|[A-Z][A-Za-z]*Request")
 
 
 def _loc_to_param(loc: tuple[object, ...]) -> str | None:
@@ -95,7 +107,7 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         seen.setdefault(param, e.get("msg", "invalid value"))
     for field, members in tags.items():
         if len(members) > 1:
-            seen[field] = "expected one of: " + ", ".join(members)
+            seen[field] = "expected one of: " + ", ".join(members).replace("constrained-int", "int")
     parts = [f"{p}: {m}" if p else m for p, m in seen.items()]
     return OpenAIError("Invalid request: " + "; ".join(parts), 400, param=next(iter(seen)))
 
@@ -121,6 +133,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     async def _value(_: Request, exc: ValueError) -> JSONResponse:
         return from_value_error(exc).response()
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return OpenAIError(f"The request failed in the engine: {exc}", 500).response()
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -17,7 +17,10 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, model_serializer
 
-Int = Annotated[int, Strict()]
+# Integers are bounded to int32 (seeds to 64 bits), so that no value the schema accepts can
+# overflow a device array or a NumPy column deep inside the engine.
+Int = Annotated[int, Strict(), Field(ge=-(2**31), le=2**31 - 1)]
+SeedInt = Annotated[int, Strict(), Field(ge=-(2**63), le=2**64 - 1)]
 Float = Annotated[float, Strict()]  # strict float still accepts JSON integers
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
@@ -56,7 +59,7 @@ class SamplingFields(RequestModel):
     temperature: Float | None = None  # None: 1.0 (OpenAI's default)
     top_p: Float | None = None
     stop: Str | list[Str] | None = None
-    seed: Int | None = None
+    seed: SeedInt | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     logit_bias: dict[Str, Float] | None = None  # not implemented: rejected unless empty

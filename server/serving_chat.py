@@ -20,7 +20,7 @@ from starlette.background import BackgroundTask
 
 from jaxengine.llm import render_chat
 from jaxengine.server.async_engine import RequestStream
-from jaxengine.server.errors import EngineDeadError, OpenAIError
+from jaxengine.server.errors import EngineDeadError, OpenAIError, RequestFailedError
 from jaxengine.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice, ChoiceLogprobs,
                                        DeltaMessage)
@@ -56,13 +56,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     model = ctx.resolve_model(req.model)
     reject_unsupported(req)
     top_logprobs = chat_logprobs_setting(req)
+    ctx.limits.check_stop(req.stop, req.stop_token_ids)
     text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message)
     max_tokens = req.max_new_tokens
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     ctx.check_prompt(len(ids), max_tokens, "messages", max_name)
     params = sampling_params(req, max_tokens, top_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    [stream] = await open_streams(ctx.engine, request_id, [(text, ids)], params)
+    [stream] = await open_streams(ctx, request_id, [(text, ids)], params)
     if req.stream:
         return StreamingResponse(_stream(req, model, request_id, stream, len(ids), top_logprobs,
                                          params.output_text_buffer_length), media_type="text/event-stream",
@@ -137,6 +138,9 @@ async def _stream(req: ChatCompletionRequest, model: str, request_id: str, strea
         yield SSE_DONE
     except EngineDeadError as e:
         yield OpenAIError(f"The engine is not running: {e}", 503).sse()
+        yield SSE_DONE
+    except RequestFailedError as e:
+        yield OpenAIError(f"The request failed in the engine: {e}", 500).sse()
         yield SSE_DONE
     except Exception as e:  # noqa: BLE001 - headers are sent: the error can only travel in the stream
         logger.exception("error while streaming %s", request_id)

@@ -16,7 +16,8 @@ from jaxengine.detokenizer import decode_token
 from jaxengine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.server.async_engine import AsyncEngine, RequestStream
-from jaxengine.server.errors import OpenAIError, from_value_error
+from jaxengine.server.errors import OpenAIError, from_value_error, overloaded
+from jaxengine.server.limits import ServerLimits
 from jaxengine.server.protocol import (ChatCompletionRequest, CompletionLogProbs, PromptLogprob,
                                        PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo)
 from jaxengine.server.protocol import PromptLogprobs as PromptLogprobsJSON
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # OpenAI clients choke on -inf; vLLM reports this instead.
 MIN_LOGPROB = -9999.0
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound (the engine's max_logprobs may be lower: it says so)
 
 
 @dataclasses.dataclass
@@ -37,6 +39,7 @@ class ServingContext:
     model_path: str | None
     max_model_len: int
     chat_template: str | None = None
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
@@ -113,6 +116,9 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
 
 
 def chat_logprobs_setting(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise OpenAIError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}.", 400,
+                          param="top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("top_logprobs requires logprobs to be true.", 400, param="top_logprobs")
     if not req.logprobs:
@@ -120,9 +126,24 @@ def chat_logprobs_setting(req: ChatCompletionRequest) -> int | None:
     return req.top_logprobs or 0
 
 
-async def open_streams(engine: AsyncEngine, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
+def check_capacity(ctx: ServingContext, num_new: int) -> None:
+    """503 when `num_new` more engine requests would exceed the running slots (`max_num_seqs`)
+    plus `max_queued_requests`; with no queue limit, every request waits its turn."""
+    queued = ctx.limits.max_queued_requests
+    if queued is None:
+        return
+    capacity = int(ctx.engine.engine.config.max_num_seqs) + queued
+    num_open = ctx.engine.num_open_requests
+    if num_open + num_new > capacity:
+        raise overloaded(num_open, capacity)
+
+
+async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
                        params: SamplingParams) -> list[RequestStream]:
-    """One engine request per prompt (ids `<request_id>-<i>`); all or none (bad input closes the rest)."""
+    """One engine request per prompt (ids `<request_id>-<i>`); all or none (bad input closes the
+    rest). Refused with 503 up front if the queue limit would be exceeded."""
+    check_capacity(ctx, len(prompts))
+    engine = ctx.engine
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prompts):

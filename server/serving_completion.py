@@ -14,7 +14,7 @@ from starlette.background import BackgroundTask
 
 from jaxengine.outputs import RequestOutput
 from jaxengine.server.async_engine import RequestStream
-from jaxengine.server.errors import EngineDeadError, OpenAIError
+from jaxengine.server.errors import EngineDeadError, OpenAIError, RequestFailedError
 from jaxengine.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                        CompletionResponse, CompletionStreamResponse)
 from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, close_all, completion_logprobs,
@@ -33,6 +33,8 @@ def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prom
         return [(p, ctx.tokenize(p, req.add_special_tokens))]
     if not p:
         raise OpenAIError("prompt must not be an empty list.", 400, param="prompt")
+    if not isinstance(p[0], int):
+        ctx.limits.check_num_prompts(len(p))
     if isinstance(p[0], str):
         return [(s, ctx.tokenize(s, req.add_special_tokens)) for s in p]  # type: ignore[arg-type]
     if isinstance(p[0], int):
@@ -43,6 +45,7 @@ def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prom
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
     reject_unsupported(req)
+    ctx.limits.check_stop(req.stop, req.stop_token_ids)
     prompts = completion_prompts(ctx, req)
     for _, ids in prompts:
         ctx.check_prompt(len(ids), req.max_tokens, "prompt")
@@ -50,7 +53,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     params = sampling_params(req, req.max_tokens, req.logprobs,
                              max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_lp else None)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await open_streams(ctx.engine, request_id, prompts, params)
+    streams = await open_streams(ctx, request_id, prompts, params)
     echo = [_prompt_text(ctx, p) if req.echo else "" for p in prompts]
     if req.stream:
         # The background task closes the streams even if the client left before the body started
@@ -162,6 +165,9 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, model: str, reque
         yield SSE_DONE
     except EngineDeadError as e:
         yield OpenAIError(f"The engine is not running: {e}", 503).sse()
+        yield SSE_DONE
+    except RequestFailedError as e:
+        yield OpenAIError(f"The request failed in the engine: {e}", 500).sse()
         yield SSE_DONE
     except Exception as e:  # noqa: BLE001 - headers are sent: the error can only travel in the stream
         logger.exception("error while streaming %s", request_id)
