@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_parser(sub)
     except ImportError:
         pass
+    from jaxengine.benchmarks.cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 
