@@ -47,9 +47,9 @@ class _Req:
 
 class FakeEngine:
     def __init__(self, *, max_model_len: int = 64, max_num_seqs: int = 4, num_blocks: int = 16,
-                 fail_at_step: int | None = None, step_delay: float = 0.0):
+                 fail_at_step: int | None = None, step_delay: float = 0.0, vocab_size: int = 0x110000):
         self.config = SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs, model="fake-model")
-        self.model_config = SimpleNamespace(vocab_size=0x110000)
+        self.model_config = SimpleNamespace(vocab_size=vocab_size)
         self.tokenizer = FakeTokenizer()
         self.num_blocks = num_blocks
         self.free_blocks = num_blocks
@@ -70,6 +70,9 @@ class FakeEngine:
             text, ids = None, list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {self.model_config.vocab_size}): {bad[:5]}")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if request_id in self.requests:
