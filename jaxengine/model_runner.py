@@ -130,7 +130,9 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> i
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype,
-                 kv_sharding=None):
+                 plan=None):
+        """`plan` (a jaxengine.sharding.ShardingPlan) places the KV cache over the mesh and keeps
+        step inputs and outputs replicated; None runs on the default device."""
         self.config = config
         self.model_config = model_config
         self.graphdef = graphdef
@@ -139,15 +141,22 @@ class ModelRunner:
         self.token_buckets = token_buckets(config.max_num_batched_tokens)
         self.builder = InputBuilder(config.max_blocks_per_seq, config.block_size)
         self.num_blocks = config.num_kv_blocks
-        self.kv_sharding = kv_sharding
+        self.plan = plan
+        self.kv_sharding = plan.kv_sharding() if plan is not None else None
+        self._rep = plan.replicated() if plan is not None else None
         self.kv_caches = self._allocate_kv()
-        self._no_prev = jnp.zeros((config.max_num_seqs,), jnp.int32)  # stand-in when nothing is in flight
+        # stand-in for the previous step's tokens when nothing is in flight
+        self._no_prev = jax.device_put(np.zeros((config.max_num_seqs,), np.int32), self._rep)
         self._forward_fns: dict[int, jax.stages.Compiled] = {}
         self._sample_fns: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
         leaves, self.param_treedef = jax.tree.flatten(state)
         self.param_leaves = tuple(leaves)
-        self._jit_forward = jax.jit(_flat(_forward, graphdef, self.param_treedef), donate_argnums=(1,))
+        fwd_out = None
+        if plan is not None:  # fixed output placement, so the sampler programs can be compiled for it
+            fwd_out = ([(self.kv_sharding, self.kv_sharding)] * model_config.num_layers, self._rep, self._rep)
+        self._jit_forward = jax.jit(_flat(_forward, graphdef, self.param_treedef), donate_argnums=(1,),
+                                    out_shardings=fwd_out)
         self._jit_prompt_lp = jax.jit(_flat(_prompt_logprobs, graphdef, self.param_treedef,
                                             k=config.max_logprobs or 1))
         self.compile_seconds = 0.0
@@ -170,19 +179,25 @@ class ModelRunner:
         r = self.rows_for(t)
         kv_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_caches)
         st_abs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self.param_leaves)
-        prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32)
-        return self._jit_forward.lower(st_abs, kv_abs, abstract_inputs(t, r, self.config.max_blocks_per_seq),
+        prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
+        return self._jit_forward.lower(st_abs, kv_abs, self._replicated(abstract_inputs(t, r, self.config.max_blocks_per_seq)),
                                        prev).compile()
+
+    def _replicated(self, tree):
+        if self._rep is None:
+            return tree
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._rep), tree)
 
     def _compile_prompt_logprobs(self, t: int) -> jax.stages.Compiled:
         st_abs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self.param_leaves)
-        hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype)
-        return self._jit_prompt_lp.lower(st_abs, hidden, jax.ShapeDtypeStruct((t,), jnp.int32)).compile()
+        hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
+        targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._rep)
+        return self._jit_prompt_lp.lower(st_abs, hidden, targets).compile()
 
     def _compile_sampler(self, r: int, penalties: bool) -> jax.stages.Compiled:
         md = build_sampling_metadata([], r, self._history_len(penalties))
-        logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32)
-        md_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), md)
+        logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32, sharding=self._rep)
+        md_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._rep), md)
         fn = jax.jit(functools.partial(_sample_padded, use_penalties=penalties, pad_to=self.config.max_num_seqs))
         return fn.lower(logits, md_abs).compile()
 

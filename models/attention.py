@@ -10,10 +10,20 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import RMSNorm, RotaryEmbedding
 from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+
+def shard_map(f, *, mesh: Mesh, in_specs, out_specs):
+    """`jax.shard_map` without replication checks (Pallas kernels carry no replication rules)."""
+    try:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    except TypeError:  # older spelling
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
 
 KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [num_blocks, K, block_size, H]
 
@@ -33,7 +43,8 @@ class AttentionMetadata:
 class Attention(nnx.Module):
     """Grouped-query self-attention over the paged KV cache (Llama/Mistral/Qwen2/Qwen3)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, attn_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, attn_backend: str = "auto",
+                 mesh: Mesh | None = None):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         init = nnx.initializers.normal(0.02)
         self.q_proj = nnx.Param(init(rngs.params(), (d, n, h), dtype))  # DNH
@@ -53,6 +64,7 @@ class Attention(nnx.Module):
         self.sm_scale = h ** -0.5
         self.sliding_window = cfg.sliding_window
         self.attn_backend = attn_backend
+        self.mesh = mesh  # tensor parallelism: heads and the KV cache split over its "model" axis
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache,
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
@@ -64,8 +76,22 @@ class Attention(nnx.Module):
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
+        attend = self._attend if self.mesh is None else self._sharded_attend()
+        o, k_cache, v_cache = attend(q, k, v, kv[0], kv[1], md)
+        return jnp.einsum("TNH,NHD->TD", o, self.o_proj[...]), (k_cache, v_cache)
+
+    def _attend(self, q, k, v, k_cache, v_cache, md: AttentionMetadata):
+        """Writes this step's K/V into the cache, then attends (per device under shard_map)."""
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         o = ragged_paged_attention(
             q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
             sm_scale=self.sm_scale, sliding_window=self.sliding_window, backend=self.attn_backend)
-        return jnp.einsum("TNH,NHD->TD", o, self.o_proj[...]), (k_cache, v_cache)
+        return o, k_cache, v_cache
+
+    def _sharded_attend(self):
+        # Pallas calls are not auto-partitioned: each device attends with its own query heads and
+        # the KV heads they read (kv heads split like query heads, so G = N / K is unchanged).
+        heads, cache = P(None, "model", None), P(None, "model", None, None)
+        md_spec = AttentionMetadata(P(), P(), P(), P(), P())
+        return shard_map(self._attend, mesh=self.mesh, in_specs=(heads, heads, heads, cache, cache, md_spec),
+                         out_specs=(heads, cache, cache))

@@ -16,9 +16,9 @@ from jaxengine.models.layers import MLP, RMSNorm
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, attn_backend: str):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, attn_backend: str, mesh=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs, attn_backend)
+        self.self_attn = Attention(cfg, dtype, rngs, attn_backend, mesh)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
@@ -30,10 +30,10 @@ class DecoderLayer(nnx.Module):
 
 
 class Model(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, attn_backend: str):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, attn_backend: str, mesh=None):
         self.embed_tokens = nnx.Param(
             nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))  # VD
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, attn_backend)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, attn_backend, mesh)
                                 for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -51,9 +51,9 @@ class ForCausalLM(nnx.Module):
     """A causal LM: `__call__` gives final hidden states, `compute_logits` the float32 logits."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32, *, rngs: nnx.Rngs,
-                 attn_backend: str = "auto"):
+                 attn_backend: str = "auto", mesh=None):
         self.config = cfg
-        self.model = Model(cfg, dtype, rngs, attn_backend)
+        self.model = Model(cfg, dtype, rngs, attn_backend, mesh)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(

@@ -97,10 +97,10 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
     return DTYPES[dtype]
 
 
-def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, attn_backend: str = "auto"):
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, attn_backend: str = "auto", mesh=None):
     """(graphdef, abstract state) without allocating any weights."""
     cls = get_model_class(cfg.architecture)
-    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), attn_backend=attn_backend))
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), attn_backend=attn_backend, mesh=mesh))
     return nnx.split(abstract)
 
 
@@ -121,13 +121,13 @@ def _set(tree: dict, path: Path, value: object) -> None:
 
 
 def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, attn_backend: str = "auto",
-                put: Callable[[Path, np.ndarray], jax.Array] | None = None):
+                put: Callable[[Path, np.ndarray], jax.Array] | None = None, mesh=None):
     """Reads every tensor of `checkpoint` into a new state; returns (graphdef, state).
 
     `put(path, array)` places one parameter on device(s) (default: `jax.device_put`), so a
     sharded placement can load each tensor straight into its shards.
     """
-    graphdef, abs_state = abstract_model(cfg, dtype, attn_backend)
+    graphdef, abs_state = abstract_model(cfg, dtype, attn_backend, mesh)
     pure = nnx.to_pure_dict(abs_state)
     expected = _flat(pure)
     put = put or (lambda path, arr: jax.device_put(arr))
@@ -169,9 +169,9 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, attn_backend: st
 
 
 def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, attn_backend: str = "auto",
-                 put: Callable[[Path, jax.Array], jax.Array] | None = None):
+                 put: Callable[[Path, jax.Array], jax.Array] | None = None, mesh=None):
     """Random weights of the right shapes, made on device (for benchmarks of big shapes)."""
-    graphdef, abs_state = abstract_model(cfg, dtype, attn_backend)
+    graphdef, abs_state = abstract_model(cfg, dtype, attn_backend, mesh)
     pure = nnx.to_pure_dict(abs_state)
     key = jax.random.key(seed)
     put = put or (lambda path, arr: arr)
