@@ -216,7 +216,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         rep = r["replay"]
         print(f"| {r['label']} | {len(r['token_buckets'])} | {r['compile_s']:.2f} | {rep['total_s']:.2f} | "
               f"{100 * rep['padding_waste']:.1f}% | {rep['output_tokens_per_s']:.1f} |")
-    print(f"recommended: {best['label']}  ->  jaxengine serve {args.model or ''} {best['flags']}".replace("  ", " "))
+    dummy = " --load-format dummy" if getattr(args, "load_format", None) == "dummy" else ""
+    print(f"recommended schedule {best['label']} (least replay time); engine flags: {best['flags']}")
+    print(f"  e.g. jaxengine serve {args.model or ''}{dummy} {best['flags']}")
     for f in files:
         print(f"wrote {f}")
     return 0
@@ -260,7 +262,10 @@ def write_plots(stem: str, rows: list[dict]) -> list[str]:
     for r in rows:
         bs = [b for b in r["buckets"] if "skipped" not in b]
         ax.plot([b["bucket"] for b in bs], [b["step_ms"]["median"] for b in bs], marker="o", label=r["label"])
-    ax.set(xscale="log", xlabel="token bucket", ylabel="median step latency (ms)", title="step latency per bucket")
+    ticks = sorted({b["bucket"] for r in rows for b in r["buckets"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set(xlabel="token bucket", ylabel="median step latency (ms)", title="step latency per bucket")
     ax.legend(title="T:S:B")
     fig.tight_layout()
     fig.savefig(p1, dpi=120)

@@ -97,7 +97,7 @@ def test_sweep(tiny, xla_cache_dir, tmp_path, capsys):
     assert data["workload"]["num_requests"] == 6
     assert data["recommended"]["label"] in ("32:8:16", "64:8:16")
     out = capsys.readouterr().out
-    assert "recommended:" in out and "--max-num-batched-tokens" in out
+    assert "recommended schedule" in out and "--max-num-batched-tokens" in out
     with open(str(stem) + "_schedules.csv") as f:
         assert len(list(csv.DictReader(f))) == 2
     with open(str(stem) + "_buckets.csv") as f:

@@ -77,3 +77,20 @@ def test_arrivals_and_random_lengths():
     assert all(10 <= t < 1000 for r in reqs for t in r.prompt_token_ids)
     with pytest.raises(ValueError):
         random_requests(1, 10, 10, 1.0, vocab_size=100)
+
+
+def test_sweep_plots_are_skipped_without_matplotlib(monkeypatch, tmp_path):
+    import sys
+
+    from jaxengine.benchmarks import sweep
+    from jaxengine.benchmarks.sweep import Schedule, write_plots
+
+    logged: list[str] = []  # the package logger does not propagate, so caplog would see nothing
+    monkeypatch.setattr(sweep.logger, "warning", lambda msg, *a: logged.append(msg % a))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    assert write_plots(str(tmp_path / "x"), []) == []
+    assert any("matplotlib is not installed" in m for m in logged)
+    assert Schedule.parse("512:64:16").flags == "--max-num-batched-tokens 512 --max-num-seqs 64 --block-size 16"
+    for bad in ("512:64", "a:b:c", "0:8:16"):
+        with pytest.raises(ValueError):
+            Schedule.parse(bad)
