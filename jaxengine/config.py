@@ -41,6 +41,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
     max_logprobs: int = 20
     warmup: bool = True  # compile every bucket at start-up
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

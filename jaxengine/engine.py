@@ -53,10 +53,11 @@ def _open_model(config: EngineConfig):
 
     model = config.model or default_model_path()
     if config.load_format == "dummy" and model in PRESETS:
-        tok = load_hf_tokenizer(config.tokenizer) if config.tokenizer else None
+        tok = load_hf_tokenizer(config.tokenizer) if config.tokenizer and not config.skip_tokenizer_init else None
         return ModelConfig.from_hf_dict(PRESETS[model]), None, tok
     ckpt = open_checkpoint(model, revision=config.revision, tokenizer=config.tokenizer)
-    return ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, ckpt.load_tokenizer()
+    tokenizer = None if config.skip_tokenizer_init else ckpt.load_tokenizer()
+    return ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, tokenizer
 
 
 class LLMEngine:
