@@ -124,9 +124,13 @@ def _first_model(base_url: str, api_key: str | None) -> str:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot list the models of the server at {base_url} ({e}); is it running? "
+                         f"(or pass --served-model-name)") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

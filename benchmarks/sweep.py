@@ -168,6 +168,17 @@ def replay(llm, requests: list[SampleRequest]) -> dict[str, object]:
             "output_tokens_per_s": n_out / total, "steps_per_bucket": {str(k): v for k, v in sorted(per_bucket.items())}}
 
 
+def release(llm) -> None:
+    """Frees the engine's device buffers (weights, KV cache) now, so the next schedule's engine
+    sizes its KV cache from memory that is really free."""
+    import jax
+
+    runner = llm.llm_engine.runner
+    for a in jax.tree.leaves((runner.kv_caches, runner.state, runner.param_leaves)):
+        if isinstance(a, jax.Array) and not a.is_deleted():
+            a.delete()
+
+
 def _workload(args: argparse.Namespace, vocab: int, tokenizer, max_len: int) -> list[SampleRequest]:
     from jaxengine.benchmarks.throughput import build_requests
 
@@ -199,6 +210,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                      "buckets": buckets, "replay": rep})
         logger.info("schedule %s: replay %.2f s, padding waste %.1f%%", sched.label, rep["total_s"],
                     100 * rep["padding_waste"])
+        release(llm)
         del llm, eng
         gc.collect()
     best = min(rows, key=lambda r: (r["replay"]["total_s"], r["compile_s"]))
