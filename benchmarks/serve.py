@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from jaxengine.benchmarks.common import SampleRequest, args_dict, environment, load_sharegpt, random_requests, write_json
+from jaxengine.benchmarks.common import (SampleRequest, args_dict, environment, load_sharegpt, random_requests,
+                                         write_json)
 from jaxengine.benchmarks.serving_metrics import RequestResult, compute_metrics, format_report, parse_goodput
 
 logger = logging.getLogger(__name__)
@@ -163,8 +164,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                "requests": [{"prompt_len": r.prompt_len, "output_tokens": r.output_tokens, "success": r.success,
                              "ttft_s": r.ttft if r.success else None, "e2el_s": r.latency if r.success else None,
                              "itl_s": r.itl} for r in results]}
-    out = args.output_json or os.path.join(os.environ.get("OUT", "."),
-                                           f"bench_serve_{model.replace('/', '_')}_{time.strftime('%Y%m%d-%H%M%S')}.json")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"bench_serve_{model.replace('/', '_')}_{stamp}.json"
+    out = args.output_json or os.path.join(os.environ.get("OUT", "."), name)
     path = write_json(out, payload)
     print(f"Traffic request rate: {args.request_rate}\nMaximum request concurrency: {args.max_concurrency}")
     print(format_report(metrics))

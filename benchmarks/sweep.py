@@ -165,7 +165,8 @@ def replay(llm, requests: list[SampleRequest]) -> dict[str, object]:
         per_bucket[b] = per_bucket.get(b, 0) + 1
     return {"total_s": total, "steps": len(steps), "scheduled_tokens": real, "bucket_slots": slots,
             "padding_waste": 1 - real / slots if slots else 0.0, "output_tokens": n_out,
-            "output_tokens_per_s": n_out / total, "steps_per_bucket": {str(k): v for k, v in sorted(per_bucket.items())}}
+            "output_tokens_per_s": n_out / total,
+            "steps_per_bucket": {str(k): v for k, v in sorted(per_bucket.items())}}
 
 
 def release(llm) -> None:

@@ -83,7 +83,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     path = write_json(default_out(args, "throughput"), payload)
     print(f"Throughput: {res['requests_per_s']:.2f} requests/s, {res['total_tokens_per_s']:.2f} total tokens/s, "
           f"{res['output_tokens_per_s']:.2f} output tokens/s")
-    print(f"Total num prompt tokens: {res['total_input_tokens']}\nTotal num output tokens: {res['total_output_tokens']}")
+    print(f"Total num prompt tokens: {res['total_input_tokens']}")
+    print(f"Total num output tokens: {res['total_output_tokens']}")
     print(f"results: {path}")
     return 0
 
