@@ -4,15 +4,12 @@ output, no 5xx, nothing left running or holding KV blocks, RSS flat, SIGTERM exi
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks.soak import SoakConfig, free_port, run_soak, start_server, stop_server, wait_healthy
 
 ENGINE = ["--max-model-len", "128", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
           "--num-kv-blocks", "40", "--block-size", "16"]
 
 
-@pytest.mark.timeout(300)
 def test_short_soak(tiny_llama, xla_cache_dir, tmp_path):
     cfg = SoakConfig(clients=40, duration_s=15.0, warmup_s=5.0, disconnect_share=0.2, num_specs=12,
                      max_prompt_words=40, max_new_tokens=32, request_timeout_s=120.0)
