@@ -139,3 +139,22 @@ def test_limits_are_checked():
     with pytest.raises(ValueError, match="max_queued_requests"):
         ServerLimits(max_queued_requests=-1)
     assert ServerLimits(max_queued_requests=0).max_queued_requests == 0
+
+
+def test_limit_flags_and_config_keys(tmp_path):
+    from jaxengine.cli import build_parser
+    from jaxengine.server.cli import ServerSettings, resolve_args
+
+    def settings(argv: list[str]) -> ServerSettings:
+        return ServerSettings.from_args(resolve_args(build_parser().parse_args(["serve", *argv])))
+
+    default = settings([]).limits
+    assert default.max_request_body_bytes == 8 * 2**20 and default.max_queued_requests is None
+    got = settings(["--max-request-body-bytes", "1000", "--max-queued-requests", "3"]).limits
+    assert (got.max_request_body_bytes, got.max_queued_requests) == (1000, 3)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max-queued-requests: 0\nmax_request_body_bytes: 2048\n")
+    got = settings(["--config", str(cfg)]).limits
+    assert (got.max_request_body_bytes, got.max_queued_requests) == (2048, 0)
+    with pytest.raises(ValueError, match="max_request_body_bytes"):
+        settings(["--max-request-body-bytes", "0"])
