@@ -309,12 +309,14 @@ class LLMEngine:
     def _process_outputs(self, sched, out, sampled: list[int | None], finished: set[str]) -> list[RequestOutput]:
         touched: list[str] = []
         stopped: list[tuple[str, str]] = []
-        if out.prompt_lp is not None:
-            self._record_prompt_logprobs(sched.seqs, out.prompt_lp)
         failed: dict[str, Exception] = {}  # parent id -> what broke while processing its output
+        if out.prompt_lp is not None:
+            self._record_prompt_logprobs(sched.seqs, out.prompt_lp, failed)
         for i, s in enumerate(sched.seqs):
             cid = s.request.request_id
             if sampled[i] is None or not self._is_live_child(cid):
+                continue
+            if failed and self.outputs.child_to_parent[cid].request_id in failed:
                 continue
             try:
                 stop = self.outputs.process_token(cid, sampled[i], out.logprob[i], out.rank[i],
@@ -372,15 +374,20 @@ class LLMEngine:
         self.outputs.pop_if_finished(request_id)
         return final
 
-    def _record_prompt_logprobs(self, seqs: list, prompt_lp: tuple) -> None:
+    def _record_prompt_logprobs(self, seqs: list, prompt_lp: tuple, failed: dict[str, Exception]) -> None:
         lp, rank, top_ids, top_lps = prompt_lp
         cursor = 0
         for s in seqs:
             req = s.request
             if req.sampling_params.prompt_logprobs is not None and s.start < req.num_prompt_tokens:
                 rows = slice(cursor, cursor + s.num_new_tokens)
-                self.outputs.record_prompt_logprobs(req.request_id, s.start, lp[rows], rank[rows],
-                                                    top_ids[rows], top_lps[rows])
+                try:
+                    self.outputs.record_prompt_logprobs(req.request_id, s.start, lp[rows], rank[rows],
+                                                        top_ids[rows], top_lps[rows])
+                except Exception as e:  # noqa: BLE001 - this request fails alone (see _fail_request)
+                    parent = self.outputs.child_to_parent.get(req.request_id)
+                    if parent is not None:
+                        failed.setdefault(parent.request_id, e)
             cursor += s.num_new_tokens
 
     def _is_live_child(self, cid: str) -> bool:

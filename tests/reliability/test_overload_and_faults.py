@@ -185,3 +185,33 @@ def test_engine_level_failure_isolation(server):
     assert all(len(c.token_ids) == 5 for c in finals["good"].outputs)
     assert "simulated detokenizer failure" in error
     assert_engine_empty(server)
+
+
+def test_prompt_logprobs_failure_fails_alone(server):
+    """A failure while recording prompt logprobs is isolated the same way."""
+    def run(e):  # noqa: ANN001, ANN202
+        from jaxengine.sampling_params import SamplingParams
+        original = e.outputs.record_prompt_logprobs
+
+        def broken(child_id: str, *args, **kw):  # noqa: ANN002, ANN003, ANN202
+            if e.outputs.child_to_parent[child_id].request_id == "bad":
+                raise ValueError("simulated prompt logprobs failure")
+            return original(child_id, *args, **kw)
+
+        e.outputs.record_prompt_logprobs = broken
+        try:
+            p = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+            e.add_request("bad", {"prompt_token_ids": [5, 6, 7, 8]}, p)
+            e.add_request("good", {"prompt_token_ids": [5, 6, 7, 8]}, p)
+            finals = {}
+            while e.has_unfinished_requests():
+                for o in e.step():
+                    if o.finished:
+                        finals[o.request_id] = o
+            return finals, e.request_errors.pop("bad", None)
+        finally:
+            e.outputs.record_prompt_logprobs = original
+    finals, error = engine_call(server, run)
+    assert finals["bad"].outputs[0].finish_reason == "error" and "simulated prompt logprobs" in error
+    assert finals["good"].outputs[0].finish_reason == "length" and len(finals["good"].prompt_logprobs) == 4
+    assert_engine_empty(server)
