@@ -31,16 +31,17 @@ class OpenAIError(Exception):
     """An error response: HTTP status plus OpenAI's error object."""
 
     def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):  # noqa: A002 - OpenAI's field name
+                 type: str | None = None, headers: dict[str, str] | None = None):  # noqa: A002 - OpenAI's field name
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
+        self.headers = headers
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, dict[str, object]]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
     def sse(self) -> str:
         """The error as one Server-Sent Event (for failures after a stream has started)."""
@@ -60,7 +61,7 @@ def overloaded(num_open: int, capacity: int) -> OpenAIError:
     """The 503 for a full queue: the client should retry later."""
     return OpenAIError(f"The server is overloaded: {num_open} requests are running or queued and at most "
                        f"{capacity} are allowed (--max-queued-requests). Please retry later.", 503,
-                       code="server_overloaded")
+                       code="server_overloaded", headers={"Retry-After": "1"})
 
 
 def from_value_error(e: ValueError, known_params: set[str] | None = None) -> OpenAIError:

@@ -54,6 +54,7 @@ def test_full_queue_answers_503_and_recovers():
             else:
                 err = assert_openai_error(r, 503)
                 assert err["code"] == "server_overloaded" and "retry" in err["message"]
+                assert r.headers["retry-after"] == "1"
                 assert err["type"] == "server_error"
         assert srv.app.state.engine.num_open_requests == 0
         batch = {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}  # 5 prompts > 4 slots
