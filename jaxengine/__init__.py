@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 __version__ = "0.1.0"
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the current sys.stderr, looked up per record: binding the stream at import time
+    breaks when the importer had swapped stderr (test capture, daemons) and later closes it."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
 
 _level = os.environ.get("JAXENGINE_LOGGING_LEVEL", "INFO").upper()
 _logger = logging.getLogger("jaxengine")
 if not _logger.handlers:
-    _handler = logging.StreamHandler()
+    _handler = _StderrHandler()
     _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
     _logger.addHandler(_handler)
     _logger.propagate = False

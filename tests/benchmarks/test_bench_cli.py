@@ -104,7 +104,7 @@ def test_sweep(tiny, xla_cache_dir, tmp_path, capsys):
         assert len(list(csv.DictReader(f))) == 2 + 3  # buckets 16, 32 and 16, 32, 64
 
 
-def test_serve_against_live_server(tiny, xla_cache_dir, tmp_path, capsys):
+def test_serve_against_live_server(tiny, xla_cache_dir, tmp_path, capfd):
     from jaxengine.server.api_server import build_app
     from jaxengine.server.async_engine import AsyncEngine
 
@@ -132,4 +132,4 @@ def test_serve_against_live_server(tiny, xla_cache_dir, tmp_path, capsys):
     assert all(len(r["itl_s"]) >= 1 for r in data["requests"])
     chat = _load(out_chat)["results"]
     assert chat["completed"] == 3 and chat["total_output_tokens"] == 12
-    assert "Time to First Token" in capsys.readouterr().out
+    assert "Time to First Token" in capfd.readouterr().out
