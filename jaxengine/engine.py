@@ -316,6 +316,9 @@ class LLMEngine:
             cid = s.request.request_id
             if sampled[i] is None or not self._is_live_child(cid):
                 continue
+            if out.nan_rows is not None and out.nan_rows[i]:
+                failed.setdefault(self.outputs.child_to_parent[cid].request_id,
+                                  FloatingPointError("the model produced NaN logits for this request"))
             if failed and self.outputs.child_to_parent[cid].request_id in failed:
                 continue
             try:

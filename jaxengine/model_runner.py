@@ -40,6 +40,7 @@ class RunnerOutput:
     top_ids: np.ndarray  # [num_seqs, max_logprobs] int32
     top_logprobs: np.ndarray  # [num_seqs, max_logprobs] f32
     prompt_lp: tuple | None = None  # (logprob [T], rank [T], top_ids [T, k], top_logprobs [T, k]) per token row
+    nan_rows: np.ndarray | None = None  # [num_seqs] bool: the row's logits hold a NaN
 
 
 def _forward(graphdef, state, kv_caches, inputs: StepInputs, prev_tokens: jax.Array):
@@ -119,9 +120,11 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
 
 
 def _sample_padded(logits: jax.Array, md, *, use_penalties: bool, pad_to: int):
-    """The sampler, plus its tokens padded to [pad_to] (a fixed shape the next forward reads)."""
+    """The sampler, plus its tokens padded to [pad_to] (a fixed shape the next forward reads) and
+    a [R] flag for rows whose logits hold a NaN (that request is failed alone, not sampled from)."""
     out = sample(logits, md, use_penalties=use_penalties)
-    return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0]))
+    nan_rows = jnp.any(jnp.isnan(logits), axis=-1)
+    return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0])), nan_rows
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
@@ -275,17 +278,17 @@ class ModelRunner:
             targets = np.full(t, -1, np.int32)
             targets[:len(prompt_targets)] = prompt_targets
             prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, targets)
-        sampler_out, tokens = self._get_sampler(r, penalties)(logits, md)
+        sampler_out, tokens, nan_rows = self._get_sampler(r, penalties)(logits, md)
         rows_of = {s.request.request_id: i for i, s in enumerate(seqs) if s.samples}
-        return InFlight(sampler_out, len(seqs), prompt_lp, tokens, rows_of)
+        return InFlight(sampler_out, len(seqs), prompt_lp, tokens, rows_of, nan_rows)
 
     @staticmethod
     def collect(handle: "InFlight") -> RunnerOutput:
         """Waits for a dispatched step: the one device-to-host transfer of the step."""
-        out, prompt_lp = jax.device_get((handle.sampler_out, handle.prompt_lp))
+        out, prompt_lp, nan_rows = jax.device_get((handle.sampler_out, handle.prompt_lp, handle.nan_rows))
         n = handle.num_seqs
         return RunnerOutput(out.token_ids[:n], out.logprob[:n], out.rank[:n], out.top_ids[:n], out.top_logprobs[:n],
-                            prompt_lp)
+                            prompt_lp, nan_rows[:n])
 
     def execute(self, seqs: list, rows: list[SamplingRow]) -> RunnerOutput:
         return self.collect(self.dispatch(seqs, rows))
@@ -300,3 +303,4 @@ class InFlight:
     prompt_lp: tuple | None  # device (logprob, rank, top_ids, top_logprobs), each [T, ...]
     tokens: jax.Array  # [max_num_seqs] int32 sampled tokens, on the device, for the next step's inputs
     rows: dict[str, int]  # request id -> its row in this step's samples
+    nan_rows: jax.Array  # [R] bool, on the device

@@ -226,3 +226,28 @@ def test_profiled_step_bytes(family_llm):
     got = profile_step_bytes(eng.config, eng.model_config, r.graphdef, r.state, r.dtype)
     # at least the float32 logits of the largest bucket's rows
     assert got is not None and got >= 4 * min(64, 8) * eng.model_config.vocab_size
+
+
+def test_nan_logits_fail_only_their_request(tiny_model_factory, xla_cache_dir):
+    """A request whose logits turn NaN (here: a poisoned embedding row it uses) ends alone with
+    finish_reason "error"; the others in the same batches finish with their solo outputs."""
+    import jax
+    import jax.numpy as jnp
+
+    path = tiny_model_factory("llama")
+    llm = make_llm(path, xla_cache_dir)
+    eng = llm.llm_engine
+    good = [{"prompt_token_ids": [11, 12, 13, 14]}, {"prompt_token_ids": [21, 22, 23]}]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    solo = [o.outputs[0].token_ids for o in llm.generate(good, params, use_tqdm=False)]
+    runner = eng.runner
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(runner.state)[0]]
+    idx = next(i for i, p in enumerate(paths) if "embed_tokens" in jax.tree_util.keystr(p))
+    leaves = list(runner.param_leaves)
+    leaves[idx] = leaves[idx].at[777].set(jnp.nan)
+    runner.param_leaves = tuple(leaves)
+    outs = llm.generate([good[0], {"prompt_token_ids": [5, 6, 777]}, good[1]], params, use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert "NaN" in eng.request_errors.pop(outs[1].request_id)
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == solo
+    assert eng.scheduler.block_manager.num_free_blocks == eng.config.num_kv_blocks - 1
