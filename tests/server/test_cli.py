@@ -144,13 +144,13 @@ def start(cmd: list[str], port: int, timeout: float = 150.0) -> subprocess.Popen
         time.sleep(0.2)
 
 
-def stream_in_background(url: str, body: dict, started: threading.Event) -> dict:
+def stream_in_background(url: str, body: dict, started: threading.Event, headers: dict | None = None) -> dict:
     result: dict[str, object] = {}
 
     def run() -> None:
         lines = []
         try:
-            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60, headers=headers) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         lines.append(line)
@@ -208,6 +208,9 @@ def test_engine_death_exits_nonzero():
 
 
 # -- the real thing -------------------------------------------------------------------------------------
+SECRET = "sk-test-7f3a9c1e"
+
+
 def test_serve_tiny_model_from_config_file(tiny_llama, xla_cache_dir, tmp_path):
     port = free_port()
     cfg = tmp_path / "serve.yaml"
@@ -215,11 +218,14 @@ def test_serve_tiny_model_from_config_file(tiny_llama, xla_cache_dir, tmp_path):
         "port": 1,  # overridden by the flag below
         "served-model-name": "tiny", "max-model-len": 256, "max_num_seqs": 8, "max-num-batched-tokens": 64,
         "num-kv-blocks": 128, "compilation-cache-dir": xla_cache_dir, "shutdown-timeout": 30,
-        "uvicorn-log-level": "warning"}))
+        "uvicorn-log-level": "info", "api-key": SECRET}))
     proc = start([sys.executable, "-m", "jaxengine.server", tiny_llama, "--config", str(cfg), "--port", str(port)],
                  port)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong-key", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=SECRET, max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=4, temperature=0)
@@ -227,7 +233,7 @@ def test_serve_tiny_model_from_config_file(tiny_llama, xla_cache_dir, tmp_path):
         started = threading.Event()
         res = stream_in_background(f"http://127.0.0.1:{port}/v1/completions",
                                    {"prompt": "Count:", "max_tokens": 100, "temperature": 0, "ignore_eos": True},
-                                   started)
+                                   started, headers={"Authorization": f"Bearer {SECRET}"})
         assert started.wait(60)
         proc.send_signal(signal.SIGINT)
         out_text, err = proc.communicate(timeout=90)
@@ -238,3 +244,5 @@ def test_serve_tiny_model_from_config_file(tiny_llama, xla_cache_dir, tmp_path):
     assert proc.returncode == 0, err
     assert "Traceback" not in err, err
     assert res["lines"][-1] == "data: [DONE]" and finish_reason(res["lines"]) == "length"
+    # the key guarded every call above (streaming too) and never reached the logs, even at info level
+    assert SECRET not in out_text and SECRET not in err
