@@ -231,29 +231,23 @@ class ModelRunner:
         logger.info("compiled %d programs in %.1f s (token buckets %s, row buckets %s)",
                     len(jobs), self.compile_seconds, list(self.token_buckets), rows)
 
-    def _get_forward(self, t: int) -> jax.stages.Compiled:
-        fn = self._forward_fns.get(t)
+    def _get(self, table: dict, key, compile_fn, what: str) -> jax.stages.Compiled:
+        """A program compiled at start-up; compiling one later is a bug when warm-up was on."""
+        fn = table.get(key)
         if fn is None:
             if self.config.warmup:
-                raise RuntimeError(f"token bucket {t} was not compiled at start-up")
-            fn = self._forward_fns[t] = self._compile_forward(t)
+                raise RuntimeError(f"{what} {key} was not compiled at start-up")
+            fn = table[key] = compile_fn(*key) if isinstance(key, tuple) else compile_fn(key)
         return fn
+
+    def _get_forward(self, t: int) -> jax.stages.Compiled:
+        return self._get(self._forward_fns, t, self._compile_forward, "token bucket")
 
     def _get_prompt_lp(self, t: int) -> jax.stages.Compiled:
-        fn = self._prompt_lp_fns.get(t)
-        if fn is None:
-            if self.config.warmup:
-                raise RuntimeError(f"prompt-logprob program for bucket {t} was not compiled at start-up")
-            fn = self._prompt_lp_fns[t] = self._compile_prompt_logprobs(t)
-        return fn
+        return self._get(self._prompt_lp_fns, t, self._compile_prompt_logprobs, "prompt-logprob program for bucket")
 
     def _get_sampler(self, r: int, penalties: bool) -> jax.stages.Compiled:
-        fn = self._sample_fns.get((r, penalties))
-        if fn is None:
-            if self.config.warmup:
-                raise RuntimeError(f"sampler for {r} rows was not compiled at start-up")
-            fn = self._sample_fns[(r, penalties)] = self._compile_sampler(r, penalties)
-        return fn
+        return self._get(self._sample_fns, (r, penalties), self._compile_sampler, "sampler (rows, penalties)")
 
     # -- one step --------------------------------------------------------------------------
     def dispatch(self, seqs: list, rows: list[SamplingRow], prompt_targets: np.ndarray | None = None,

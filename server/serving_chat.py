@@ -20,13 +20,13 @@ from starlette.background import BackgroundTask
 
 from jaxengine.llm import render_chat
 from jaxengine.server.async_engine import RequestStream
-from jaxengine.server.errors import EngineDeadError, OpenAIError, RequestFailedError
+from jaxengine.server.errors import EngineDeadError, OpenAIError
 from jaxengine.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice, ChoiceLogprobs,
                                        DeltaMessage)
 from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, chat_logprobs,
                                              chat_logprobs_setting, open_streams, prompt_logprobs_json,
-                                             reject_unsupported,
+                                             reject_unsupported, stream_error_event,
                                              sampling_params, sse, until_disconnected, usage)
 
 logger = logging.getLogger(__name__)
@@ -133,18 +133,8 @@ async def _stream(req: ChatCompletionRequest, model: str, request_id: str, strea
             yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                    usage=usage(prompt_tokens, completion_tokens)).model_dump_json())
         yield SSE_DONE
-    except OpenAIError as e:
-        yield e.sse()
-        yield SSE_DONE
-    except EngineDeadError as e:
-        yield OpenAIError(f"The engine is not running: {e}", 503).sse()
-        yield SSE_DONE
-    except RequestFailedError as e:
-        yield OpenAIError(f"The request failed in the engine: {e}", 500).sse()
-        yield SSE_DONE
     except Exception as e:  # noqa: BLE001 - headers are sent: the error can only travel in the stream
-        logger.exception("error while streaming %s", request_id)
-        yield OpenAIError(f"Internal server error: {type(e).__name__}: {e}", 500).sse()
+        yield stream_error_event(e, request_id)
         yield SSE_DONE
     finally:
         stream.close()

@@ -16,7 +16,8 @@ from jaxengine.detokenizer import decode_token
 from jaxengine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.server.async_engine import AsyncEngine, RequestStream
-from jaxengine.server.errors import OpenAIError, from_value_error, overloaded
+from jaxengine.server.errors import (EngineDeadError, OpenAIError, RequestFailedError, from_value_error,
+                                     overloaded)
 from jaxengine.server.limits import ServerLimits
 from jaxengine.server.protocol import (ChatCompletionRequest, CompletionLogProbs, PromptLogprob,
                                        PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo)
@@ -345,3 +346,16 @@ def sse(payload: str) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_error_event(e: Exception, request_id: str) -> str:
+    """The SSE error event for a failure after the stream's headers went out (call it from the
+    `except` block, so an unexpected error is logged with its traceback)."""
+    if isinstance(e, OpenAIError):
+        return e.sse()
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(f"The engine is not running: {e}", 503).sse()
+    if isinstance(e, RequestFailedError):
+        return OpenAIError(f"The request failed in the engine: {e}", 500).sse()
+    logger.exception("error while streaming %s", request_id)
+    return OpenAIError(f"Internal server error: {type(e).__name__}: {e}", 500).sse()

@@ -14,12 +14,13 @@ from starlette.background import BackgroundTask
 
 from jaxengine.outputs import RequestOutput
 from jaxengine.server.async_engine import RequestStream
-from jaxengine.server.errors import EngineDeadError, OpenAIError, RequestFailedError
+from jaxengine.server.errors import EngineDeadError, OpenAIError
 from jaxengine.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                        CompletionResponse, CompletionStreamResponse)
 from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, close_all, completion_logprobs,
                                              echo_logprobs, join_logprobs, merge_streams, open_streams,
                                              prompt_logprobs_json, reject_unsupported, sampling_params, sse,
+                                             stream_error_event,
                                              until_disconnected, usage)
 
 logger = logging.getLogger(__name__)
@@ -160,18 +161,8 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, model: str, reque
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                usage=usage(prompt_tokens, completion_tokens)).model_dump_json())
         yield SSE_DONE
-    except OpenAIError as e:
-        yield e.sse()
-        yield SSE_DONE
-    except EngineDeadError as e:
-        yield OpenAIError(f"The engine is not running: {e}", 503).sse()
-        yield SSE_DONE
-    except RequestFailedError as e:
-        yield OpenAIError(f"The request failed in the engine: {e}", 500).sse()
-        yield SSE_DONE
     except Exception as e:  # noqa: BLE001 - headers are sent: the error can only travel in the stream
-        logger.exception("error while streaming %s", request_id)
-        yield OpenAIError(f"Internal server error: {type(e).__name__}: {e}", 500).sse()
+        yield stream_error_event(e, request_id)
         yield SSE_DONE
     finally:
         close_all(streams)
