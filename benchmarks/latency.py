@@ -11,6 +11,7 @@ with `benchmarks/ceilings.py`; on a CPU that is host memory bandwidth and labell
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import logging
 import time
@@ -102,7 +103,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
             "fraction_of_roofline": roof_s / step["median"] if steps else None,
         })
     payload = {"benchmark": "latency", "environment": environment(), "args": args_dict(args),
-               "engine_config": _config(eng), "startup_s": startup, "compile_s": eng.runner.compile_seconds,
+               "engine_config": dataclasses.asdict(eng.config), "startup_s": startup, "compile_s": eng.runner.compile_seconds,
                "weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token,
                "bandwidth": {"copy_bandwidth_GBps": bw / 1e9, "buffer_bytes": nbytes,
                              "kind": "host memory (CPU)" if on_cpu else "device memory (HBM)",
@@ -121,11 +122,6 @@ def cmd_latency(args: argparse.Namespace) -> int:
               f"{'n/a' if frac is None else f'{100 * frac:.0f}%'} |")
     print(f"results: {path}")
     return 0
-
-
-def _config(eng) -> dict[str, object]:
-    import dataclasses
-    return dataclasses.asdict(eng.config)
 
 
 def add_parser(sub) -> None:

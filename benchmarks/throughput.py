@@ -8,6 +8,7 @@ on its own.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 
@@ -78,7 +79,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         run_throughput(llm, warm)
     res = run_throughput(llm, reqs)
     payload = {"benchmark": "throughput", "environment": environment(), "args": args_dict(args),
-               "engine_config": _config(eng), "startup_s": startup, "compile_s": eng.runner.compile_seconds,
+               "engine_config": dataclasses.asdict(eng.config), "startup_s": startup, "compile_s": eng.runner.compile_seconds,
                "results": res}
     path = write_json(default_out(args, "throughput"), payload)
     print(f"Throughput: {res['requests_per_s']:.2f} requests/s, {res['total_tokens_per_s']:.2f} total tokens/s, "
@@ -87,11 +88,6 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     print(f"Total num output tokens: {res['total_output_tokens']}")
     print(f"results: {path}")
     return 0
-
-
-def _config(eng) -> dict[str, object]:
-    import dataclasses
-    return dataclasses.asdict(eng.config)
 
 
 def add_parser(sub) -> None:

@@ -117,10 +117,6 @@ class LLMEngine:
         budget = config.max_num_batched_tokens or (512 if jax.default_backend() == "cpu" else 8192)
         if budget < config.max_num_seqs and config.max_num_batched_tokens is not None:
             raise ValueError(f"max_num_batched_tokens={budget} must be >= max_num_seqs={config.max_num_seqs}")
-        budget = max(budget, min(config.max_num_seqs, 256))
-        if config.tensor_parallel_size > len(jax.devices()):
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
-                             f"{len(jax.devices())} available devices")
         return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget)
 
     @staticmethod
@@ -314,7 +310,7 @@ class LLMEngine:
             self._record_prompt_logprobs(sched.seqs, out.prompt_lp, failed)
         for i, s in enumerate(sched.seqs):
             cid = s.request.request_id
-            if sampled[i] is None or not self._is_live_child(cid):
+            if sampled[i] is None or not self.outputs.is_live(cid):
                 continue
             if out.nan_rows is not None and out.nan_rows[i]:
                 failed.setdefault(self.outputs.child_to_parent[cid].request_id,
@@ -363,7 +359,7 @@ class LLMEngine:
         children = self.outputs.child_ids(request_id)
         self.scheduler.abort_requests(children)
         for cid in children:
-            if self._is_live_child(cid):
+            if self.outputs.is_live(cid):
                 self.outputs.finish_child(cid, "error", None)
             self._request_seeds.pop(cid, None)
         self.request_errors[request_id] = f"{type(error).__name__}: {error}"
@@ -392,14 +388,6 @@ class LLMEngine:
                     if parent is not None:
                         failed.setdefault(parent.request_id, e)
             cursor += s.num_new_tokens
-
-    def _is_live_child(self, cid: str) -> bool:
-        """False for a child already finished earlier (aborted, or stopped by a string one step late)."""
-        parent = self.outputs.child_to_parent.get(cid)
-        if parent is None:
-            return False
-        st = next(c for c in parent.children if c.request.request_id == cid)
-        return st.finish_reason is None
 
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -89,6 +89,11 @@ def _prompt_logprobs(graphdef, state, hidden: jax.Array, targets: jax.Array, *, 
     return tuple(x.reshape((t,) + x.shape[2:]) for x in out)
 
 
+def _abstract(tree):
+    """Shape, dtype and placement of every array in `tree`: what ahead-of-time lowering needs."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
 def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype) -> int | None:
     """Device memory one step of the largest bucket needs beyond weights and KV cache.
 
@@ -100,7 +105,7 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     r = min(t, config.max_num_seqs)
     c = model_config
     kv = jax.ShapeDtypeStruct((2, c.num_kv_heads, config.block_size, c.head_dim), dtype)
-    st_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    st_abs = _abstract(state)
     fwd = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,)).lower(
         st_abs, [(kv, kv)] * c.num_layers, abstract_inputs(t, r, config.max_blocks_per_seq),
         jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32)).compile()
@@ -155,6 +160,7 @@ class ModelRunner:
         self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
         leaves, self.param_treedef = jax.tree.flatten(state)
         self.param_leaves = tuple(leaves)
+        self._params_abs = _abstract(self.param_leaves)
         fwd_out = None
         if plan is not None:  # fixed output placement, so the sampler programs can be compiled for it
             fwd_out = ([(self.kv_sharding, self.kv_sharding)] * model_config.num_layers, self._rep, self._rep)
@@ -180,10 +186,9 @@ class ModelRunner:
 
     def _compile_forward(self, t: int) -> jax.stages.Compiled:
         r = self.rows_for(t)
-        kv_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_caches)
-        st_abs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self.param_leaves)
+        kv_abs = _abstract(self.kv_caches)
         prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
-        return self._jit_forward.lower(st_abs, kv_abs, self._replicated(abstract_inputs(t, r, self.config.max_blocks_per_seq)),
+        return self._jit_forward.lower(self._params_abs, kv_abs, self._replicated(abstract_inputs(t, r, self.config.max_blocks_per_seq)),
                                        prev).compile()
 
     def _replicated(self, tree):
@@ -192,10 +197,9 @@ class ModelRunner:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._rep), tree)
 
     def _compile_prompt_logprobs(self, t: int) -> jax.stages.Compiled:
-        st_abs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self.param_leaves)
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._rep)
-        return self._jit_prompt_lp.lower(st_abs, hidden, targets).compile()
+        return self._jit_prompt_lp.lower(self._params_abs, hidden, targets).compile()
 
     def _compile_sampler(self, r: int, penalties: bool) -> jax.stages.Compiled:
         md = build_sampling_metadata([], r, self._history_len(penalties))

@@ -49,6 +49,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, ParentState] = {}
+        self.child_states: dict[str, ChildState] = {}  # child id -> its state (no scans per token)
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             params: SamplingParams, children: list[Request]) -> None:
@@ -66,6 +67,12 @@ class OutputProcessor:
         self.parents[request_id] = parent
         for st in states:
             self.child_to_parent[st.request.request_id] = parent
+            self.child_states[st.request.request_id] = st
+
+    def is_live(self, child_id: str) -> bool:
+        """False for a child unknown here or already finished (aborted, stopped one step late)."""
+        st = self.child_states.get(child_id)
+        return st is not None and st.finish_reason is None
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -75,7 +82,7 @@ class OutputProcessor:
                       top_ids: np.ndarray, top_logprobs: np.ndarray) -> str | None:
         """Records one new token of a child. Returns a matched stop string, if any."""
         parent = self.child_to_parent[child_id]
-        st = next(c for c in parent.children if c.request.request_id == child_id)
+        st = self.child_states[child_id]
         now = time.monotonic()
         if parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = now
@@ -122,7 +129,7 @@ class OutputProcessor:
         parent = self.child_to_parent.get(child_id)
         if parent is None:
             return
-        st = next(c for c in parent.children if c.request.request_id == child_id)
+        st = self.child_states[child_id]
         st.finish_reason, st.stop_reason = finish_reason, stop_reason
         if parent.finished:
             parent.metrics.finished_time = time.monotonic()
@@ -146,6 +153,7 @@ class OutputProcessor:
             del self.parents[request_id]
             for c in p.children:
                 self.child_to_parent.pop(c.request.request_id, None)
+                self.child_states.pop(c.request.request_id, None)
 
 
 def _settled(ids: list[int]) -> list[int]:
