@@ -68,13 +68,17 @@ class LLMEngine:
         config = self._derive(config, model_config)
         dtype = resolve_dtype(config.dtype, model_config)
         plan = make_plan(model_config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        if plan is not None and plan.kv_head_replicas > 1:
+            logger.info("each of the %d KV heads is repeated on %d devices", model_config.num_kv_heads,
+                        plan.kv_head_replicas)
+            model_config = model_config.with_kv_head_replicas(plan.kv_head_replicas)
         mesh = plan.mesh if plan is not None else None
         put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
         if ckpt is None or config.load_format == "dummy":
             graphdef, state = dummy_params(model_config, dtype, config.seed, config.attention_backend, put, mesh)
         else:
             graphdef, state = load_params(ckpt, model_config, dtype, config.attention_backend, put, mesh)
-        config = dataclasses.replace(config, num_kv_blocks=self._num_blocks(config, model_config, dtype, graphdef, state))
+        config = dataclasses.replace(config, num_kv_blocks=self._num_blocks(config, model_config, dtype, graphdef, state, plan))
         if plan is not None:
             logger.info("tensor parallel over %d devices (mesh %s)", plan.tp, dict(plan.mesh.shape))
         self.config, self.model_config = config, model_config
@@ -120,7 +124,7 @@ class LLMEngine:
         return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget)
 
     @staticmethod
-    def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graphdef, state) -> int:
+    def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graphdef, state, plan=None) -> int:
         """Blocks that fit in free device memory (or the CPU budget), never more than useful.
 
         On accelerators: bytes_limit x gpu_memory_utilization, minus what is in use after the
@@ -133,7 +137,7 @@ class LLMEngine:
         most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
-            step = profile_step_bytes(config, mc, graphdef, state, dtype)
+            step = profile_step_bytes(config, mc, graphdef, state, dtype, plan)
             if step is None:  # no buffer analysis: a rough bound (activations, logits, sampler copies)
                 t, r = config.max_num_batched_tokens, min(config.max_num_batched_tokens, config.max_num_seqs)
                 step = 2 * (t * (4 * mc.hidden_size + 3 * mc.intermediate_size) * jnp.dtype(dtype).itemsize

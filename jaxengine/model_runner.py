@@ -94,33 +94,39 @@ def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
-def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype) -> int | None:
-    """Device memory one step of the largest bucket needs beyond weights and KV cache.
+def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype,
+                       plan=None) -> int | None:
+    """Device memory one step of the largest bucket needs beyond weights and KV cache, per device.
 
     Compiles that bucket's forward against a 2-block cache (the temporaries do not depend on the
-    pool size) plus the penalties sampler, and reads XLA's buffer assignment. None when the
-    backend reports no memory analysis.
+    pool size) plus the penalties sampler, placed as the runner places them (`plan`: sharded over
+    the mesh), and reads XLA's buffer assignment of one device. None when the backend reports no
+    memory analysis.
     """
     t = token_buckets(config.max_num_batched_tokens)[-1]
     r = min(t, config.max_num_seqs)
     c = model_config
-    kv = jax.ShapeDtypeStruct((2, c.num_kv_heads, config.block_size, c.head_dim), dtype)
-    st_abs = _abstract(state)
+    rep = plan.replicated() if plan is not None else None
+    kv = jax.ShapeDtypeStruct((2, c.num_kv_heads, config.block_size, c.head_dim), dtype,
+                              sharding=plan.kv_sharding() if plan is not None else None)
+
+    def placed(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
+
     fwd = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,)).lower(
-        st_abs, [(kv, kv)] * c.num_layers, abstract_inputs(t, r, config.max_blocks_per_seq),
-        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32)).compile()
-    md = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                      build_sampling_metadata([], r, config.max_model_len))
+        _abstract(state), [(kv, kv)] * c.num_layers, placed(abstract_inputs(t, r, config.max_blocks_per_seq)),
+        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile()
+    md = placed(build_sampling_metadata([], r, config.max_model_len))
     smp = jax.jit(functools.partial(_sample_padded, use_penalties=True, pad_to=config.max_num_seqs)).lower(
-        jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32), md).compile()
+        jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32, sharding=rep), md).compile()
     total = 0
     for compiled in (fwd, smp):
         ma = compiled.memory_analysis()
         if ma is None:
             return None
         total += ma.temp_size_in_bytes + ma.output_size_in_bytes + ma.argument_size_in_bytes
-    # Arguments counted above include the weights: take them back out.
-    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
+    # Arguments counted above include this device's share of the weights: take it back out.
+    weights = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(state))
     return max(total - weights, 0)
 
 

@@ -3,7 +3,8 @@
 Mesh axes ("data", "model"). Parameters are named by the trailing path of their NNX state entry;
 LOGICAL_AXES gives each one logical axis name per dimension, and RULES maps logical names to mesh
 axes: q/k/v and gate/up column-parallel, o/down row-parallel, embedding and LM head
-vocab-parallel, the KV cache sharded over KV heads. XLA (GSPMD) inserts the collectives; the
+vocab-parallel, the KV cache sharded over KV heads (each KV head repeated when there are fewer KV
+heads than devices, so every device holds the one its query heads read). XLA (GSPMD) inserts the collectives; the
 attention call, which Pallas cannot auto-partition, runs under `shard_map` over the heads.
 """
 
@@ -43,6 +44,7 @@ class ShardingPlan:
 
     mesh: Mesh
     rules: dict[str, str | None]
+    kv_head_replicas: int = 1  # copies of each KV head (tensor_parallel_size > num_kv_heads)
 
     @property
     def tp(self) -> int:
@@ -65,20 +67,28 @@ class ShardingPlan:
 
 
 def make_plan(cfg: ModelConfig, tensor_parallel_size: int, devices: list | None = None) -> ShardingPlan:
-    """Validates the split and builds the mesh over the first `tensor_parallel_size` devices."""
+    """Validates the split and builds the mesh over the first `tensor_parallel_size` devices.
+
+    When `tensor_parallel_size` is a multiple of the KV heads, the plan's `kv_head_replicas` says
+    how often each KV head is repeated; the model is then built from
+    `cfg.with_kv_head_replicas(plan.kv_head_replicas)`.
+    """
     tp = tensor_parallel_size
     devices = list(devices if devices is not None else jax.devices())
     if tp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} exceeds the {len(devices)} available devices")
     if cfg.num_heads % tp:
         raise ValueError(f"num_heads={cfg.num_heads} is not divisible by tensor_parallel_size={tp}")
+    replicas = 1
     if cfg.num_kv_heads % tp:
-        raise ValueError(f"num_kv_heads={cfg.num_kv_heads} is not divisible by tensor_parallel_size={tp} "
-                         "(replicating KV heads across more devices than there are heads is not supported yet)")
+        if tp % cfg.num_kv_heads:
+            raise ValueError(f"num_kv_heads={cfg.num_kv_heads} and tensor_parallel_size={tp}: one must divide "
+                             "the other (KV heads are split over the devices, or repeated so each has one)")
+        replicas = tp // cfg.num_kv_heads
     if cfg.intermediate_size % tp:
         raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by tensor_parallel_size={tp}")
     rules: dict[str, str | None] = dict(RULES)
     if cfg.vocab_size % tp:
         rules["vocab"] = None  # an indivisible vocabulary stays replicated
     mesh = Mesh(np.asarray(devices[:tp]).reshape(1, tp), ("data", "model"))
-    return ShardingPlan(mesh, rules)
+    return ShardingPlan(mesh, rules, replicas)

@@ -47,6 +47,9 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # Each checkpoint KV head is stored this many times in a row (num_kv_heads counts the copies):
+    # tensor parallelism over more devices than the model has KV heads gives every device one.
+    kv_head_replicas: int = 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -60,12 +63,21 @@ class ModelConfig:
             raise ValueError(f"model config: unsupported torch_dtype {self.torch_dtype!r}")
 
     @property
+    def checkpoint_kv_heads(self) -> int:
+        return self.num_kv_heads // self.kv_head_replicas
+
+    def with_kv_head_replicas(self, replicas: int) -> "ModelConfig":
+        """The same model with every KV head repeated `replicas` times (a query head keeps reading
+        a copy of its own KV head, since the copies of head j sit at j*replicas ... j*replicas+replicas-1)."""
+        return dataclasses.replace(self, num_kv_heads=self.checkpoint_kv_heads * replicas, kv_head_replicas=replicas)
+
+    @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
     def num_params(self) -> int:
         d, f, v, h = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
-        attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn = d * h * (self.num_heads * 2 + self.checkpoint_kv_heads * 2)
         layer = attn + 3 * d * f + 2 * d
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + d
 

@@ -39,6 +39,17 @@ def _heads_bias(n_attr: str) -> Transform:
     return lambda b, c: b.reshape(getattr(c, n_attr), c.head_dim)
 
 
+def _kv_heads_in(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """HF Linear [K*H, D] -> ours [D, K * replicas, H], each KV head repeated in place."""
+    w = w.T.reshape(c.hidden_size, c.checkpoint_kv_heads, c.head_dim)
+    return np.repeat(w, c.kv_head_replicas, axis=1) if c.kv_head_replicas > 1 else w
+
+
+def _kv_heads_bias(b: np.ndarray, c: ModelConfig) -> np.ndarray:
+    b = b.reshape(c.checkpoint_kv_heads, c.head_dim)
+    return np.repeat(b, c.kv_head_replicas, axis=0) if c.kv_head_replicas > 1 else b
+
+
 def _o_proj(w: np.ndarray, c: ModelConfig) -> np.ndarray:
     """HF [D, N*H] -> ours [N, H, D]."""
     return w.T.reshape(c.num_heads, c.head_dim, c.hidden_size)
@@ -61,12 +72,12 @@ WEIGHT_TABLE: list[tuple[str, tuple[str, ...], Transform]] = [
     (_LAYER + r"input_layernorm\.weight", ("input_layernorm", "weight"), _same),
     (_LAYER + r"post_attention_layernorm\.weight", ("post_attention_layernorm", "weight"), _same),
     (_LAYER + r"self_attn\.q_proj\.weight", ("self_attn", "q_proj"), _heads_in("num_heads")),
-    (_LAYER + r"self_attn\.k_proj\.weight", ("self_attn", "k_proj"), _heads_in("num_kv_heads")),
-    (_LAYER + r"self_attn\.v_proj\.weight", ("self_attn", "v_proj"), _heads_in("num_kv_heads")),
+    (_LAYER + r"self_attn\.k_proj\.weight", ("self_attn", "k_proj"), _kv_heads_in),
+    (_LAYER + r"self_attn\.v_proj\.weight", ("self_attn", "v_proj"), _kv_heads_in),
     (_LAYER + r"self_attn\.o_proj\.weight", ("self_attn", "o_proj"), _o_proj),
     (_LAYER + r"self_attn\.q_proj\.bias", ("self_attn", "q_bias"), _heads_bias("num_heads")),
-    (_LAYER + r"self_attn\.k_proj\.bias", ("self_attn", "k_bias"), _heads_bias("num_kv_heads")),
-    (_LAYER + r"self_attn\.v_proj\.bias", ("self_attn", "v_bias"), _heads_bias("num_kv_heads")),
+    (_LAYER + r"self_attn\.k_proj\.bias", ("self_attn", "k_bias"), _kv_heads_bias),
+    (_LAYER + r"self_attn\.v_proj\.bias", ("self_attn", "v_bias"), _kv_heads_bias),
     (_LAYER + r"self_attn\.q_norm\.weight", ("self_attn", "q_norm", "weight"), _same),
     (_LAYER + r"self_attn\.k_norm\.weight", ("self_attn", "k_norm", "weight"), _same),
     (_LAYER + r"mlp\.gate_proj\.weight", ("mlp", "gate_proj"), _transpose),
