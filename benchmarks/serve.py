@@ -4,7 +4,9 @@ Requests stream from `/v1/completions` (prompt as token ids, or text when a toke
 or `/v1/chat/completions` (text). They are sent on a Poisson schedule (`--request-rate`, requests
 per second; inf sends all at once; `--burstiness` != 1 draws gamma intervals as vLLM does) and
 optionally capped at `--max-concurrency` in flight. Output tokens are the server's own count
-(`stream_options.include_usage`), else the number of text chunks. Metric definitions:
+(`stream_options.include_usage`), else the number of chunks. A completions chunk counts as an
+arrival even when its text is empty (a server without a tokenizer streams token-only chunks; vLLM's
+client counts them the same way); a chat chunk counts when it carries content. Metric definitions:
 `benchmarks/serving_metrics.py`.
 """
 
@@ -74,8 +76,12 @@ async def send_request(client, url: str, body: dict, prompt_len: int, headers: d
                     res.error = str(msg["error"])
                     return res
                 for ch in msg.get("choices") or []:
-                    text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                    if text:
+                    if "text" in ch:  # completions: each chunk carries new tokens, its text may be empty
+                        text, arrived = ch.get("text") or "", True  # (no tokenizer, special tokens; vLLM counts it)
+                    else:
+                        text = (ch.get("delta") or {}).get("content")
+                        arrived = bool(text)
+                    if arrived:
                         res.chunk_times.append(time.perf_counter() - st)
                         res.generated_text += text
                         chunks += 1

@@ -46,14 +46,15 @@ def build_requests(args: argparse.Namespace, vocab_size: int, tokenizer, max_mod
     return reqs
 
 
-def run_throughput(llm, requests: list[SampleRequest]) -> dict[str, object]:
-    """Generates every request at once; returns counts, seconds and rates."""
+def run_throughput(llm, requests: list[SampleRequest], detokenize: bool = True) -> dict[str, object]:
+    """Generates every request at once; returns counts, seconds and rates. `detokenize=False` skips
+    the output text (as vLLM's SamplingParams(detokenize=False)); it changes nothing without a tokenizer."""
     from jaxengine import SamplingParams
 
     eng = llm.llm_engine
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(max_tokens=r.output_len, temperature=1.0, top_p=1.0, ignore_eos=True)
-              for r in requests]
+    params = [SamplingParams(max_tokens=r.output_len, temperature=1.0, top_p=1.0, ignore_eos=True,
+                             detokenize=detokenize) for r in requests]
     eng.timing.update(steps=0, device_wait_s=0.0, step_s=0.0)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
