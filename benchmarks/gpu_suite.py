@@ -106,7 +106,7 @@ def settings(smoke: bool, tmp: str) -> dict[str, object]:
                                     ("engine defaults (max_model_len 8192, 8192 tokens/step)",
                                      ["--load-format", "dummy", "--dtype", "bfloat16"])],
                         "warm_runs": 2, "timeout_s": 240},
-            "sweep": {"schedules": ["1024:256:16", "2048:256:16", "4096:256:16"], "num_prompts": 200,
+            "sweep": {"schedules": ["512:256:16", "1024:256:16", "2048:256:16"], "num_prompts": 200,
                       "input_len": 512, "output_len": 128, "range_ratio": 0.5, "bucket_iters": 10,
                       "bucket_warmup": 2, "timeout_s": 540},
         }
@@ -127,7 +127,7 @@ def settings(smoke: bool, tmp: str) -> dict[str, object]:
         "serve": {"input_len": 32, "output_len": 8, "plan": [(4.0, 4), (16.0, 8), (64.0, 8), (float("inf"), 8)],
                   "warmup": 2, "server_start_timeout_s": 180, "tail_s": 5.0},
         "peer": {"device": "cpu", "dtype": "float32", "decode_input_len": 16, "decode_tokens": 8,
-                 "workloads": ["32:16:8:4", "64:8:8:4"], "shares_s": [15, 15], "compile": False},
+                 "workloads": ["32:16:8:4", "64:8:8:4"], "shares_s": [15, 15], "compile": True},
         "startup": {"configs": [("tiny [smoke]", tiny.flags())], "warm_runs": 1, "timeout_s": 150},
         "sweep": {"schedules": ["32:8:16", "64:8:16"], "num_prompts": 6, "input_len": 24, "output_len": 4,
                   "range_ratio": 0.5, "bucket_iters": 3, "bucket_warmup": 1, "timeout_s": 200},
@@ -256,10 +256,24 @@ def fmt(x: object, spec: str = ".2f") -> str:
     return str(x)
 
 
+def _stem(out_dir: str, part: str, smoke: bool) -> str:
+    return os.path.join(out_dir, f"suite_{part}{'_smoke' if smoke else ''}")
+
+
+def save_partial(out_dir: str, payload: dict) -> None:
+    """The payload so far, so that a part stopped by the call's time limit still leaves its numbers."""
+    from jaxengine.benchmarks.common import write_json
+
+    payload["partial"] = True
+    payload["wall_s"] = time.perf_counter() - T_PROCESS
+    write_json(_stem(out_dir, payload["part"], payload["smoke"]) + ".json", payload)
+
+
 def write_part(out_dir: str, part: str, smoke: bool, payload: dict, md: list[str]) -> tuple[str, str]:
     from jaxengine.benchmarks.common import write_json
 
-    stem = os.path.join(out_dir, f"suite_{part}{'_smoke' if smoke else ''}")
+    stem = _stem(out_dir, part, smoke)
+    payload["partial"] = False
     payload["wall_s"] = time.perf_counter() - T_PROCESS
     write_json(stem + ".json", payload)
     with open(stem + ".md", "w") as f:
@@ -436,6 +450,7 @@ def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
                        "engine_timing": dec_timing}
     print(f"[engine] batch-1 decode {step['median'] * 1e3:.2f} ms/token, roofline {roof_s * 1e3:.2f} ms "
           f"({100 * roof_s / step['median']:.0f}%)", flush=True)
+    save_partial(out_dir, payload)
 
     r8["throughput"] = {}
     for k, (name, til, tol, n, detok) in enumerate(st["throughput"]):
@@ -452,6 +467,7 @@ def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
         print(f"[engine] throughput {name}: {tr['output_tokens_per_s']:.0f} output tok/s, "
               f"{tr['engine_timing']['step_ms']:.2f} ms/step ({tr['engine_timing']['device_wait_ms']:.2f} waiting)",
               flush=True)
+        save_partial(out_dir, payload)
     payload["wall_s_llama"] = time.perf_counter() - T_PROCESS
     release(llm)
     del llm, eng
@@ -476,6 +492,7 @@ def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
     tr["engine_timing"] = timing_summary(tr["engine_timing"])
     tr.update({"input_len": til, "output_len": tol, "detokenize": True})
     rs["throughput"] = tr
+    save_partial(out_dir, payload)
     # Second pass, instrumented: which buckets ran how often, and copies of sampled steps' inputs.
     probe = st["idle_probe"]
     cap = StepCapture(eng.runner, probe["sample_every"])
@@ -644,6 +661,7 @@ def part_serve(args, st, out_dir) -> tuple[dict, list[str]]:
             print(f"[serve] rate {rate}: {n} prompts, {m['completed']} ok, median TTFT {m['ttft_ms']['median']:.1f} ms, "
                   f"median TPOT {m['tpot_ms']['median']:.2f} ms, {m['output_throughput']:.0f} out tok/s "
                   f"({time.perf_counter() - t_run:.0f} s)", flush=True)
+            save_partial(out_dir, payload)
     finally:
         res["server_exit_code"] = _stop(proc)
         log.close()
@@ -721,7 +739,8 @@ def part_peer(args, st, out_dir) -> tuple[dict, list[str]]:
           "", "| figure | transformers | note |", "|---|---|---|"]
     for k, s in secs.items():
         if k.startswith("decode_b1"):
-            val = f"{s['ms_per_token']:.2f} ms/token ({s['tok_per_s']:.1f} tok/s)" if s.get("ok") else f"failed: {s.get('error')}"
+            val = (f"{s['ms_per_token']:.2f} ms/token ({s['tok_per_s']:.1f} tok/s)" if s.get("ok") else
+                   f"failed: {s['error']}" if "error" in s else "did not finish within the part's time")
             extra = f"; compiled: {s.get('compiled')}" if "compiled" in s else ""
             md.append(f"| batch-1 decode, {s.get('mode', k)} | {val} | {s.get('note', '')}{extra} |")
         elif k.startswith("throughput"):
@@ -729,10 +748,11 @@ def part_peer(args, st, out_dir) -> tuple[dict, list[str]]:
                 val = (f"{s['requests_per_s']:.2f} req/s, {s['total_tokens_per_s']:.0f} total tok/s, "
                        f"{s['output_tokens_per_s']:.0f} output tok/s")
             else:
-                val = f"failed: {s.get('error')}"
+                val = f"failed: {s['error']}" if "error" in s else "did not finish within the part's time"
             md.append(f"| throughput {s['input_len']}x{s['output_len']}, {s.get('num_prompts', 0)} of "
-                      f"{s['max_prompts']} prompts, batch {s['batch_size']} | {val} | prompts cut to the time share "
-                      f"({s['time_share_s']:.0f} s){'; ' + s['error'] if s.get('error') else ''} |")
+                      f"{s['max_prompts']} prompts, batch {s['batch_size']} | {val} | "
+                      f"{'prompts cut to the time share' if s.get('num_prompts', 0) < s['max_prompts'] else 'time share'} "
+                      f"{s['time_share_s']:.0f} s{'; ' + s['error'] if s.get('error') else ''} |")
     md += ["", *ceilings_md_plain(ceil), f"hf_peer.py exit: {rc}."]
     return payload, md
 
@@ -743,8 +763,8 @@ _READY = re.compile(r"ready in ([0-9.]+) s")
 
 
 def time_generate(cmd: list[str], timeout_s: float) -> dict:
-    """Wall seconds from process start to its first line on stdout (the generated text: with
-    --max-tokens 1 that is the first token) and to its exit; the engine's own log figures."""
+    """Wall seconds from process start to its last line on stdout (the generated text, printed once
+    the one token of --max-tokens 1 exists) and to its exit; the engine's own log figures."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = None
@@ -755,9 +775,8 @@ def time_generate(cmd: list[str], timeout_s: float) -> dict:
         th = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
         th.start()
         out_lines = []
-        for line in proc.stdout:
-            if first is None:
-                first = time.perf_counter() - t0
+        for line in proc.stdout:  # generate prints its text last; anything printed earlier is not it
+            first = time.perf_counter() - t0
             out_lines.append(line)
         proc.wait(timeout=timeout_s)
         th.join(10)
@@ -787,7 +806,8 @@ def part_startup(args, st, out_dir) -> tuple[dict, list[str]]:
     tokdir = spec.model if st["smoke"] else synthetic_tokenizer(os.path.join(tmp, "tok"), spec.vocab_size)
     prompt = " ".join(f"w{10 + i}" for i in range(32))
     t0 = time.perf_counter()
-    imp = subprocess.run([sys.executable, "-c", "import jaxengine, jax; jax.devices()"], capture_output=True, timeout=120)
+    imp = subprocess.run([sys.executable, "-c", "import jaxengine.cli, jaxengine.engine, jax; jax.devices()"],
+                         capture_output=True, timeout=120)
     res: dict = {"import_and_device_init_s": time.perf_counter() - t0 if imp.returncode == 0 else None,
                  "method": ("subprocess `python -m jaxengine.cli generate PROMPT --model M --load-format dummy "
                             "--tokenizer SYNTHETIC --max-tokens 1 --compilation-cache-dir DIR ...`; time from Popen "
@@ -809,21 +829,22 @@ def part_startup(args, st, out_dir) -> tuple[dict, list[str]]:
             r = time_generate(cmd, sc["timeout_s"])
             r.update(kind=kind, cache_bytes_after=_du(cache), cache_files_after=sum(len(fs) for _, _, fs in os.walk(cache)))
             entry["runs"].append(r)
+            save_partial(out_dir, payload)
             print(f"[startup] {label} {kind}: first token {fmt(r['first_token_s'], '.1f')} s, exit {r['exit_s']:.1f} s, "
                   f"compile {fmt(r['compile_s'], '.1f')} s (rc {r['returncode']})", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
     md = [f"# Start-up to first token: `jaxengine generate`, {spec.label}", "", device_line(payload), "",
-          f"Process start to first token (subprocess, `--max-tokens 1`); `import jaxengine, jax` + device init alone: "
+          f"Process start to first token (subprocess, `--max-tokens 1`); imports + device init alone: "
           f"{fmt(res['import_and_device_init_s'], '.1f')} s. Target: warm under 20 s.", "",
-          "| configuration | run | first token s | process exit s | programs | compile s (engine log) | cache MB after |",
-          "|---|---|---|---|---|---|---|"]
+          "| configuration | run | first token s | process exit s | engine ready s (log) | programs | compile s (log) | "
+          "cache MB after |", "|---|---|---|---|---|---|---|---|"]
     for e in res["configs"]:
         for r in e["runs"]:
             if "skipped" in r:
-                md.append(f"| {e['label']} | {r['kind']} | skipped | | | | |")
+                md.append(f"| {e['label']} | {r['kind']} | skipped | | | | | |")
                 continue
             md.append(f"| {e['label']} | {r['kind']} | {fmt(r['first_token_s'], '.1f')} | {r['exit_s']:.1f} | "
-                      f"{fmt(r['programs'])} | {fmt(r['compile_s'], '.1f')} | {r['cache_bytes_after'] / 1e6:.1f} |")
+                      f"{fmt(r['engine_ready_s'], '.1f')} | {fmt(r['programs'])} | {fmt(r['compile_s'], '.1f')} | {r['cache_bytes_after'] / 1e6:.1f} |")
     md += ["", *ceilings_md_plain(ceil)]
     return payload, md
 
@@ -892,6 +913,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="wall seconds the part may take (serve / peer / startup / sweep fit their counts to it)")
     args = ap.parse_args(argv)
+    try:  # the serving client holds one connection per request in flight (1000 at rate inf)
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 65536 if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass
     out_dir = args.out or os.environ.get("OUT") or os.path.join(os.getcwd(), "gpu_suite_out")
     os.makedirs(out_dir, exist_ok=True)
     if args.smoke:
