@@ -31,8 +31,12 @@ def _make_llm(args):
 
 
 def cmd_generate(args) -> int:
+    from jaxengine import distributed
+    distributed.initialize(distributed.multihost_config(args))  # every rank runs the same prompts
     llm = _make_llm(args)
     outs = llm.generate(args.prompt, _sampling_params(args), use_tqdm=False)
+    if not distributed.is_leader():
+        return 0
     for out in outs:
         for c in out.outputs:
             print(c.text)
@@ -68,6 +72,7 @@ def cmd_chat(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxengine.arg_utils import add_engine_args
+    from jaxengine.distributed import add_multihost_args
 
     parser = argparse.ArgumentParser(prog="jaxengine", description="LLM inference and serving on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="HF folder, GGUF file or hub id (default: SmolLM2-135M-Instruct)")
     _add_sampling_args(gen)
     add_engine_args(gen)
+    add_multihost_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat with the model (interactive, or --message for one-shot turns)")

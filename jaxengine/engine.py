@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxengine.config import EngineConfig
 from jaxengine.default_model import default_model_path
+from jaxengine.distributed import agree_min
 from jaxengine.model_runner import ModelRunner, kv_bytes_per_block, profile_step_bytes
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
@@ -67,6 +68,9 @@ class LLMEngine:
         model_config, ckpt, self.tokenizer = _open_model(config)
         config = self._derive(config, model_config)
         dtype = resolve_dtype(config.dtype, model_config)
+        if jax.process_count() > 1 and config.tensor_parallel_size != jax.device_count():
+            raise ValueError(f"across {jax.process_count()} processes, tensor_parallel_size must span every device "
+                             f"of the job: {jax.device_count()}, got {config.tensor_parallel_size}")
         plan = make_plan(model_config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         if plan is not None and plan.kv_head_replicas > 1:
             logger.info("each of the %d KV heads is repeated on %d devices", model_config.num_kv_heads,
@@ -148,7 +152,7 @@ class LLMEngine:
                         free / 2**30, step / 2**30)
         else:
             n = int(config.cpu_kv_cache_bytes // per_block)
-        n = min(n, most_useful)
+        n = agree_min(min(n, most_useful))  # every process of a multi-host job allocates the same pool
         if (n - 1) * config.block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {max(n - 1, 0) * config.block_size} tokens, fewer than max_model_len="

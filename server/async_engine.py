@@ -16,6 +16,9 @@ One request's life:
    sends `_Abort`: the engine drops the request and its KV blocks return to the pool.
 If processing one request's output raises (its detokenizer, say), the engine finishes that request
 alone (finish_reason "error", `LLMEngine.request_errors`) and its stream raises `RequestFailedError`.
+Across hosts (`channel`, a `jaxengine.distributed.StepChannel`): before each iteration the thread
+broadcasts the adds and aborts it applied, so the other processes' engines take the same steps
+(see jaxengine/distributed.py); while idle it sends an empty iteration every `HEARTBEAT_S`.
 If a step raises, the engine is dead: every open stream (and every later `add`) raises
 `EngineDeadError`, `on_death` is called (the server then exits non-zero), and `is_alive` is False.
 
@@ -170,9 +173,13 @@ class RequestStream:
 class AsyncEngine:
     """Runs an `LLMEngine` in one background thread; `add` / `generate` / `abort` from asyncio."""
 
+    HEARTBEAT_S = 1.0  # with a channel: the longest the other processes wait for an iteration
+
     def __init__(self, engine: LLMEngine, *, observer: OutputObserver | None = None,
-                 on_death: Callable[[BaseException], None] | None = None):
+                 on_death: Callable[[BaseException], None] | None = None, channel=None):
         self.engine = engine
+        self.channel = channel
+        self._events: list[tuple] = []  # engine thread: what this iteration applied, for `channel`
         self.observer = observer
         self.on_death = on_death
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -321,7 +328,11 @@ class AsyncEngine:
         try:
             while True:
                 deliveries: list[tuple[RequestStream, object]] = []
-                if not self._drain_commands(block=not engine.has_unfinished_requests(), out=deliveries):
+                running = self._drain_commands(block=not engine.has_unfinished_requests(), out=deliveries)
+                if self.channel is not None:
+                    events, self._events = self._events, []
+                    self.channel.exchange(events if running else events + [("stop",)])
+                if not running:
                     self._send(deliveries)
                     break
                 if engine.has_unfinished_requests():
@@ -341,9 +352,10 @@ class AsyncEngine:
 
     def _drain_commands(self, block: bool, out: list) -> bool:
         """Applies queued commands; False once a stop command arrived."""
+        timeout = self.HEARTBEAT_S if self.channel is not None else None
         while True:
             try:
-                cmd = self._commands.get(block=block)
+                cmd = self._commands.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return True
             block = False
@@ -360,12 +372,16 @@ class AsyncEngine:
                 out.append((cmd.stream, e))
                 return
             self._live[cmd.request_id] = _Live(cmd.stream, cmd.params.n)
+            if self.channel is not None:
+                self._events.append(("add", cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time))
             out.append((cmd.stream, _ACK))
         elif isinstance(cmd, _Abort):
             live = self._live.pop(cmd.request_id, None)
             if live is None:
                 return
             engine.abort_request(cmd.request_id)
+            if self.channel is not None:
+                self._events.append(("abort", cmd.request_id))
             final = _aborted(live.last, cmd.request_id, live.n)
             if self.observer is not None:
                 self.observer.on_finished(final)

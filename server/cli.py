@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from jaxengine.arg_utils import add_engine_args, engine_kwargs
+from jaxengine.distributed import add_multihost_args, multihost_config
 from jaxengine.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerLimits
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="requests held beyond the max-num-seqs running ones; more get 503 "
                         "(default: no limit, they wait)")
     add_engine_args(parser)
+    add_multihost_args(parser)
     actions = [a for a in parser._actions if a.dest not in _NOT_CONFIGURABLE or a.dest == "config"]
     for a in actions:
         if a.default is not argparse.SUPPRESS:
@@ -206,24 +208,38 @@ class ServerSettings:
 
 # -- running ----------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Builds the engine (model load + compile), then serves until SIGINT / SIGTERM."""
+    """Builds the engine (model load + compile), then serves until SIGINT / SIGTERM.
+
+    Across hosts (--num-hosts > 1) every rank builds the engine; rank 0 serves HTTP and the others
+    follow its steps (jaxengine/distributed.py) until rank 0 stops.
+    """
+    from jaxengine import distributed
     from jaxengine.config import EngineConfig
     from jaxengine.engine import LLMEngine
 
     args = resolve_args(args)
     settings = ServerSettings.from_args(args)
     config = EngineConfig(model=args.model, **engine_kwargs(args))
+    mh = multihost_config(args)
+    distributed.initialize(mh)
     with _interrupt_on_sigterm():
         try:
             engine = LLMEngine(config)
         except KeyboardInterrupt:
             logger.info("interrupted while starting; exiting")
             return 130
-    return run_server(engine, settings)
+    if not mh.enabled:
+        return run_server(engine, settings)
+    channel = distributed.StepChannel()
+    if not channel.leader:
+        return distributed.run_follower(engine, channel)
+    return run_server(engine, settings, channel=channel)
 
 
-def run_server(engine: LLMEngine, settings: ServerSettings, sockets: Sequence[socket.socket] | None = None) -> int:
-    """Serves `engine` until a signal or the engine's death; returns the exit status."""
+def run_server(engine: LLMEngine, settings: ServerSettings, sockets: Sequence[socket.socket] | None = None,
+               channel=None) -> int:
+    """Serves `engine` until a signal or the engine's death; returns the exit status. `channel`:
+    rank 0's `StepChannel` when the engine spans several processes."""
     import prometheus_client
     import uvicorn
 
@@ -232,7 +248,7 @@ def run_server(engine: LLMEngine, settings: ServerSettings, sockets: Sequence[so
     from jaxengine.server.uvicorn_server import DrainingServer
 
     prometheus_client.disable_created_metrics()  # no `*_created` series, as in vLLM (process-wide)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, channel=channel)
     server: DrainingServer | None = None
     app = build_app(async_engine, served_model_names=list(settings.served_model_names or []) or None,
                     model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template,
