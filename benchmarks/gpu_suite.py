@@ -393,7 +393,6 @@ def timing_summary(t: dict) -> dict:
 
 
 def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
-    import jax
     import numpy as np
 
     from jaxengine import LLM
@@ -603,9 +602,9 @@ def plan_counts(plan: list[tuple[float, int]], time_left: float, tail_s: float, 
     """Prompt counts per rate that fit `time_left`: a finite rate's run lasts about n / rate + tail;
     the inf run's estimate `inf_s` is reserved first. Counts shrink (never below 10) to fit."""
     finite = [(r, n) for r, n in plan if r != float("inf")]
-    need = sum(n / r + tail_s for r, n in finite)
-    avail = time_left - inf_s
-    scale = min(1.0, max(avail, 0.0) / need) if need > 0 else 1.0
+    sending = sum(n / r for r, n in finite)
+    avail = time_left - inf_s - tail_s * len(finite)
+    scale = min(1.0, max(avail, 0.0) / sending) if sending > 0 else 1.0
     return [(r, n if r == float("inf") else max(min(n, 10), int(n * scale))) for r, n in plan]
 
 

@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     ap.add_argument("--prefix", default="suite")
     args = ap.parse_args(argv)
+    data = {p: load(args.folder, p) for p in ("engine", "serve", "peer", "startup", "sweep")}
+    if not any(data.values()):
+        print(f"no suite_*.json in {args.folder}", file=sys.stderr)
+        return 1
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -184,10 +188,6 @@ def main(argv: list[str] | None = None) -> int:
         print("matplotlib is missing: pip install 'jaxengine[bench]'", file=sys.stderr)
         return 2
     os.makedirs(args.out_dir, exist_ok=True)
-    data = {p: load(args.folder, p) for p in ("engine", "serve", "peer", "startup", "sweep")}
-    if not any(data.values()):
-        print(f"no suite_*.json in {args.folder}", file=sys.stderr)
-        return 1
     out = lambda name: os.path.join(args.out_dir, f"{args.prefix}_{name}.png")  # noqa: E731
     jobs = {"throughput": lambda: plot_throughput(data["engine"], data["peer"], out("throughput")),
             "decode": lambda: plot_decode(data["engine"], data["peer"], out("decode")),
