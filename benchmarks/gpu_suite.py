@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -177,7 +178,7 @@ def preset_config(name: str) -> dict:
 
 def nvidia_smi() -> dict[str, str] | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                               "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -186,7 +187,7 @@ def nvidia_smi() -> dict[str, str] | None:
     lines = out.stdout.strip().splitlines()
     f = [x.strip() for x in lines[0].split(",")]
     return {"name": f[0], "driver": f[1] if len(f) > 1 else "", "memory_total": f[2] if len(f) > 2 else "",
-            "max_sm_clock": f[3] if len(f) > 3 else "", "count": str(len(lines))}
+            "count": str(len(lines))}
 
 
 def versions() -> dict[str, str]:
@@ -246,6 +247,11 @@ class Budget:
 
     def left(self) -> float:
         return self.seconds - self.elapsed()
+
+
+def show(cmd: list[str]) -> str:
+    """A subprocess's command line as a shell would take it, with `python` for the interpreter."""
+    return shlex.join(["python" if c == sys.executable else c for c in cmd])
 
 
 def fmt(x: object, spec: str = ".2f") -> str:
@@ -631,7 +637,7 @@ def part_serve(args, st, out_dir) -> tuple[dict, list[str]]:
     log = open(log_path, "w")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    res: dict = {"server_command": " ".join(cmd).replace(sys.executable, "python"), "server_log": os.path.basename(log_path),
+    res: dict = {"server_command": show(cmd), "server_log": os.path.basename(log_path),
                  "prompts": "token ids (random, exact lengths), sent to /v1/completions with stream=true, "
                             "ignore_eos, temperature 0; the server detokenizes with the synthetic tokenizer",
                  "runs": []}
@@ -725,7 +731,7 @@ def part_peer(args, st, out_dir) -> tuple[dict, list[str]]:
     if os.path.exists(out_json):
         with open(out_json) as f:
             peer = json.load(f)
-    payload["results"] = {"peer": peer, "subprocess": {"command": " ".join(cmd).replace(sys.executable, "python"),
+    payload["results"] = {"peer": peer, "subprocess": {"command": show(cmd),
                                                        "returncode": rc, "wall_s": time.perf_counter() - t0,
                                                        "output_tail": tail}}
     shutil.rmtree(tmp, ignore_errors=True)
@@ -819,7 +825,7 @@ def part_startup(args, st, out_dir) -> tuple[dict, list[str]]:
         cache = tempfile.mkdtemp(prefix="xla_cache_", dir=tmp)
         cmd = [sys.executable, "-m", "jaxengine.cli", "generate", prompt, "--model", spec.model, *flags,
                "--tokenizer", tokdir, "--max-tokens", "1", "--compilation-cache-dir", cache]
-        entry = {"label": label, "command": " ".join(cmd).replace(sys.executable, "python"), "runs": []}
+        entry = {"label": label, "command": show(cmd), "runs": []}
         res["configs"].append(entry)
         for kind in ["cold"] + ["warm"] * sc["warm_runs"]:
             if budget.left() < sc["timeout_s"] * (0.6 if kind == "warm" else 1.0):
@@ -875,7 +881,7 @@ def part_sweep(args, st, out_dir) -> tuple[dict, list[str]]:
         with open(stem + ".json") as f:
             data = json.load(f)
     rec = [ln for ln in stdout.splitlines() if ln.startswith(("recommended", "  e.g."))]
-    payload["results"] = {"command": " ".join(cmd).replace(sys.executable, "python") + " ''",
+    payload["results"] = {"command": show(cmd),
                           "returncode": rc, "wall_s": time.perf_counter() - t0, "sweep_json": os.path.basename(stem) + ".json",
                           "recommended": data.get("recommended"), "printed_recommendation": rec,
                           "schedules": [{"label": s["label"], "token_buckets": s["token_buckets"],
