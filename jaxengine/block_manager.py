@@ -95,6 +95,11 @@ class BlockManager:
         return self._cached.get(block_hash)
 
     # ------------------------------------------------------------------ lookup
+    @property
+    def tables(self) -> dict[str, list[int]]:
+        """Request id -> its block table (live: read only). The scheduler's per-step fast path."""
+        return self._tables
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a live list: read it, never mutate it)."""
         return self._tables[request_id]

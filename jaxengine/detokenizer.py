@@ -84,16 +84,22 @@ class _StreamDecoder:
         try:
             return self._stream.step(self._backend, token_id)
         except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
-            # A decoder can produce text that is not an extension of the previous text
-            # ("Invalid prefix encountered"); restart the stream rather than fail the request.
-            logger.warning("restarting the decode stream after %s", e)
-            self._stream = DecodeStream(skip_special_tokens=self._skip)
-            return self._stream.step(self._backend, token_id)
+            return self._restart(token_id, e)
+
+    def _restart(self, token_id: int, error: Exception) -> str | None:
+        # A decoder can produce text that is not an extension of the previous text
+        # ("Invalid prefix encountered"); restart the stream rather than fail the request.
+        logger.warning("restarting the decode stream after %s", error)
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
+        return self._stream.step(self._backend, token_id)
 
     def decode_next(self, token_id: int) -> str:
         if not 0 <= token_id < self._vocab:  # padded-vocabulary ids have no text
             return ""
-        return self._step(token_id) or ""
+        try:  # `_step` inlined: this runs for every token
+            return self._stream.step(self._backend, token_id) or ""
+        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+            return self._restart(token_id, e) or ""
 
 
 class _WindowDecoder:
@@ -198,6 +204,23 @@ class IncrementalDetokenizer:
         if not self.stop or self.num_output_tokens <= self.min_tokens:
             return None
         match = find_stop(self.output_text, len(self.output_text) - check_from, self.stop)
+        if match is None:
+            return None
+        stop, start = match
+        end = start + len(stop) if self.include_stop_str_in_output else start
+        self.output_text = self.output_text[:end]
+        return stop
+
+    def update_one(self, token_id: int) -> str | None:
+        """`update([token_id])` for the common case of one new token that did not end the
+        sequence: the same text and the same stop-string match, without the list work."""
+        self.num_output_tokens += 1
+        piece = self._decoder.decode_next(token_id)
+        if piece:
+            self.output_text += piece
+        if not self.stop or self.num_output_tokens <= self.min_tokens:
+            return None
+        match = find_stop(self.output_text, len(piece), self.stop)
         if match is None:
             return None
         stop, start = match

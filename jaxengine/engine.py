@@ -32,7 +32,6 @@ from jaxengine.models.presets import PRESETS
 from jaxengine.output_processor import OutputProcessor
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.request import Request, RequestStatus
-from jaxengine.sampler import SamplingRow
 from jaxengine.sharding import make_plan
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.scheduler import Scheduler, SchedulerConfig
@@ -276,22 +275,22 @@ class LLMEngine:
         return self._process_outputs(*resolved) if resolved is not None else []
 
     def _needs_sync(self) -> bool:
-        return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+        return self.scheduler.running_uses_penalties()
 
     def _resolve(self, done):
         t0 = time.perf_counter()
         sched, out = done[0], self.runner.collect(done[1])
         self.timing["device_wait_s"] += time.perf_counter() - t0
         self.timing["steps"] += 1
-        sampled = [int(out.token_ids[i]) if s.samples else None for i, s in enumerate(sched.seqs)]
+        sampled = [tok if s.samples else None for s, tok in zip(sched.seqs, out.token_ids.tolist())]
         finished = {r.request_id for r in self.scheduler.resolve(sched, sampled)}
         return sched, out, sampled, finished
 
     def _dispatch(self, sched, prev_handle):
-        rows = [SamplingRow(s.request.sampling_params, self._request_seeds[s.request.request_id],
-                            len(s.request.output_token_ids), s.request.prompt_token_ids,
-                            s.request.output_token_ids, self.eos_token_ids) for s in sched.seqs]
-        return self.runner.dispatch(sched.seqs, rows, self._prompt_targets(sched.seqs), prev_handle)
+        seeds = self._request_seeds
+        return self.runner.dispatch(sched.seqs, [seeds[s.request.request_id] for s in sched.seqs],
+                                    self.eos_token_ids, self._prompt_targets(sched.seqs), prev_handle,
+                                    sched.num_batched_tokens)
 
     @staticmethod
     def _prompt_targets(seqs: list) -> np.ndarray | None:
@@ -311,52 +310,63 @@ class LLMEngine:
         return targets
 
     def _process_outputs(self, sched, out, sampled: list[int | None], finished: set[str]) -> list[RequestOutput]:
-        touched: list[str] = []
+        outputs = self.outputs
+        touched: list = []  # ChildState of each child that got a token
         stopped: list[tuple[str, str]] = []
         failed: dict[str, Exception] = {}  # parent id -> what broke while processing its output
         if out.prompt_lp is not None:
             self._record_prompt_logprobs(sched.seqs, out.prompt_lp, failed)
-        for i, s in enumerate(sched.seqs):
-            cid = s.request.request_id
-            if sampled[i] is None or not self.outputs.is_live(cid):
+        # Runs for every sampled row every step: the clock is read once, NaN flags are looked at
+        # only when some row has one, and logprob arrays are indexed only for rows that want them.
+        states, process = outputs.child_states, outputs.process_token
+        nan_rows = out.nan_rows if out.nan_rows is not None and out.nan_rows.any() else None
+        now = time.monotonic()
+        for i, (s, token) in enumerate(zip(sched.seqs, sampled)):
+            if token is None:
                 continue
-            if out.nan_rows is not None and out.nan_rows[i]:
-                failed.setdefault(self.outputs.child_to_parent[cid].request_id,
-                                  FloatingPointError("the model produced NaN logits for this request"))
-            if failed and self.outputs.child_to_parent[cid].request_id in failed:
+            cid = s.request.request_id
+            st = states.get(cid)
+            if st is None or st.finish_reason is not None:  # unknown, aborted or stopped a step ago
+                continue
+            pid = st.parent.request_id
+            if nan_rows is not None and nan_rows[i]:
+                failed.setdefault(pid, FloatingPointError("the model produced NaN logits for this request"))
+            if failed and pid in failed:
                 continue
             try:
-                stop = self.outputs.process_token(cid, sampled[i], out.logprob[i], out.rank[i],
-                                                  out.top_ids[i], out.top_logprobs[i])
+                if st.logprobs is None:
+                    stop = process(cid, token, None, None, None, None, now=now)
+                else:
+                    stop = process(cid, token, out.logprob[i], out.rank[i], out.top_ids[i], out.top_logprobs[i],
+                                   now=now)
             except Exception as e:  # noqa: BLE001 - one request's failure (e.g. its detokenizer) is its own
-                failed.setdefault(self.outputs.child_to_parent[cid].request_id, e)
+                failed.setdefault(pid, e)
                 continue
             if cid in finished:
-                self.outputs.finish_child(cid, s.request.status.finish_reason, s.request.stop_reason)
+                outputs.finish_child(cid, s.request.status.finish_reason, s.request.stop_reason)
             elif stop is not None:
                 stopped.append((cid, stop))
-            touched.append(cid)
+            touched.append(st)
         if stopped:
             self.scheduler.finish_requests([cid for cid, _ in stopped], RequestStatus.FINISHED_STOPPED)
             for cid, stop in stopped:
-                self.outputs.finish_child(cid, "stop", stop)
+                outputs.finish_child(cid, "stop", stop)
         results, seen = [self._fail_request(rid, e) for rid, e in failed.items()], set(failed)
-        for cid in touched:
-            parent = self.outputs.child_to_parent.get(cid)
-            if parent is None or parent.request_id in seen:
+        emit_unfinished = self.emit_unfinished
+        for st in touched:
+            parent = st.parent
+            if not (emit_unfinished or parent.finished) or parent.request_id in seen:
                 continue
             seen.add(parent.request_id)
-            if not (self.emit_unfinished or parent.finished):
-                continue
             try:
-                results.append(self.outputs.make_output(parent.request_id))
+                results.append(outputs.make_output(parent.request_id))
             except Exception as e:  # noqa: BLE001 - as above: only this request fails
                 results.append(self._fail_request(parent.request_id, e))
                 continue
             if parent.finished:
                 for c in parent.children:
                     self._request_seeds.pop(c.request.request_id, None)
-                self.outputs.pop_if_finished(parent.request_id)
+                outputs.pop_if_finished(parent.request_id)
         return results
 
     def _fail_request(self, request_id: str, error: Exception) -> RequestOutput:

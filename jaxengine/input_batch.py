@@ -62,27 +62,33 @@ class InputBuilder:
         b = self._bufs(t, r)
         bs, n_seqs = self.block_size, len(seqs)
         # One pass of plain list work (C-speed extends), then a few vectorised numpy writes:
-        # host time per step matters at hundreds of sequences.
+        # host time per step matters at hundreds of sequences. Decode rows (one token) take
+        # the short branch.
         ids: list[int] = []
         slots: list[int] = []
         table_flat: list[int] = []
         table_lens: list[int] = []
         prev_at: list[int] = []
         prev_rows_of: list[int] = []
-        starts = [s.start for s in seqs]
-        lens = [s.num_new_tokens for s in seqs]
-        for s, start, n in zip(seqs, starts, lens):
+        starts: list[int] = []
+        lens: list[int] = []
+        for s in seqs:
+            start, n, blocks = s.start, s.num_new_tokens, s.block_ids
+            starts.append(start)
+            lens.append(n)
             toks = s.request.token_ids_slice(start, start + n)
-            blocks = s.block_ids
-            if toks[-1] < 0:  # the placeholder of the step in flight: only ever a decode row's token
-                assert n == 1 and prev_rows is not None, (s.request.request_id, n)
-                prev_at.append(len(ids))
-                prev_rows_of.append(prev_rows[s.request.request_id])
-                toks = [0]
-            ids.extend(toks)
             if n == 1:
+                tok = toks[0]
+                if tok < 0:  # the placeholder of the step in flight: only ever a decode row's token
+                    assert prev_rows is not None, s.request.request_id
+                    prev_at.append(len(ids))
+                    prev_rows_of.append(prev_rows[s.request.request_id])
+                    tok = 0
+                ids.append(tok)
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
+                assert toks[-1] >= 0, (s.request.request_id, n)
+                ids.extend(toks)
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             table_flat.extend(blocks)
             table_lens.append(len(blocks))
@@ -92,24 +98,33 @@ class InputBuilder:
             b[name][total:] = 0
         b["input_ids"][:total] = ids
         b["slot_mapping"][:total] = slots
-        lens_a = np.asarray(lens, np.int32)
+        starts_a = np.asarray(starts, np.int32)
         qsl = b["query_start_loc"]
         qsl[0] = 0
-        np.cumsum(lens_a, out=qsl[1:n_seqs + 1])
-        qsl[n_seqs + 1:] = total
-        offsets = np.repeat(qsl[:n_seqs], lens_a)  # first row of each token's sequence
-        b["positions"][:total] = np.repeat(np.asarray(starts, np.int32), lens_a) + np.arange(total) - offsets
         b["kv_lens"].fill(0)
-        b["kv_lens"][:n_seqs] = np.asarray(starts, np.int32) + lens_a
         b["logits_indices"].fill(0)
+        if total == n_seqs:  # decode rows only: one token per sequence
+            qsl[1:n_seqs + 1] = np.arange(1, n_seqs + 1, dtype=np.int32)
+            b["positions"][:total] = starts_a
+            b["kv_lens"][:n_seqs] = starts_a + 1
+        else:
+            lens_a = np.asarray(lens, np.int32)
+            np.cumsum(lens_a, out=qsl[1:n_seqs + 1])
+            offsets = np.repeat(qsl[:n_seqs], lens_a)  # first row of each token's sequence
+            b["positions"][:total] = np.repeat(starts_a, lens_a) + np.arange(total) - offsets
+            b["kv_lens"][:n_seqs] = starts_a + lens_a
+        qsl[n_seqs + 1:] = total
         b["logits_indices"][:n_seqs] = qsl[1:n_seqs + 1] - 1
         tables = b["block_tables"]
         tables.fill(0)
         if table_flat:
             tl = np.asarray(table_lens)
-            rows = np.repeat(np.arange(n_seqs), tl)
-            cols = np.arange(len(table_flat)) - np.repeat(np.cumsum(tl) - tl, tl)
-            tables[rows, cols] = table_flat
+            if tl.min() == tl.max():  # equal lengths (common in a decode batch): one slice write
+                tables[:n_seqs, :tl[0]] = np.asarray(table_flat, np.int32).reshape(n_seqs, tl[0])
+            else:
+                rows = np.repeat(np.arange(n_seqs), tl)
+                cols = np.arange(len(table_flat)) - np.repeat(np.cumsum(tl) - tl, tl)
+                tables[rows, cols] = table_flat
         b["prev_index"].fill(-1)
         if prev_at:
             b["prev_index"][prev_at] = prev_rows_of

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from jaxengine.config import EngineConfig, pick_bucket, token_buckets
 from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs
 from jaxengine.models.config import ModelConfig
-from jaxengine.sampler import SamplingRow, build_sampling_metadata, needs_penalties, sample
+from jaxengine.sampler import batch_sampling_metadata, build_sampling_metadata, sample
 
 logger = logging.getLogger(__name__)
 
@@ -260,22 +260,27 @@ class ModelRunner:
         return self._get(self._sample_fns, (r, penalties), self._compile_sampler, "sampler (rows, penalties)")
 
     # -- one step --------------------------------------------------------------------------
-    def dispatch(self, seqs: list, rows: list[SamplingRow], prompt_targets: np.ndarray | None = None,
-                 prev: "InFlight | None" = None) -> "InFlight":
+    def dispatch(self, seqs: list, seeds: list[int], eos_token_ids: tuple[int, ...] = (),
+                 prompt_targets: np.ndarray | None = None, prev: "InFlight | None" = None,
+                 num_tokens: int | None = None) -> "InFlight":
         """Enqueues one step for `seqs` (scheduler order) without waiting for the device.
 
-        `rows[i]` gives seqs[i]'s sampling state; `prompt_targets` [n_tokens] (next prompt token per
-        row, -1 where not wanted) asks for prompt logprobs of this step's rows. `prev`, the step
-        still in flight, supplies the tokens of decode rows whose input is a placeholder. The host buffers behind the inputs are reused by
-        the next `dispatch` of the same bucket, so `collect` must come first (the engine does so).
+        `seeds[i]` is seqs[i]'s request's sampling seed, `eos_token_ids` are banned with its stop
+        ids until min_tokens are out; `prompt_targets` [n_tokens] (next prompt token per row, -1
+        where not wanted) asks for prompt logprobs of this step's rows. `prev`, the step still in
+        flight, supplies the tokens of decode rows whose input is a placeholder. `num_tokens`:
+        the rows' new tokens in all, when the caller knows it. The host buffers behind the inputs
+        are reused by the next `dispatch` of the same bucket, so `collect` must come first (the
+        engine does so).
         """
-        n_tokens = sum(s.num_new_tokens for s in seqs)
-        t = pick_bucket(self.token_buckets, n_tokens)
+        if num_tokens is None:
+            num_tokens = sum(s.num_new_tokens for s in seqs)
+        t = pick_bucket(self.token_buckets, num_tokens)
         r = self.rows_for(t)
         inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None else None)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
-        penalties = needs_penalties([row.params for row in rows])
-        md = build_sampling_metadata(rows, r, self._history_len(penalties))
+        requests = [s.request for s in seqs]
+        md, penalties = batch_sampling_metadata(requests, seeds, eos_token_ids, r, self._history_len(True))
         self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches, inputs, prev_tokens)
         prompt_lp = None
         if prompt_targets is not None:
@@ -294,8 +299,8 @@ class ModelRunner:
         return RunnerOutput(out.token_ids[:n], out.logprob[:n], out.rank[:n], out.top_ids[:n], out.top_logprobs[:n],
                             prompt_lp, nan_rows[:n])
 
-    def execute(self, seqs: list, rows: list[SamplingRow]) -> RunnerOutput:
-        return self.collect(self.dispatch(seqs, rows))
+    def execute(self, seqs: list, seeds: list[int], eos_token_ids: tuple[int, ...] = ()) -> RunnerOutput:
+        return self.collect(self.dispatch(seqs, seeds, eos_token_ids))
 
 
 @dataclasses.dataclass

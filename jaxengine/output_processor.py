@@ -23,9 +23,10 @@ class ChildState:
     index: int
     detok: IncrementalDetokenizer | None
     logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float = 0.0  # summed only when logprobs are asked for (reported only then)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    parent: ParentState | None = None  # set by `OutputProcessor.add`
 
 
 @dataclasses.dataclass
@@ -38,10 +39,17 @@ class ParentState:
     metrics: RequestMetrics
     # vLLM layout: None for the first prompt token, then {token: Logprob} per later prompt token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Children whose finish_reason is still None (kept by `OutputProcessor.finish_child`), so
+    # `finished`, read for every request every step, needs no scan.
+    num_unfinished: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_unfinished < 0:
+            self.num_unfinished = sum(c.finish_reason is None for c in self.children)
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
+        return self.num_unfinished == 0
 
 
 class OutputProcessor:
@@ -66,6 +74,7 @@ class OutputProcessor:
                              [None] if params.prompt_logprobs is not None else None)
         self.parents[request_id] = parent
         for st in states:
+            st.parent = parent
             self.child_to_parent[st.request.request_id] = parent
             self.child_states[st.request.request_id] = st
 
@@ -78,29 +87,41 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []
 
-    def process_token(self, child_id: str, token: int, logprob: float, rank: int,
-                      top_ids: np.ndarray, top_logprobs: np.ndarray) -> str | None:
-        """Records one new token of a child. Returns a matched stop string, if any."""
-        parent = self.child_to_parent[child_id]
+    def wants_logprobs(self, child_id: str) -> bool:
+        st = self.child_states.get(child_id)
+        return st is not None and st.logprobs is not None
+
+    def process_token(self, child_id: str, token: int, logprob: float | None, rank: int | None,
+                      top_ids: np.ndarray | None, top_logprobs: np.ndarray | None,
+                      now: float | None = None) -> str | None:
+        """Records one new token of a child. Returns a matched stop string, if any.
+
+        The logprob arguments are read only when the child asked for logprobs (`wants_logprobs`);
+        `now` (time.monotonic) lets a caller take the clock once for a whole step.
+        """
         st = self.child_states[child_id]
-        now = time.monotonic()
-        if parent.metrics.first_token_time is None:
-            parent.metrics.first_token_time = now
-        parent.metrics.last_token_time = now
+        metrics = st.parent.metrics
+        if now is None:
+            now = time.monotonic()
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
         params = st.request.sampling_params
-        st.cumulative_logprob += float(logprob)
         if st.logprobs is not None:
+            st.cumulative_logprob += float(logprob)
             entry: dict[int, Logprob] = {}
             for j in range(params.logprobs):
                 tid = int(top_ids[j])
                 entry[tid] = Logprob(float(top_logprobs[j]), j + 1, self._decode(tid))
             entry[token] = Logprob(float(logprob), int(rank), self._decode(token))
             st.logprobs.append(entry)
-        req = st.request
-        stopped_by_token = req.status.is_finished and req.stop_reason == token and req.status == RequestStatus.FINISHED_STOPPED
-        if st.detok is None or (stopped_by_token and not params.include_stop_str_in_output):
+        if st.detok is None:
             return None
-        return st.detok.update([token])
+        req = st.request
+        if req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason == token \
+                and not params.include_stop_str_in_output:
+            return None  # the stop token id that ended it: no text (vLLM's rule)
+        return st.detok.update_one(token)
 
     def record_prompt_logprobs(self, child_id: str, start: int, logprob: np.ndarray, rank: np.ndarray,
                                top_ids: np.ndarray, top_logprobs: np.ndarray) -> None:
@@ -130,6 +151,8 @@ class OutputProcessor:
         if parent is None:
             return
         st = self.child_states[child_id]
+        if st.finish_reason is None:
+            parent.num_unfinished -= 1
         st.finish_reason, st.stop_reason = finish_reason, stop_reason
         if parent.finished:
             parent.metrics.finished_time = time.monotonic()
@@ -137,15 +160,13 @@ class OutputProcessor:
     def make_output(self, request_id: str) -> RequestOutput:
         p = self.parents[request_id]
         outs = []
-        for c in p.children:
+        for c in p.children:  # positional arguments: this runs for every request every streamed step
             outs.append(CompletionOutput(
-                index=c.index, text=c.detok.output_text if c.detok else "",
-                token_ids=_settled(c.request.output_token_ids),
-                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return RequestOutput(request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids,
-                             prompt_logprobs=p.prompt_logprobs, outputs=outs, finished=p.finished, metrics=p.metrics,
-                             num_cached_tokens=p.children[0].request.num_cached_tokens)
+                c.index, c.detok.output_text if c.detok else "", _settled(c.request.output_token_ids),
+                c.cumulative_logprob if c.logprobs is not None else None, c.logprobs, c.finish_reason,
+                c.stop_reason))
+        return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, p.prompt_logprobs, outs, p.finished,
+                             p.metrics, p.children[0].request.num_cached_tokens)
 
     def pop_if_finished(self, request_id: str) -> None:
         p = self.parents.get(request_id)
@@ -157,5 +178,5 @@ class OutputProcessor:
 
 
 def _settled(ids: list[int]) -> list[int]:
-    """Output token ids without the placeholder of a step still in flight."""
-    return list(ids[:-1]) if ids and ids[-1] < 0 else list(ids)
+    """A copy of the output token ids without the placeholder of a step still in flight."""
+    return ids[:-1] if ids and ids[-1] < 0 else ids[:]

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+# slots: these are made per request (and per logprob) every step; slots build faster.
+@dataclass(slots=True)
 class Logprob:
     """The log-probability of one token at one position (from the raw model logits)."""
 
@@ -24,7 +25,7 @@ SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence of a request."""
 
@@ -46,7 +47,7 @@ class CompletionOutput:
                 f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason!r})")
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Wall-clock timestamps (time.monotonic seconds) of one request's milestones."""
 
@@ -57,7 +58,7 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's state after a step: its prompt and every sequence generated so far."""
 

@@ -26,14 +26,16 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
     FINISHED_ABORTED = enum.auto()  # cancelled by the user / client
 
+    # Read for every request every step: plain member attributes (set below), since hashing an
+    # enum member runs Python code.
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self._is_finished
 
     @property
     def finish_reason(self) -> str | None:
         """"stop" | "length" | "abort" for finished states, None otherwise."""
-        return _FINISH_REASONS.get(self)
+        return self._finish_reason
 
 
 _FINISH_REASONS: dict[RequestStatus, str] = {
@@ -41,6 +43,9 @@ _FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+for _status in RequestStatus:
+    _status._is_finished = _status in _FINISH_REASONS
+    _status._finish_reason = _FINISH_REASONS.get(_status)
 
 
 @dataclass(eq=False)

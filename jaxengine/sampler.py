@@ -21,7 +21,7 @@ materialised on the common path: top logprobs come from a two-stage top-k.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -126,10 +126,41 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int, history_
     The history (prompt + output ids per row, for penalties) is filled only for rows that use
     penalties: the plain variant never reads it, so callers compiling that variant may pass
     `history_len=1`. Histories longer than `history_len` keep their most recent tokens.
-    Runs every step for every running request, so the per-row Python work is kept minimal
-    (the parameter columns come from bytes cached on each frozen SamplingParams).
     """
-    n = len(rows)
+    return _metadata([r.params for r in rows], [r.seed for r in rows], [r.step for r in rows],
+                     rows.__getitem__, num_rows, history_len)
+
+
+def batch_sampling_metadata(requests: Sequence, seeds: Sequence[int], eos_token_ids: Sequence[int],
+                            num_rows: int, penalty_history_len: int) -> tuple[SamplingMetadata, bool]:
+    """`build_sampling_metadata` for one step's rows straight from their requests (objects with
+    `sampling_params`, `prompt_token_ids`, `output_token_ids`), and whether any row uses
+    penalties (then the history is `penalty_history_len` long, else 1).
+
+    This runs every step for every running request, so the per-row Python work is a few
+    attribute reads; a `SamplingRow` is made only for the rare rows that need one (penalties,
+    banned ids before min_tokens).
+    """
+    params = [r.sampling_params for r in requests]
+    steps = [len(r.output_token_ids) for r in requests]
+
+    def row(i: int) -> SamplingRow:
+        r = requests[i]
+        return SamplingRow(params[i], seeds[i], steps[i], r.prompt_token_ids, r.output_token_ids, eos_token_ids)
+
+    penalties = needs_penalties(params)
+    return _metadata(params, seeds, steps, row, num_rows, penalty_history_len if penalties else 1,
+                     penalties), penalties
+
+
+def _metadata(params: list[SamplingParams], seeds: Sequence[int], steps: list[int],
+              row: Callable[[int], SamplingRow], num_rows: int, history_len: int,
+              penalties: bool | None = None) -> SamplingMetadata:
+    """The metadata from per-row columns; `row(i)` gives row i's full state where needed.
+
+    The parameter columns come from bytes cached on each frozen SamplingParams.
+    """
+    n = len(params)
     if n > num_rows:
         raise ValueError(f"{n} sampling rows do not fit in a bucket of {num_rows}")
     if history_len < 1:
@@ -137,35 +168,31 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int, history_
     width = len(_NEUTRAL_ROW)
     values = np.empty((num_rows, width), np.float32)
     values[n:] = _NEUTRAL_ROW
-    seeds = np.zeros((num_rows,), np.uint32)
-    steps = np.zeros((num_rows,), np.int32)
+    seeds_a = np.zeros((num_rows,), np.uint32)
+    steps_a = np.zeros((num_rows,), np.int32)
     num_prompt = np.zeros((num_rows,), np.int32)
     history = np.full((num_rows, history_len), -1, np.int32)
     banned = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
     if n:
-        params, row_seeds, row_steps = [], [], []
-        for r in rows:
-            params.append(r.params)
-            row_seeds.append(r.seed & 0xFFFFFFFF)
-            row_steps.append(r.step)
         values[:n] = np.frombuffer(b"".join([p.sampler_row_f32 for p in params]), np.float32).reshape(n, width)
-        seeds[:n] = row_seeds
-        steps[:n] = row_steps
-        if needs_penalties(params):
-            _fill_history(history, num_prompt, rows)
-        min_tokens = np.fromiter([p.min_tokens for p in params], np.int64, n)
-        for i in np.flatnonzero(steps[:n] < min_tokens):
-            ids = _banned_for(rows[i])
-            if len(ids) > MAX_BANNED_IDS:
-                logger.warning("request bans %d stop ids during min_tokens; only the first %d are enforced",
-                               len(ids), MAX_BANNED_IDS)
-                ids = ids[:MAX_BANNED_IDS]
-            banned[i, : len(ids)] = ids
+        seeds_a[:n] = [s & 0xFFFFFFFF for s in seeds]
+        steps_a[:n] = steps
+        if needs_penalties(params) if penalties is None else penalties:
+            _fill_history(history, num_prompt, [row(i) for i in range(n)])
+        min_tokens = [p.min_tokens for p in params]
+        if any(min_tokens):
+            for i in np.flatnonzero(steps_a[:n] < np.asarray(min_tokens)):
+                ids = _banned_for(row(int(i)))
+                if len(ids) > MAX_BANNED_IDS:
+                    logger.warning("request bans %d stop ids during min_tokens; only the first %d are enforced",
+                                   len(ids), MAX_BANNED_IDS)
+                    ids = ids[:MAX_BANNED_IDS]
+                banned[i, : len(ids)] = ids
     columns = values.T  # [7, R]; each row below is a contiguous copy
     return SamplingMetadata(
         temperature=columns[0].copy(), top_p=columns[1].copy(), top_k=columns[2].astype(np.int32),
         min_p=columns[3].copy(), presence_penalty=columns[4].copy(), frequency_penalty=columns[5].copy(),
-        repetition_penalty=columns[6].copy(), seeds=seeds, steps=steps,
+        repetition_penalty=columns[6].copy(), seeds=seeds_a, steps=steps_a,
         history=history, num_prompt=num_prompt, banned_ids=banned)
 
 

@@ -90,6 +90,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._finished_ids: list[str] = []  # since the last schedule()
         self.num_preemptions = 0  # total
+        self._num_with_penalties = 0  # unfinished requests whose sampling reads their history
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
@@ -113,6 +114,8 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has already been scheduled")
         self._requests[request.request_id] = request
         self.waiting.append(request)
+        if _uses_penalties(request):
+            self._num_with_penalties += 1
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -136,6 +139,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def running_uses_penalties(self) -> bool:
+        """Whether a running request's sampling reads its token history (penalties): no scan
+        of the running requests while no unfinished request uses them (the common case)."""
+        return self._num_with_penalties > 0 and any(_uses_penalties(r) for r in self.running)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -151,15 +159,30 @@ class Scheduler:
         prefills: list[ScheduledSeq] = []
         preempted: list[str] = []
         bm, running = self.block_manager, self.running
+        # Runs for every running request every step: the common case (a decode whose slot is
+        # already in its last block) is inlined; the rest goes through the block manager.
+        tables, bs = bm.tables, self.config.block_size
+        add_decode, add_prefill = decodes.append, prefills.append
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            start = req.num_computed_tokens
+            num_prompt = len(req.prompt_token_ids)
+            total = num_prompt + len(req.output_token_ids)
+            n = total - start
             assert n > 0, "schedule() called again before update_from_output()"
-            if not bm.allocate_slots(req, n) and not self._preempt_for(req, n, preempted):
-                break  # `req` itself was preempted: it was the last one
-            seq = self._scheduled(req, n)
-            (decodes if seq.is_decode else prefills).append(seq)
+            if n > budget:
+                n = budget
+            table = tables.get(req.request_id)
+            if table is None or start + n > len(table) * bs:
+                if not bm.allocate_slots(req, n) and not self._preempt_for(req, n, preempted):
+                    break  # `req` itself was preempted: it was the last one
+                table = tables[req.request_id]
+            samples = start + n == total
+            if samples and n == 1 and start >= num_prompt:
+                add_decode(ScheduledSeq(req, start, 1, table, True, True))
+            else:
+                add_prefill(ScheduledSeq(req, start, n, table, False, samples))
             budget -= n
             i += 1
         if not preempted:  # memory is short: let the running requests drain first
@@ -172,7 +195,9 @@ class Scheduler:
                 budget -= seq.num_new_tokens
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(decodes + prefills, num_batched, preempted, finished)
+        if prefills:
+            decodes += prefills
+        return SchedulerOutput(decodes, num_batched, preempted, finished)
 
     def _preempt_for(self, req: Request, n: int, preempted: list[str]) -> bool:
         """Preempt from the tail until `req` gets its `n` slots; False if `req` went itself."""
@@ -233,9 +258,10 @@ class Scheduler:
             req = seq.request
             if req.status is not running:
                 continue
-            end = seq.start + seq.num_new_tokens
+            start = seq.start
+            end = start + seq.num_new_tokens
             req.num_computed_tokens = end
-            if end // bs != seq.start // bs:  # a block was filled: offer it to the prefix cache
+            if end // bs != start // bs:  # a block was filled: offer it to the prefix cache
                 bm.cache_full_blocks(req)
             if seq.samples:
                 req.output_token_ids.append(PLACEHOLDER)
@@ -252,8 +278,9 @@ class Scheduler:
             if not seq.samples or req.status.is_finished:
                 continue
             assert token is not None, f"no token sampled for {req.request_id}"
-            assert req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER, req.request_id
-            req.output_token_ids[-1] = token
+            outs = req.output_token_ids
+            assert outs and outs[-1] == PLACEHOLDER, req.request_id
+            outs[-1] = token
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req, token)
@@ -287,8 +314,14 @@ class Scheduler:
         self.block_manager.free(req)
         del self._requests[req.request_id]
         self._finished_ids.append(req.request_id)
+        if _uses_penalties(req):
+            self._num_with_penalties -= 1
 
     def _drop_finished(self) -> None:
         self.running = [r for r in self.running if not r.status.is_finished]
         if any(r.status.is_finished for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if not r.status.is_finished)
+
+
+def _uses_penalties(req: Request) -> bool:
+    return bool(getattr(req.sampling_params, "uses_penalties", False))
