@@ -9,6 +9,7 @@ sequence slots have kv_len 0, so the attention ignores them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -61,9 +62,11 @@ class InputBuilder:
         assert len(seqs) <= r, (len(seqs), r)
         b = self._bufs(t, r)
         bs, n_seqs = self.block_size, len(seqs)
+        lens = [s.num_new_tokens for s in seqs]
+        if sum(lens) == n_seqs and n_seqs:
+            return self._build_single_token_rows(seqs, b, prev_rows)
         # One pass of plain list work (C-speed extends), then a few vectorised numpy writes:
-        # host time per step matters at hundreds of sequences. Decode rows (one token) take
-        # the short branch.
+        # host time per step matters at hundreds of sequences.
         ids: list[int] = []
         slots: list[int] = []
         table_flat: list[int] = []
@@ -71,11 +74,9 @@ class InputBuilder:
         prev_at: list[int] = []
         prev_rows_of: list[int] = []
         starts: list[int] = []
-        lens: list[int] = []
         for s in seqs:
             start, n, blocks = s.start, s.num_new_tokens, s.block_ids
             starts.append(start)
-            lens.append(n)
             toks = s.request.token_ids_slice(start, start + n)
             if n == 1:
                 tok = toks[0]
@@ -103,16 +104,11 @@ class InputBuilder:
         qsl[0] = 0
         b["kv_lens"].fill(0)
         b["logits_indices"].fill(0)
-        if total == n_seqs:  # decode rows only: one token per sequence
-            qsl[1:n_seqs + 1] = np.arange(1, n_seqs + 1, dtype=np.int32)
-            b["positions"][:total] = starts_a
-            b["kv_lens"][:n_seqs] = starts_a + 1
-        else:
-            lens_a = np.asarray(lens, np.int32)
-            np.cumsum(lens_a, out=qsl[1:n_seqs + 1])
-            offsets = np.repeat(qsl[:n_seqs], lens_a)  # first row of each token's sequence
-            b["positions"][:total] = np.repeat(starts_a, lens_a) + np.arange(total) - offsets
-            b["kv_lens"][:n_seqs] = starts_a + lens_a
+        lens_a = np.asarray(lens, np.int32)
+        np.cumsum(lens_a, out=qsl[1:n_seqs + 1])
+        offsets = np.repeat(qsl[:n_seqs], lens_a)  # first row of each token's sequence
+        b["positions"][:total] = np.repeat(starts_a, lens_a) + np.arange(total) - offsets
+        b["kv_lens"][:n_seqs] = starts_a + lens_a
         qsl[n_seqs + 1:] = total
         b["logits_indices"][:n_seqs] = qsl[1:n_seqs + 1] - 1
         tables = b["block_tables"]
@@ -129,7 +125,51 @@ class InputBuilder:
         if prev_at:
             b["prev_index"][prev_at] = prev_rows_of
         b["num_seqs"][0] = n_seqs
-        attn = AttentionMetadata(b["slot_mapping"], b["kv_lens"], b["block_tables"], qsl, b["num_seqs"])
+        return self._inputs(b)
+
+    def _build_single_token_rows(self, seqs: list, b: dict[str, np.ndarray],
+                                 prev_rows: dict[str, int] | None) -> StepInputs:
+        """`build` when every row has one new token (a decode batch, the steady state): a column
+        per comprehension and numpy for the rest, instead of a Python loop over the rows."""
+        bs, n = self.block_size, len(seqs)
+        starts = [s.start for s in seqs]
+        tables = [s.block_ids for s in seqs]
+        toks = np.asarray([s.request.token_ids_slice(p, p + 1)[0] for s, p in zip(seqs, starts)], np.int32)
+        starts_a = np.asarray(starts, np.int32)
+        pending = np.flatnonzero(toks < 0)  # placeholders of the step in flight
+        b["prev_index"].fill(-1)
+        if len(pending):
+            assert prev_rows is not None, seqs[int(pending[0])].request.request_id
+            b["prev_index"][pending] = [prev_rows[seqs[i].request.request_id] for i in pending.tolist()]
+            toks[pending] = 0
+        for name in ("input_ids", "positions", "slot_mapping"):
+            b[name][n:] = 0
+        b["input_ids"][:n] = toks
+        b["positions"][:n] = starts_a
+        blocks = np.asarray([tbl[p // bs] for tbl, p in zip(tables, starts)], np.int32)
+        b["slot_mapping"][:n] = blocks * bs + starts_a % bs
+        b["kv_lens"].fill(0)
+        b["kv_lens"][:n] = starts_a + 1
+        qsl = b["query_start_loc"]
+        qsl[:n + 1] = np.arange(n + 1, dtype=np.int32)
+        qsl[n + 1:] = n
+        b["logits_indices"].fill(0)
+        b["logits_indices"][:n] = qsl[1:n + 1] - 1
+        tl = np.asarray([len(tbl) for tbl in tables])
+        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(tl.sum()))
+        bt = b["block_tables"]
+        bt.fill(0)
+        if tl.min() == tl.max():
+            bt[:n, :tl[0]] = flat.reshape(n, tl[0])
+        else:
+            bt[np.repeat(np.arange(n), tl), np.arange(len(flat)) - np.repeat(np.cumsum(tl) - tl, tl)] = flat
+        b["num_seqs"][0] = n
+        return self._inputs(b)
+
+    @staticmethod
+    def _inputs(b: dict[str, np.ndarray]) -> StepInputs:
+        attn = AttentionMetadata(b["slot_mapping"], b["kv_lens"], b["block_tables"], b["query_start_loc"],
+                                 b["num_seqs"])
         return StepInputs(b["input_ids"], b["positions"], attn, b["logits_indices"], b["prev_index"])
 
 
