@@ -281,19 +281,21 @@ def print_table(summary: dict[str, dict], columns: list[tuple[str, str]]) -> Non
     print(f"{'output tok/s (tiny model)':<30}" + "".join(f"{summary[k]['output_tok_per_s']:>18.0f}" for _, k in columns))
 
 
-def store(label: str, summary: dict, note: str) -> None:
+def store(entries: dict[str, tuple[dict, str]], replace: bool = False) -> None:
+    """entries: label -> (summary, note); `replace` drops labels stored before."""
     path = RESULTS + ".json"
-    results = json.load(open(path)) if os.path.exists(path) else {"labels": {}}
+    results = json.load(open(path)) if os.path.exists(path) and not replace else {"labels": {}}
     results["environment"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                               "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    entry = dict(summary)
-    if note:
-        entry["note"] = note
-    results["labels"][label] = entry
+    for label, (summary, note) in entries.items():
+        entry = dict(summary)
+        if note:
+            entry["note"] = note
+        results["labels"][label] = entry
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     write_markdown(results)
-    print(f"stored as {label!r} in {path} and .md")
+    print(f"stored {', '.join(entries)} in {path} and .md")
 
 
 def compare(before_tree: str, rounds: int, repeats: int, modes: list[str]) -> dict[str, dict]:
@@ -349,14 +351,13 @@ def main() -> None:
         for m in modes:
             print(f"\n{m}")
             print_table({lab: both[lab][m] for lab in both}, [("before", "before"), ("after", "after")])
-        store("before", both["before"], args.before_note)
-        store("after", both["after"], args.note)
+        store({"before": (both["before"], args.before_note), "after": (both["after"], args.note)}, replace=True)
         return
     runs = measure(args.repeats, modes)
     summary = {m: median_runs(r) for m, r in runs.items()}
     print_table(summary, [(m, m) for m in modes])
     if args.label:
-        store(args.label, summary, args.note)
+        store({args.label: (summary, args.note)})
 
 
 if __name__ == "__main__":
