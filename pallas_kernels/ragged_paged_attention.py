@@ -20,7 +20,9 @@ included. Query head n reads KV head n // G. A sequence with q_len 1 is a decode
 sits in the batch (a one-token prefill chunk is the same computation).
 
 Backends: on an NVIDIA GPU of sm_80+ `gpu_backend.get_kernel()` returns the Pallas kernels of
-ragged_paged_attention_gpu.py; elsewhere the jnp reference below runs. The reference's einsums
+ragged_paged_attention_gpu.py; on the CPU `ragged_paged_attention_cpu` (tiles of one sequence's
+rows, batched matmuls, 3-4x faster than the reference under XLA's CPU backend); elsewhere, or with
+backend="reference", the jnp reference below. The reference's einsums
 use XLA's default precision, which on a GPU is TF32 for float32 inputs (~3e-4 relative error);
 the kernel computes float32 products in full precision.
 """
@@ -110,13 +112,102 @@ def ragged_paged_attention_reference(
     return out.reshape(t_, n, h).astype(q.dtype)
 
 
+def _cpu_tiling(num_tokens: int, num_slots: int) -> int:
+    """Query rows per tile: 1 for decode-sized buckets, more when a bucket must hold prefill chunks
+    (fewer, larger matmuls; at most ~2x rows of padding in the worst case)."""
+    if num_tokens <= 2 * num_slots:
+        return 1
+    return min(16, max(1, num_tokens // max(num_slots, 1)))
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
+    block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
+    sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
+    tile_rows: int | None = None, chunk_blocks: int = 2,
+) -> jax.Array:
+    """Paged attention shaped as batched matmuls, for XLA's CPU backend (same contract as the
+    reference).
+
+    The new tokens are cut into tiles of `tile_rows` consecutive rows of one sequence (a decode
+    row is a tile of its own). Each loop step gathers `chunk_blocks` blocks of every tile's
+    sequence once and multiplies them with all the tile's query rows and heads at once, with an
+    online softmax across steps. The loop runs to the longest live context. Tiles: at most
+    I = (T + min(S, T) * (tile_rows - 1)) // tile_rows, a static bound.
+    """
+    t_, n, h = q.shape
+    _, k_, p, _ = k_cache.shape
+    s_, m_ = block_tables.shape
+    g = n // k_
+    qt = tile_rows or _cpu_tiling(t_, s_)
+    n_items = (t_ + min(s_, t_) * (qt - 1)) // qt
+    cb, c_tok = chunk_blocks, chunk_blocks * p
+
+    slot = jnp.arange(s_, dtype=jnp.int32)
+    q_lens = jnp.where(slot < num_seqs[0], query_start_loc[1:] - query_start_loc[:-1], 0)
+    tiles = (q_lens + qt - 1) // qt
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    item = jnp.arange(n_items, dtype=jnp.int32)
+    item_seq = jnp.minimum(jnp.searchsorted(tile_end, item, side="right"), s_ - 1).astype(jnp.int32)
+    j0 = (item - tile_start[item_seq]) * qt  # first row of the tile within its sequence's chunk
+    n_rows = jnp.where(item < tile_end[-1], jnp.clip(q_lens[item_seq] - j0, 0, qt), 0)
+    r = jnp.arange(qt, dtype=jnp.int32)
+    row_ok = r[None, :] < n_rows[:, None]  # [I, qt]
+    rows = jnp.where(row_ok, query_start_loc[item_seq][:, None] + j0[:, None] + r[None, :], 0)
+    qpos = (kv_lens[item_seq] - q_lens[item_seq] + j0)[:, None] + r[None, :]  # [I, qt]
+    # [I, K, qt * G, H]: the loop-invariant operand laid out for the matmul once, not per step
+    qi = (q[rows].astype(jnp.float32) * sm_scale).reshape(n_items, qt, k_, g, h)
+    qi = qi.transpose(0, 2, 1, 3, 4).reshape(n_items, k_, qt * g, h)
+
+    pad = -m_ % cb
+    tables = jnp.pad(block_tables, ((0, 0), (0, pad)))[item_seq]  # [I, M']
+    live_lens = jnp.where(slot < num_seqs[0], kv_lens, 0)
+    n_chunks = (jnp.max(live_lens) + c_tok - 1) // c_tok
+
+    def body(c, carry):
+        m, l, acc = carry
+        blk = jax.lax.dynamic_slice_in_dim(tables, c * cb, cb, axis=1)  # [I, cb]
+        kb = k_cache[blk].astype(jnp.float32)  # [I, cb, K, P, H]
+        vb = v_cache[blk].astype(jnp.float32)
+        s = jnp.einsum("ikrh,ibkph->ikrbp", qi, kb).reshape(n_items, k_, qt, g, c_tok)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kpos = c * c_tok + jnp.arange(c_tok, dtype=jnp.int32)
+        mask = (kpos[None, None, :] <= qpos[:, :, None]) & row_ok[:, :, None]  # [I, qt, C]
+        if sliding_window is not None:
+            mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+        mask = mask[:, None, :, None, :]
+        s = jnp.where(mask, s, _MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(-1))
+        pr = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + pr.sum(-1)
+        pv = jnp.einsum("ikqgbp,ibkph->ikqgh", pr.reshape(n_items, k_, qt, g, cb, p), vb)
+        return m_new, l, acc * alpha[..., None] + pv
+
+    shape = (n_items, k_, qt, g)
+    init = (jnp.full(shape, _MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (h,), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(n_items * qt, n, h)  # [I * qt, N, H]
+
+    seq_id, _, live = token_positions(query_start_loc, kv_lens, num_seqs, t_)
+    within = jnp.arange(t_, dtype=jnp.int32) - query_start_loc[seq_id]
+    src = (tile_start[seq_id] + within // qt) * qt + within % qt
+    out = jnp.where(live[:, None, None], out[jnp.where(live, src, 0)], 0.0)
+    return out.astype(q.dtype)
+
+
 def ragged_paged_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
     block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
     backend: str = "auto",
 ) -> jax.Array:
-    """Dispatch: the Pallas GPU kernel on GPU ("auto"/"pallas"), the jnp reference elsewhere."""
+    """Dispatch: the Pallas GPU kernel on GPU ("auto"/"pallas"), the CPU path on CPU ("auto"),
+    the jnp reference otherwise."""
     if backend not in ("auto", "pallas", "reference"):
         raise ValueError(f"attention backend must be auto, pallas or reference, got {backend!r}")
     use_kernel = backend == "pallas" or (backend == "auto" and jax.default_backend() == "gpu")
@@ -126,6 +217,10 @@ def ragged_paged_attention(
         if fn is not None:
             return fn(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if backend == "auto" and jax.default_backend() == "cpu":
+        return ragged_paged_attention_cpu(
+            q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
+            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     return ragged_paged_attention_reference(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
         sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
