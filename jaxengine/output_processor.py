@@ -87,16 +87,12 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []
 
-    def wants_logprobs(self, child_id: str) -> bool:
-        st = self.child_states.get(child_id)
-        return st is not None and st.logprobs is not None
-
     def process_token(self, child_id: str, token: int, logprob: float | None, rank: int | None,
                       top_ids: np.ndarray | None, top_logprobs: np.ndarray | None,
                       now: float | None = None) -> str | None:
         """Records one new token of a child. Returns a matched stop string, if any.
 
-        The logprob arguments are read only when the child asked for logprobs (`wants_logprobs`);
+        The logprob arguments are read only when the child asked for logprobs (else they may be None);
         `now` (time.monotonic) lets a caller take the clock once for a whole step.
         """
         st = self.child_states[child_id]
