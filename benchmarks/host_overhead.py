@@ -255,7 +255,11 @@ def write_markdown(results: dict) -> None:
         lines.append("| output tok/s, whole batch (tiny model) | " + " | ".join(
             f"{results['labels'][lab][mode]['output_tok_per_s']:.0f}" for lab in present) + " |")
         lines.append("")
-    lines += ["Phases:", ""] + [f"- {p}: {d}" for p, d in PHASES] + [""]
+    lines += ["Reading: `host (total - device wait)` (median over steps) and its mean are the figures to "
+              "compare: they hold every phase, tails included. A phase's median shows a typical step; on this "
+              "shared 2-core machine a step often loses the core in some phase, so the medians of the parts "
+              "add up to less than the median of the whole. tok/s is the tiny model's, bound by the CPU "
+              "\"device\", not a host figure.", "", "Phases:", ""] + [f"- {p}: {d}" for p, d in PHASES] + [""]
     for lab in labels:
         note = results["labels"][lab].get("note")
         if note:
