@@ -47,9 +47,17 @@ class Attention(nnx.Module):
                  mesh: Mesh | None = None):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         init = nnx.initializers.normal(0.02)
-        self.q_proj = nnx.Param(init(rngs.params(), (d, n, h), dtype))  # DNH
-        self.k_proj = nnx.Param(init(rngs.params(), (d, k, h), dtype))  # DKH
-        self.v_proj = nnx.Param(init(rngs.params(), (d, k, h), dtype))  # DKH
+        # Without tensor parallelism q, k and v are one [D, N + 2K, H] parameter: one matmul
+        # instead of three (~20% less matmul time at 32 rows on the CPU). Column shards of a fused
+        # weight would mix q, k and v, so with a mesh they stay apart.
+        self.fused_qkv = mesh is None
+        self.qkv_split = (n, n + k)  # head offsets of k and v in the fused weight
+        if self.fused_qkv:
+            self.qkv_proj = nnx.Param(init(rngs.params(), (d, n + 2 * k, h), dtype))  # D(N+K+K)H
+        else:
+            self.q_proj = nnx.Param(init(rngs.params(), (d, n, h), dtype))  # DNH
+            self.k_proj = nnx.Param(init(rngs.params(), (d, k, h), dtype))  # DKH
+            self.v_proj = nnx.Param(init(rngs.params(), (d, k, h), dtype))  # DKH
         self.o_proj = nnx.Param(init(rngs.params(), (n, h, d), dtype))  # NHD
         self.use_bias = cfg.attention_bias
         if cfg.attention_bias:
@@ -68,9 +76,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache,
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
-        k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
-        v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...])
+        if self.fused_qkv:
+            qkv = jnp.einsum("TD,DJH->TJH", x, self.qkv_proj[...])  # J = N + 2K
+            q, k, v = jnp.split(qkv, self.qkv_split, axis=1)
+        else:
+            q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
+            k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
+            v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...])
         if self.use_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.use_qk_norm:
@@ -78,7 +90,11 @@ class Attention(nnx.Module):
         q, k = self.rope(q, positions), self.rope(k, positions)
         attend = self._attend if self.mesh is None else self._sharded_attend()
         o, k_cache, v_cache = attend(q, k, v, kv[0], kv[1], md)
-        return jnp.einsum("TNH,NHD->TD", o, self.o_proj[...]), (k_cache, v_cache)
+        # One [T, N*H] @ [N*H, D] matmul on row-major views (bitcasts): written as an einsum over
+        # (N, H), XLA on CPU transposed the weight and the activations to [H, N, ...] every step.
+        t_, n, h = o.shape
+        w = self.o_proj[...]
+        return o.reshape(t_, n * h) @ w.reshape(n * h, w.shape[-1]), (k_cache, v_cache)
 
     def _attend(self, q, k, v, k_cache, v_cache, md: AttentionMetadata):
         """Writes this step's K/V into the cache, then attends (per device under shard_map)."""

@@ -63,14 +63,23 @@ class RotaryEmbedding(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, fused: bool = False):
+        """fused: gate and up as one [D, 2F] parameter (gate columns first), one matmul; only
+        without tensor parallelism, whose column shards would mix the two."""
         d, f = cfg.hidden_size, cfg.intermediate_size
         init = nnx.initializers.normal(0.02)
-        self.gate_proj = nnx.Param(init(rngs.params(), (d, f), dtype))  # DF
-        self.up_proj = nnx.Param(init(rngs.params(), (d, f), dtype))  # DF
+        self.fused = fused
+        if fused:
+            self.gate_up_proj = nnx.Param(init(rngs.params(), (d, 2 * f), dtype))  # D(F+F)
+        else:
+            self.gate_proj = nnx.Param(init(rngs.params(), (d, f), dtype))  # DF
+            self.up_proj = nnx.Param(init(rngs.params(), (d, f), dtype))  # DF
         self.down_proj = nnx.Param(init(rngs.params(), (f, d), dtype))  # FD
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
-        up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
+        if self.fused:
+            gate, up = jnp.split(jnp.einsum("TD,DF->TF", x, self.gate_up_proj[...]), 2, axis=-1)
+        else:
+            gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
+            up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
         return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down_proj[...])

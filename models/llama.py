@@ -20,7 +20,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs, attn_backend, mesh)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, fused=mesh is None)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache,
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:

@@ -87,6 +87,21 @@ WEIGHT_TABLE: list[tuple[str, tuple[str, ...], Transform]] = [
 _COMPILED = [(re.compile(p + r"$"), path, fn) for p, path, fn in WEIGHT_TABLE]
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Parameters a model may hold fused (one matmul instead of several; without tensor parallelism):
+# fused name -> (its parts in WEIGHT_TABLE, in order; the axis they are concatenated along).
+FUSED: dict[str, tuple[tuple[str, ...], int]] = {
+    "qkv_proj": (("q_proj", "k_proj", "v_proj"), 1),  # [D, N + 2K, H]
+    "gate_up_proj": (("gate_proj", "up_proj"), 1),  # [D, 2F]
+}
+_FUSED_OF = {part: fused for fused, (parts, _) in FUSED.items() for part in parts}
+
+
+def _fused_path(path: Path, expected: dict) -> Path | None:
+    """The fused parameter that `path` (a part of it) belongs to in this model, if any."""
+    fused = _FUSED_OF.get(str(path[-1]))
+    if fused is None or path in expected or path[:-1] + (fused,) not in expected:
+        return None
+    return path[:-1] + (fused,)
 
 
 def param_path(name: str) -> tuple[Path, Transform] | None:
@@ -143,28 +158,54 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, attn_backend: st
     expected = _flat(pure)
     put = put or (lambda path, arr: jax.device_put(arr))
     unexpected, bad_shapes, seen = [], [], set()
+    parts_read: dict[Path, dict[str, tuple[str, np.ndarray]]] = {}  # fused path -> part -> (name, array)
     for name in checkpoint.tensor_names():
         if _IGNORED.match(name):
             continue
         hit = param_path(name)
-        if hit is None or hit[0] not in expected:
+        fused = _fused_path(hit[0], expected) if hit is not None else None
+        if hit is None or (hit[0] not in expected and fused is None):
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # some tied checkpoints still store the head
             unexpected.append(name)
             continue
         path, fn = hit
-        want = tuple(expected[path].shape)
         raw = checkpoint.get_tensor(name)
         try:
             arr = fn(np.asarray(raw), cfg)
         except ValueError:
             arr = None
+        if fused is not None and arr is not None:
+            parts_read.setdefault(fused, {})[str(path[-1])] = (name, arr)  # shape checked once whole
+            continue
+        want = tuple(expected[fused or path].shape)
         if arr is None or tuple(arr.shape) != want:
             bad_shapes.append(f"{name}: checkpoint shape {tuple(raw.shape)} does not fit parameter {want}")
             continue
         _set(pure, path, put(path, np.asarray(arr).astype(dtype)))
         seen.add(path)
-    missing = [".".join(map(str, p)) for p in expected if p not in seen]
+    missing_parts = []
+    for path in [p for p in expected if str(p[-1]) in FUSED]:
+        parts, axis = FUSED[str(path[-1])]
+        got = parts_read.get(path, {})
+        absent = [p for p in parts if p not in got]
+        missing_parts += [".".join(map(str, path[:-1] + (p,))) for p in absent]
+        if absent:
+            seen.add(path)  # reported by its parts' names
+            continue
+        want = tuple(expected[path].shape)
+        try:
+            arr = np.concatenate([got[p][1] for p in parts], axis)
+        except ValueError:
+            arr = None
+        if arr is None or tuple(arr.shape) != want:
+            shapes = ", ".join(f"{got[p][0]} {tuple(got[p][1].shape)}" for p in parts)
+            bad_shapes.append(f"{shapes}: do not fit fused parameter {want}")
+            seen.add(path)
+            continue
+        _set(pure, path, put(path, arr.astype(dtype)))
+        seen.add(path)
+    missing = [".".join(map(str, p)) for p in expected if p not in seen] + missing_parts
     if missing or unexpected or bad_shapes:
         parts = []
         if missing:

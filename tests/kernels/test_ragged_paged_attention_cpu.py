@@ -1,6 +1,7 @@
 """The CPU paged-attention path (batched matmuls over tiles of one sequence's rows) against a
 float64 dense attention per sequence and against the jnp reference, over the same ragged batches
-as the GPU kernel's tests, with every tiling (rows per tile, blocks per loop step) exercised."""
+as the GPU kernel's tests, with every tiling (rows per tile, tiles per group, blocks per loop
+step) exercised, groups that hold tiles of different sequences and lengths included."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ _GRID = [
 
 
 @pytest.mark.parametrize("block,n,k,h,dtype", _GRID)
-@pytest.mark.parametrize("tile_rows,chunk_blocks", [(None, 2), (1, 1), (4, 3), (16, 2)])
-def test_mixed_batch_matches_dense(block, n, k, h, dtype, tile_rows, chunk_blocks):
+@pytest.mark.parametrize("tile_rows,group,chunk_blocks", [(None, None, 2), (1, 1, 1), (1, 8, 3), (4, 3, 3),
+                                                         (16, 4, 2)])
+def test_mixed_batch_matches_dense(block, n, k, h, dtype, tile_rows, group, chunk_blocks):
     """Decodes with lengths 1, P-1, P, P+1 and long, then prefill chunks with and without context."""
     rng = np.random.default_rng(block * 1000 + n * 10 + k + h)
     p = block
@@ -56,7 +58,7 @@ def test_mixed_batch_matches_dense(block, n, k, h, dtype, tile_rows, chunk_block
                    ctx_lens=[0, p - 2, p - 1, p, 3 * p + 7, 0, 0, 2 * p - 3],
                    num_heads=n, num_kv_heads=k, head_dim=h, block_size=p, dtype=dtype,
                    pad_slots=2, pad_tokens=5)
-    _check(b, sm_scale=h ** -0.5, tile_rows=tile_rows, chunk_blocks=chunk_blocks)
+    _check(b, sm_scale=h ** -0.5, tile_rows=tile_rows, group=group, chunk_blocks=chunk_blocks)
 
 
 @pytest.mark.parametrize("soft_cap,window", [(None, 5), (20.0, None), (10.0, 37)])
@@ -76,8 +78,8 @@ def test_large_bucket_prefill_and_decode_mix():
     b = make_batch(rng, q_lens=[1, 1, 1, 100, 37, 90], ctx_lens=[150, 9, 0, 0, 60, 17],
                    num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=jnp.float32,
                    pad_slots=2, pad_tokens=256 - 230, max_blocks=13)
-    for chunk_blocks in (1, 2, 4):
-        _check(b, sm_scale=0.125, chunk_blocks=chunk_blocks)
+    for chunk_blocks, group in ((1, None), (2, 5), (4, 64)):
+        _check(b, sm_scale=0.125, chunk_blocks=chunk_blocks, group=group)
 
 
 def test_every_tile_bound_is_enough():

@@ -143,6 +143,26 @@ def test_wrong_shape(llama_dir, tmp_path):
         _load(path)
 
 
+def test_wrong_shape_of_a_fused_part(llama_dir, tmp_path):
+    """q/k/v load into one fused parameter; a bad part is reported by its checkpoint name."""
+    path = _copy(llama_dir, tmp_path / "m")
+    _rewrite_tensors(path, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight",
+                                                  np.zeros((7, 64), np.float32)))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.k_proj.weight.*shape"):
+        _load(path)
+
+
+def test_single_device_model_holds_fused_projections(llama_dir):
+    cfg, _, state = _load(llama_dir)
+    names = {str(k[-1]) for k, _ in nnx.to_flat_state(state)}
+    assert {"qkv_proj", "gate_up_proj"} <= names
+    assert not names & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    layer = state["model"]["layers"][0]
+    assert layer["self_attn"]["qkv_proj"].shape == (cfg.hidden_size, cfg.num_heads + 2 * cfg.num_kv_heads,
+                                                    cfg.head_dim)
+    assert layer["mlp"]["gate_up_proj"].shape == (cfg.hidden_size, 2 * cfg.intermediate_size)
+
+
 def test_unreadable_file(llama_dir, tmp_path):
     path = _copy(llama_dir, tmp_path / "m")
     f = os.path.join(path, "model.safetensors")
