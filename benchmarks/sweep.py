@@ -81,10 +81,9 @@ def load_trace(path: str, vocab_size: int, seed: int = 0) -> list[SampleRequest]
     return out
 
 
-def _fake_step(runner, t: int, first_block: int) -> tuple[list, list] | None:
+def _fake_step(runner, t: int, first_block: int) -> tuple[list, list[int]] | None:
     """Scheduled rows that fill bucket `t` exactly (tokens spread over min(t, max_num_seqs) rows,
     each a prefill chunk from position 0), or None when a row would exceed max_model_len."""
-    from jaxengine.sampler import SamplingRow
     from jaxengine.sampling_params import SamplingParams
 
     r = runner.rows_for(t)
@@ -93,18 +92,17 @@ def _fake_step(runner, t: int, first_block: int) -> tuple[list, list] | None:
     if max(sizes) >= cfg.max_model_len:
         return None
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    seqs, rows, block = [], [], first_block
+    seqs, block = [], first_block
     usable = cfg.num_kv_blocks - 1  # block 0 is the null block
     for i, n in enumerate(sizes):
         nb = -(-n // cfg.block_size)
         blocks = [1 + (block + j) % usable for j in range(nb)]
         block += nb
         toks = list(range(10, 10 + n))
-        req = types.SimpleNamespace(request_id=f"bench-{i}", sampling_params=params,
-                                    token_ids_slice=lambda s, e, toks=toks: toks[s:e])
+        req = types.SimpleNamespace(request_id=f"bench-{i}", sampling_params=params, prompt_token_ids=toks,
+                                    output_token_ids=[], token_ids_slice=lambda s, e, toks=toks: toks[s:e])
         seqs.append(types.SimpleNamespace(request=req, start=0, num_new_tokens=n, block_ids=blocks, samples=True))
-        rows.append(SamplingRow(params, 0, 0, (), ()))
-    return seqs, rows
+    return seqs, [0] * len(seqs)
 
 
 def measure_buckets(llm, iters: int, warmup: int) -> list[dict[str, object]]:
@@ -116,16 +114,16 @@ def measure_buckets(llm, iters: int, warmup: int) -> list[dict[str, object]]:
         if step is None:
             out.append({"bucket": t, "rows": runner.rows_for(t), "skipped": "a row would exceed max_model_len"})
             continue
-        seqs, rows = step
+        seqs, seeds = step
         t0 = time.perf_counter()
-        runner.execute(seqs, rows)
+        runner.execute(seqs, seeds)
         first = time.perf_counter() - t0
         for _ in range(warmup):
-            runner.execute(seqs, rows)
+            runner.execute(seqs, seeds)
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
-            runner.execute(seqs, rows)
+            runner.execute(seqs, seeds)
             times.append(time.perf_counter() - t0)
         med = float(np.median(times))
         out.append({"bucket": t, "rows": runner.rows_for(t), "compile_s": max(first - med, 0.0),

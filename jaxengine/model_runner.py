@@ -177,7 +177,12 @@ class ModelRunner:
         self.compile_seconds = 0.0
         from jaxengine.pallas_kernels import gpu_backend
         kernel = gpu_backend.get_kernel() if config.attention_backend != "reference" else None
-        self.attention_impl = getattr(kernel, "__name__", "pallas kernel") if kernel is not None else "jnp reference"
+        if kernel is not None:
+            self.attention_impl = getattr(kernel, "__name__", "pallas kernel")
+        elif config.attention_backend != "reference" and jax.default_backend() == "cpu":
+            self.attention_impl = "ragged_paged_attention_cpu"
+        else:
+            self.attention_impl = "jnp reference"
         logger.info("attention: %s", self.attention_impl)
 
     # -- buckets ---------------------------------------------------------------------------

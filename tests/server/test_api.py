@@ -313,9 +313,13 @@ def test_32_concurrent_streams_complete_and_leak_nothing(server, reference):
             return await asyncio.gather(*(one(ac, i) for i in range(32)))
 
     results = asyncio.run(main())
-    for (text, finish, chunks), r in zip(results, ref):
+    for (text, finish, _), r in zip(results, ref):
         assert (text, finish) == (r.outputs[0].text, "length")
-        assert chunks > 1
+    # Outputs not yet sent are merged (the newest cumulative output wins), so a short request
+    # that runs while the event loop is busy accepting the other 31 may arrive in one chunk;
+    # the streams as a whole must still arrive piecemeal.
+    chunks = [c for _, _, c in results]
+    assert sum(c > 1 for c in chunks) >= len(chunks) // 2, chunks
     assert kv_pool_is_full(server)
     assert server.app.state.engine.num_open_requests == 0
 
