@@ -84,6 +84,7 @@ def main() -> None:
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     result["throughput_timing"] = dict(eng.timing)
+    result["throughput_token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
     result["throughput"] = {"seconds": dt, "requests_per_s": len(outs) / dt, "output_tok_per_s": n_out / dt,
                             "total_tok_per_s": (n_out + args.num_prompts * args.input_len) / dt}
     with open(os.path.join(out_dir, f"engine_{args.model}_{args.attention_backend}.json"), "w") as f:

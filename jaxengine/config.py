@@ -12,7 +12,7 @@ from pathlib import Path
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+ATTENTION_BACKENDS = ("auto", "pallas", "pallas-mosaic", "reference")
 
 
 def default_cache_dir() -> str:

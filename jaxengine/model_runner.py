@@ -176,7 +176,8 @@ class ModelRunner:
                                             k=config.max_logprobs or 1))
         self.compile_seconds = 0.0
         from jaxengine.pallas_kernels import gpu_backend
-        kernel = gpu_backend.get_kernel() if config.attention_backend != "reference" else None
+        kernel = (gpu_backend.get_kernel(mosaic_prefill=config.attention_backend == "pallas-mosaic")
+                  if config.attention_backend != "reference" else None)
         if kernel is not None:
             self.attention_impl = getattr(kernel, "__name__", "pallas kernel")
         elif config.attention_backend != "reference" and jax.default_backend() == "cpu":

@@ -24,8 +24,11 @@ def _compute_capability(device: jax.Device) -> tuple[int, int] | None:
         return None
 
 
-def get_kernel() -> Callable | None:
-    """The GPU kernel's public function on an NVIDIA GPU of sm_80+, else None."""
+def get_kernel(mosaic_prefill: bool = False) -> Callable | None:
+    """The GPU kernel's public function on an NVIDIA GPU of sm_80+, else None.
+
+    mosaic_prefill: on Hopper (sm_90), prefill chunks go to the Mosaic GPU kernel where it
+    applies (ragged_paged_attention_mgpu.supported); elsewhere the flag changes nothing."""
     if jax.default_backend() != "gpu":
         return None
     device = jax.devices()[0]
@@ -35,4 +38,8 @@ def get_kernel() -> Callable | None:
                     device.device_kind, cc)
         return None
     from jaxengine.pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+    if mosaic_prefill and cc[0] == 9:
+        def ragged_paged_attention_gpu_mosaic_prefill(*args, **kwargs):
+            return ragged_paged_attention_gpu(*args, **kwargs, prefill="auto")
+        return ragged_paged_attention_gpu_mosaic_prefill
     return ragged_paged_attention_gpu

@@ -232,14 +232,16 @@ def ragged_paged_attention(
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
     backend: str = "auto",
 ) -> jax.Array:
-    """Dispatch: the Pallas GPU kernel on GPU ("auto"/"pallas"), the CPU path on CPU ("auto"),
-    the jnp reference otherwise."""
-    if backend not in ("auto", "pallas", "reference"):
-        raise ValueError(f"attention backend must be auto, pallas or reference, got {backend!r}")
-    use_kernel = backend == "pallas" or (backend == "auto" and jax.default_backend() == "gpu")
+    """Dispatch: the Pallas GPU kernels on GPU ("auto"/"pallas"; "pallas-mosaic" adds the Mosaic
+    GPU prefill kernel on Hopper), the CPU path on CPU ("auto"), the jnp reference otherwise."""
+    if backend not in ("auto", "pallas", "pallas-mosaic", "reference"):
+        raise ValueError("attention backend must be auto, pallas, pallas-mosaic or reference, "
+                         f"got {backend!r}")
+    use_kernel = backend in ("pallas", "pallas-mosaic") or (
+        backend == "auto" and jax.default_backend() == "gpu")
     if use_kernel:
         from jaxengine.pallas_kernels import gpu_backend  # imported lazily: GPU-only code
-        fn = gpu_backend.get_kernel()
+        fn = gpu_backend.get_kernel(mosaic_prefill=backend == "pallas-mosaic")
         if fn is not None:
             return fn(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)

@@ -38,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
+from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import MosaicTiling  # noqa: F401
 from jaxengine.pallas_kernels.ragged_paged_attention import (  # noqa: F401  (re-exported)
     ragged_paged_attention_reference,
 )
@@ -82,6 +84,7 @@ class Tiling:
     prefill_num_stages: int = 3
     target_programs: int = 264
     max_splits: int = 32
+    mosaic: mgpu.MosaicTiling = mgpu.MosaicTiling()
 
     def __post_init__(self) -> None:
         for name in ("decode_block_kv", "prefill_rows", "prefill_block_kv"):
@@ -435,11 +438,41 @@ def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
     )
 
 
+def _use_mosaic(prefill: str, q, k_cache, soft_cap, window, tiling: Tiling, interpret: bool) -> bool:
+    """Whether prefill tiles go to the Mosaic GPU kernel (static: shapes, dtype, options)."""
+    if prefill == "triton":
+        return False
+    t, n, h = q.shape
+    ok = (not interpret and t >= 2 and t % 8 == 0
+          and mgpu.supported(q.dtype, h, n // k_cache.shape[1], k_cache.shape[2], soft_cap,
+                             window, tiling.mosaic))
+    if prefill == "mosaic" and not ok:
+        raise ValueError(
+            f"prefill='mosaic' cannot serve this call (dtype {q.dtype}, head dim {h}, "
+            f"{n // k_cache.shape[1]} query heads per KV head, block size {k_cache.shape[2]}, "
+            f"{t} token rows, soft_cap {soft_cap}, sliding_window {window}, interpret "
+            f"{interpret}); see ragged_paged_attention_mgpu.supported")
+    return ok
+
+
+def _row_kinds(query_start_loc, num_seqs, t: int, s: int) -> jax.Array:
+    """Per token row: 0 padding, 1 decode (q_len 1), 2 prefill chunk."""
+    tok = jnp.arange(t, dtype=jnp.int32)
+    n_live = jnp.minimum(num_seqs[0], s)
+    live_end = query_start_loc[n_live]
+    seq = jnp.sum((query_start_loc[1:][None, :] <= tok[:, None])
+                  & (jnp.arange(s)[None, :] < n_live), axis=1)
+    seq = jnp.minimum(seq, s - 1)
+    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+    return jnp.where(tok >= live_end, 0, jnp.where(q_len == 1, 1, 2))
+
+
 def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
               sm_scale: float, soft_cap: float | None, window: int | None, tiling: Tiling,
-              interpret: bool) -> jax.Array:
-    """Builds both grids and runs the two kernels; inputs already validated."""
+              interpret: bool, prefill: str = "triton") -> jax.Array:
+    """Builds the grids and runs the kernels; inputs already validated."""
     dims = _make_dims(q, k_cache, block_tables, tiling)
+    mosaic = _use_mosaic(prefill, q, k_cache, soft_cap, window, tiling, interpret)
     b = k_cache.shape[0]
     q2 = q.reshape(dims.t * dims.n, dims.h)
     kc = k_cache.reshape(b * dims.k * dims.p, dims.h)
@@ -463,6 +496,13 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
         interpret=interpret,
         name="rpa_decode",
     )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, counters)
+
+    if mosaic:
+        pre = mgpu.prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                                     num_seqs, sm_scale=sm_scale, tiling=tiling.mosaic)
+        kind = _row_kinds(query_start_loc, num_seqs, dims.t, dims.s)[:, None, None]
+        dec = out.reshape(dims.t, dims.n, dims.h)
+        return jnp.where(kind == 2, pre, jnp.where(kind == 1, dec, jnp.zeros_like(dec)))
 
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, **common),
@@ -524,23 +564,28 @@ def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "tiling",
-                                             "interpret"))
+                                             "interpret", "prefill"))
 def ragged_paged_attention_gpu(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
     block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
-    tiling: Tiling | None = None, interpret: bool = False,
+    tiling: Tiling | None = None, interpret: bool = False, prefill: str = "triton",
 ) -> jax.Array:
     """Ragged paged attention [T, N, H] -> [T, N, H]; contract of the reference.
 
     `interpret=True` runs the same kernels through Pallas' interpreter (CPU tests).
+    `prefill`: who computes the rows of prefill chunks: "triton" (the kernel above, every
+    case), "mosaic" (the Hopper kernel of ragged_paged_attention_mgpu.py; ValueError where it
+    does not apply) or "auto" (Mosaic where it applies, else Triton). Hopper only for Mosaic.
     Run-time preconditions (not checked): query_start_loc is non-decreasing, kv_lens[s] >=
     q_len[s] for live slots, block ids < B, num_seqs <= S.
     """
     _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
               sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if prefill not in ("triton", "mosaic", "auto"):
+        raise ValueError(f"prefill must be 'triton', 'mosaic' or 'auto', got {prefill!r}")
     return _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                      sm_scale=float(sm_scale),
                      soft_cap=None if soft_cap is None else float(soft_cap),
                      window=None if sliding_window is None else int(sliding_window),
-                     tiling=tiling or Tiling(), interpret=interpret)
+                     tiling=tiling or Tiling(), interpret=interpret, prefill=prefill)

@@ -61,6 +61,7 @@ from jaxengine.pallas_kernels.ragged_paged_attention import (  # noqa: E402
     ragged_paged_attention_reference,
 )
 from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (  # noqa: E402
+    MosaicTiling,
     Tiling,
     ragged_paged_attention_gpu,
 )
@@ -178,7 +179,7 @@ def _jit_reference(sm_scale, soft_cap, sliding_window):
                                      soft_cap=soft_cap, sliding_window=sliding_window))
 
 
-def correctness(interpret: bool, smoke: bool) -> list[dict]:
+def correctness(interpret: bool, smoke: bool, prefill: str = "triton") -> list[dict]:
     rng = np.random.default_rng(1234)
     cases = [
         dict(name="mixed bf16 G4 H128 P16", q_lens=[1, 1, 1, 1, 1, 37, 300, 17],
@@ -195,13 +196,21 @@ def correctness(interpret: bool, smoke: bool) -> list[dict]:
         dict(name="prefill 1000@3000 + 20 decodes", q_lens=[1] * 20 + [1000],
              ctx_lens=list(rng.integers(1, 2000, 20)) + [3000], n=32, k=8, h=128, p=16,
              dtype=jnp.bfloat16, pad_tokens=4),
+        # Shapes the Mosaic prefill kernel takes (token rows a multiple of 8).
+        dict(name="7 ragged chunks G4 H128 P16", q_lens=[1, 1, 37, 300, 17, 64, 2],
+             ctx_lens=[15, 3000, 0, 500, 1234, 63, 1], n=32, k=8, h=128, p=16,
+             dtype=jnp.bfloat16, pad_slots=2, pad_tokens=2),
+        dict(name="chunks G8 H64 P32", q_lens=[1, 129, 8, 250], ctx_lens=[40, 0, 31, 777],
+             n=16, k=2, h=64, p=32, dtype=jnp.bfloat16, pad_tokens=4),
+        dict(name="chunks G1 H128 P64", q_lens=[3, 200, 1, 100], ctx_lens=[0, 64, 10, 129],
+             n=4, k=4, h=128, p=64, dtype=jnp.bfloat16),
     ]
     if smoke:
         cases = [dict(c, q_lens=[min(x, 9) for x in c["q_lens"]][:6],
                       ctx_lens=[min(int(x), 40) for x in c["ctx_lens"]][:6]) for c in cases[:3]]
     results = []
     for c in cases:
-        row = {"name": c["name"]}
+        row = {"name": c["name"], "prefill": prefill}
         try:
             b = make_batch(rng, q_lens=c["q_lens"], ctx_lens=[int(x) for x in c["ctx_lens"]],
                            num_heads=c["n"], num_kv_heads=c["k"], head_dim=c["h"],
@@ -209,7 +218,8 @@ def correctness(interpret: bool, smoke: bool) -> list[dict]:
                            pad_tokens=c.get("pad_tokens", 0))
             kw = dict(sm_scale=c["h"] ** -0.5, soft_cap=c.get("soft_cap"),
                       sliding_window=c.get("sliding_window"))
-            out = ragged_paged_attention_gpu(*b.args(), **kw, interpret=interpret)
+            out = ragged_paged_attention_gpu(*b.args(), **kw, interpret=interpret,
+                                             prefill=prefill)
             ref = _jit_reference(**kw)(*b.args())
             dense = dense_reference(b, **kw)
             live_end = int(np.asarray(b.query_start_loc)[int(b.num_seqs[0])])
@@ -297,12 +307,13 @@ def build_step(rng, pool: Pool, q_lens, ctx_lens, *, slots: int | None = None,
                 num_seqs=jnp.asarray([live], jnp.int32), n_sets=n_sets)
 
 
-def chain_ours(reps: int, tiling: Tiling, interpret: bool):
+def chain_ours(reps: int, tiling: Tiling, interpret: bool, prefill: str = "triton"):
     @jax.jit
     def f(q, kc, vc, kvl, tables, qsl, ns):
         for i in range(reps):
             q = ragged_paged_attention_gpu(q, kc, vc, kvl, tables[i % len(tables)], qsl, ns,
-                                           sm_scale=SM_SCALE, tiling=tiling, interpret=interpret)
+                                           sm_scale=SM_SCALE, tiling=tiling, interpret=interpret,
+                                           prefill=prefill)
         return q
     return f
 
@@ -342,8 +353,8 @@ class Runner:
     def over_budget(self) -> bool:
         return time.time() - self.t_start > self.args.budget_s
 
-    def ours(self, step, pool, reps, tiling) -> dict:
-        f = chain_ours(reps, tiling, self.interpret)
+    def ours(self, step, pool, reps, tiling, prefill: str = "triton") -> dict:
+        f = chain_ours(reps, tiling, self.interpret, prefill)
         t = self.timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
                            step["qsl"], step["num_seqs"]))
         return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
@@ -362,11 +373,11 @@ class Runner:
         return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
                 for k, v in t.items()}
 
-    def check(self, step, pool, tiling, with_bundled: bool) -> dict:
+    def check(self, step, pool, tiling, with_bundled: bool, prefill: str = "triton") -> dict:
         args = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"][0], step["qsl"],
                 step["num_seqs"])
         out = ragged_paged_attention_gpu(*args, sm_scale=SM_SCALE, tiling=tiling,
-                                         interpret=self.interpret)
+                                         interpret=self.interpret, prefill=prefill)
         ref = _jit_reference(SM_SCALE, None, None)(*args)
         res = {"rel_err_vs_reference": rel_err(out, ref),
                "nan": bool(jnp.isnan(out.astype(jnp.float32)).any())}
@@ -498,6 +509,8 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
         ]
     rows = []
     for kind, q_lens, ctx_lens in shapes:
+        if runner.args.prefill_filter and runner.args.prefill_filter not in kind:
+            continue
         row = {"kind": kind, "q_lens_summary": f"{len(q_lens)} seqs, {sum(q_lens)} tokens",
                "chunk": max(q_lens), "ctx": max(ctx_lens),
                "flops": attn_flops(q_lens, ctx_lens),
@@ -511,6 +524,20 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
             row["check"] = runner.check(step, pool, tiling, with_bundled=False)
             row["ours"] = runner.ours(step, pool, 2, tiling)
             row["reference"] = runner.reference(step, pool, 1)
+            if runner.args.mosaic:
+                row["check_mosaic"] = runner.check(step, pool, tiling, with_bundled=False,
+                                                   prefill="mosaic")
+                variants = {}
+                for bkv in runner.args.mosaic_block_kv:
+                    tv = dataclasses.replace(tiling, mosaic=MosaicTiling(block_kv=bkv))
+                    variants[bkv] = runner.ours(step, pool, 2, tv, prefill="mosaic")
+                row["mosaic_variants"] = {str(b): v for b, v in variants.items()}
+                best = min(variants, key=lambda b: _ms(variants[b]))
+                row["ours_mosaic"] = dict(variants[best], block_kv=best)
+                tm = _ms(row["ours_mosaic"])
+                row["mosaic_flops_frac_of_matmul"] = row["flops"] / (tm * 1e-3) / \
+                    runner.ceil["matmul_flops_per_s"]
+                row["mosaic_vs_triton"] = _ms(row["ours"]) / tm
             t = _ms(row["ours"])
             row["ours_flops_frac_of_matmul"] = row["flops"] / (t * 1e-3) / \
                 runner.ceil["matmul_flops_per_s"]
@@ -537,6 +564,8 @@ def padding_rows(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
         row = {"live": live, "ctx": ctx, "slots": s, "tokens": t,
                "check": runner.check(step, pool, tiling, with_bundled=False),
                "ours": runner.ours(step, pool, runner.args.reps, tiling)}
+        if runner.args.mosaic:
+            row["ours_mosaic"] = runner.ours(step, pool, runner.args.reps, tiling, prefill="mosaic")
         log("padding", json.dumps(row)[:300])
         rows.append(row)
     return rows
@@ -550,11 +579,14 @@ def table(res: dict) -> str:
              f"bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s; "
              f"timing: {'CUPTI kernel time' if res.get('cupti_ok') else 'wall'}",
              "correctness: " + ", ".join(f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
-                                         for r in res["correctness"]),
+                                         for r in res.get("correctness", [])),
+             "correctness (prefill=auto, Mosaic where it applies): " + ", ".join(
+                 f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
+                 for r in res.get("correctness_mosaic", [])),
              f"tiling: {res['sweep'].get('chosen', {}).get('decode')} / "
              f"{res['sweep'].get('chosen', {}).get('prefill')}",
              "decode  batch x ctx | ours us | %copyBW | bundled us | x bundled | ref us | x ref"]
-    for r in res["decode"]:
+    for r in res.get("decode", []):
         if "ours" not in r:
             lines.append(f"  {r['batch']:>4} x {r['ctx']:<5} | {r.get('skipped') or r.get('error', '')[:60]}")
             continue
@@ -562,19 +594,27 @@ def table(res: dict) -> str:
                      f"{100 * r['ours_bw_frac_of_copy']:5.1f}% | {_ms(r['bundled']) * 1e3:9.1f} | "
                      f"{r['speedup_vs_bundled']:6.2f} | {_ms(r['reference']) * 1e3:8.1f} | "
                      f"{r['speedup_vs_reference']:6.1f}")
-    lines.append("prefill/mixed            | ours us | %matmul | %copyBW | ref us | x ref")
-    for r in res["prefill"]:
+    lines.append("prefill/mixed            | ours us | %matmul | %copyBW | ref us | x ref"
+                 " | mosaic us (bkv) | %matmul | x triton | mosaic err")
+    for r in res.get("prefill", []):
         name = f"{r['kind'][:14]} {r['chunk']}@{r['ctx']}"
-        if "ours" not in r:
+        if "speedup_vs_reference" not in r:
             lines.append(f"  {name:<22} | {r.get('skipped') or r.get('error', '')[:60]}")
             continue
         lines.append(f"  {name:<22} | {_ms(r['ours']) * 1e3:8.1f} | "
                      f"{100 * r['ours_flops_frac_of_matmul']:6.1f}% | "
                      f"{100 * r['ours_bw_frac_of_copy']:6.1f}% | "
-                     f"{_ms(r['reference']) * 1e3:8.1f} | {r['speedup_vs_reference']:6.1f}")
+                     f"{_ms(r['reference']) * 1e3:8.1f} | {r['speedup_vs_reference']:6.1f}"
+                     + (f" | {_ms(r['ours_mosaic']) * 1e3:8.1f} ({r['ours_mosaic']['block_kv']})"
+                        f" | {100 * r['mosaic_flops_frac_of_matmul']:6.1f}% | "
+                        f"{r['mosaic_vs_triton']:5.2f} | "
+                        f"{r['check_mosaic']['rel_err_vs_reference']:.1e}"
+                        if "ours_mosaic" in r else ""))
     for r in res.get("padding", []):
         lines.append(f"padding: {r['live']} live @ {r['ctx']} in {r['slots']} slots/"
-                     f"{r['tokens']} tokens: {_ms(r['ours']) * 1e3:.1f} us")
+                     f"{r['tokens']} tokens: {_ms(r['ours']) * 1e3:.1f} us"
+                     + (f" (prefill=mosaic: {_ms(r['ours_mosaic']) * 1e3:.1f} us)"
+                        if "ours_mosaic" in r else ""))
     return "\n".join(lines)
 
 
@@ -587,7 +627,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter, CPU")
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--mosaic", action="store_true",
+                    help="also check and time the Mosaic GPU prefill kernel (Hopper)")
+    ap.add_argument("--mosaic-block-kv", type=lambda x: [int(v) for v in x.split(",")],
+                    default=[128], help="block_kv values of the Mosaic kernel to time")
+    ap.add_argument("--prefill-filter", default="",
+                    help="only prefill-grid shapes whose kind contains this text")
+    ap.add_argument("--only", default="correctness,decode,prefill,padding",
+                    help="comma-separated sections to run")
     args = ap.parse_args()
+    only = set(args.only.split(","))
     if args.smoke:
         args.reps = 2
         args.iters = 1
@@ -610,8 +659,11 @@ def main() -> None:
     res["ceilings"] = ceilings(timer, args.smoke)
     res["cupti_ok"] = res["ceilings"]["copy_timing"]["kernel_ms"] is not None
     log("ceilings", res["ceilings"])
-    res["correctness"] = correctness(args.smoke, args.smoke)
-    dump()
+    if "correctness" in only:
+        res["correctness"] = correctness(args.smoke, args.smoke)
+        if args.mosaic:
+            res["correctness_mosaic"] = correctness(False, args.smoke, prefill="auto")
+        dump()
     rng = np.random.default_rng(0)
     pool = make_pool(300 if args.smoke else 131072 + 4096, with_transposed=True)
     runner = Runner(args, timer, res["ceilings"], t_start)
@@ -621,12 +673,15 @@ def main() -> None:
         res["sweep"], tiling = sweep(runner, pool, rng, args.smoke)
         dump()
     res["tiling"] = dataclasses.asdict(tiling)
-    res["decode"] = decode_grid(runner, pool, rng, tiling, args.smoke)
-    dump()
-    res["prefill"] = prefill_grid(runner, pool, rng, tiling, args.smoke)
-    dump()
-    res["padding"] = padding_rows(runner, pool, rng, tiling, args.smoke)
-    dump()
+    if "decode" in only:
+        res["decode"] = decode_grid(runner, pool, rng, tiling, args.smoke)
+        dump()
+    if "prefill" in only:
+        res["prefill"] = prefill_grid(runner, pool, rng, tiling, args.smoke)
+        dump()
+    if "padding" in only:
+        res["padding"] = padding_rows(runner, pool, rng, tiling, args.smoke)
+        dump()
     txt = table(res)
     with open(os.path.join(args.out, "kernels_table.txt"), "w") as fh:
         fh.write(txt + "\n")
