@@ -38,7 +38,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 _LOG2E = math.log2(math.e)
 _ROWS = 64  # matmul rows per compute warpgroup (the wgmma M)
 _WGS = 2    # compute warpgroups per CTA
-_TILE_FIELDS = 8  # seq, t0, q_end, first_pos, kv_len, (pad)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,37 +85,57 @@ def num_tiles(t: int, s: int, group: int) -> int:
     return max(1, _cdiv(t, tile_tokens) + min(s, t // 2))
 
 
-def _tile_table(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, group: int):
-    """Tiles of the prefill sequences, heaviest first.
+@dataclasses.dataclass(frozen=True)
+class TileLayout:
+    """Where each prefill tile's rows come from and go to (device arrays, built per call).
 
-    Returns (table [NT, 8] int32: seq (-1 = no work), t0, q_end, first_pos, kv_len;
-    inverse [NT]: the table row of the i-th tile in sequence order).
+    table [NT, 8] int32: per CTA (heaviest first) seq (-1 = no work), t0, q_end, first_pos,
+      kv_len; flat [T, N]: the row of token t, head n in the [K * NT * 2 * 64, H] tile buffer.
     """
-    tile_tokens = _WGS * (_ROWS // group)
-    nt = num_tiles(t, s, group)
+
+    table: jax.Array
+    flat: jax.Array
+
+
+def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k: int
+                ) -> TileLayout:
+    g = n // k
+    tq = _ROWS // g
+    tile_tokens = _WGS * tq
+    nt = num_tiles(t, s, g)
     slot = jnp.arange(s, dtype=jnp.int32)
     n_live = jnp.minimum(num_seqs[0], s)
     q_start = query_start_loc[:-1]
     q_len = jnp.where(slot < n_live, query_start_loc[1:] - q_start, 0)
     tiles = jnp.where(q_len > 1, _cdiv(q_len, tile_tokens), 0)
     ends = jnp.cumsum(tiles)  # inclusive
-    total = ends[-1]
+    first_tile = ends - tiles
+
+    # Tile i (in sequence order) -> its sequence and first token.
     i = jnp.arange(nt, dtype=jnp.int32)
-    seq = jnp.sum((ends[None, :] <= i[:, None]).astype(jnp.int32), axis=1)  # [NT]
-    live = i < total
-    seq_c = jnp.minimum(seq, s - 1)
-    local = i - (ends[seq_c] - tiles[seq_c])
-    t0 = q_start[seq_c] + local * tile_tokens
-    kv_len = kv_lens[seq_c]
-    first_pos = kv_len - q_len[seq_c] + (t0 - q_start[seq_c])
-    q_end = q_start[seq_c] + q_len[seq_c]
+    seq = jnp.minimum(jnp.sum((ends[None, :] <= i[:, None]).astype(jnp.int32), axis=1), s - 1)
+    live = i < ends[-1]
+    t0 = q_start[seq] + (i - first_tile[seq]) * tile_tokens
+    kv_len = kv_lens[seq]
+    first_pos = kv_len - q_len[seq] + (t0 - q_start[seq])
     # Heaviest first: the tiles that reach furthest into the KV start first.
     order = jnp.argsort(jnp.where(live, -first_pos, jnp.iinfo(jnp.int32).max), stable=True)
     zero = jnp.zeros_like(i)
-    table = jnp.stack([jnp.where(live, seq_c, -1), t0, q_end, first_pos, kv_len, zero, zero, zero],
-                      axis=1)[order]
-    inverse = jnp.zeros((nt,), jnp.int32).at[order].set(i)
-    return table.astype(jnp.int32), inverse, seq, local
+    table = jnp.stack([jnp.where(live, seq, -1), t0, q_start[seq] + q_len[seq], first_pos,
+                       kv_len, zero, zero, zero], axis=1)[order].astype(jnp.int32)
+    position = jnp.zeros((nt,), jnp.int32).at[order].set(i)  # tile i's CTA
+
+    # Token r, head h -> (kv head, CTA, warpgroup, row) of the tile buffer.
+    tok = jnp.arange(t, dtype=jnp.int32)
+    tseq = jnp.minimum(jnp.sum((query_start_loc[1:][None, :] <= tok[:, None])
+                               & (slot[None, :] < n_live), axis=1), s - 1)
+    local = tok - q_start[tseq]
+    cta = position[jnp.clip(first_tile[tseq] + local // tile_tokens, 0, nt - 1)]
+    w = (local % tile_tokens) // tq
+    heads = jnp.arange(n, dtype=jnp.int32)
+    flat = ((((heads // g)[None, :] * nt + cta[:, None]) * _WGS + w[:, None]) * _ROWS
+            + (heads % g)[None, :] * tq + (local % tq)[:, None])
+    return TileLayout(table=table, flat=flat)
 
 
 def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, out_ref, scoped, *, g: int, p: int, m: int,
@@ -271,8 +290,8 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
     g = n // k
     tq = _ROWS // g
     bkv, stages = tiling.block_kv, tiling.stages
-    table, inverse, seq_of_tile, _ = _tile_table(query_start_loc, kv_lens, num_seqs, t=t, s=s,
-                                                 group=g)
+    layout = tile_layout(query_start_loc, kv_lens, num_seqs, t=t, s=s, n=n, k=k)
+    table = layout.table
     nt = table.shape[0]
     dtype = q.dtype
     swizzle = 128 if h * jnp.dtype(dtype).itemsize >= 128 else h * jnp.dtype(dtype).itemsize
@@ -305,30 +324,4 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k_cache, v_cache, block_tables, table)
 
-    # Row of token i, head kh * G + j in the tile buffer.
-    tile_tokens = _WGS * tq
-    qs = query_start_loc[:-1]
-    tok = jnp.arange(t, dtype=jnp.int32)
-    n_live = jnp.minimum(num_seqs[0], s)
-    seq = jnp.sum((query_start_loc[1:][None, :] <= tok[:, None])
-                  & (jnp.arange(s)[None, :] < n_live), axis=1)
-    seq = jnp.minimum(seq, s - 1)
-    local = tok - qs[seq]
-    first_tile = _first_tile_of_seq(query_start_loc, num_seqs, s=s, tile_tokens=tile_tokens)
-    ti = inverse[jnp.clip(first_tile[seq] + local // tile_tokens, 0, nt - 1)]
-    w = (local % tile_tokens) // tq
-    heads = jnp.arange(n, dtype=jnp.int32)
-    kh, j = heads // g, heads % g
-    flat = ((((kh[None, :] * nt + ti[:, None]) * _WGS + w[:, None]) * _ROWS
-             + j[None, :] * tq + (local % tq)[:, None]))
-    del seq_of_tile
-    return tiles_out.reshape(k * nt * _WGS * _ROWS, h)[flat]  # [T, N, H]
-
-
-def _first_tile_of_seq(query_start_loc, num_seqs, *, s: int, tile_tokens: int):
-    """Index (in sequence order) of each slot's first tile."""
-    slot = jnp.arange(s, dtype=jnp.int32)
-    n_live = jnp.minimum(num_seqs[0], s)
-    q_len = jnp.where(slot < n_live, query_start_loc[1:] - query_start_loc[:-1], 0)
-    tiles = jnp.where(q_len > 1, _cdiv(q_len, tile_tokens), 0)
-    return jnp.cumsum(tiles) - tiles
+    return tiles_out.reshape(k * nt * _WGS * _ROWS, h)[layout.flat]  # [T, N, H]
