@@ -17,7 +17,7 @@ path, sizes = sys.argv[1], [int(a) for a in sys.argv[2:]]
 res = {}
 prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(4)]
 for tp in sizes:
-    llm = LLM(path, tensor_parallel_size=tp, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+    llm = LLM(path, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
               num_kv_blocks=64, compilation_cache_dir=None)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5), use_tqdm=False)
     r = llm.llm_engine.runner
