@@ -23,9 +23,10 @@ def main() -> None:
     lens = [1024, 700, 333, 64, 1500, 9]
     prompts = [{"prompt_token_ids": rng.integers(0, 32000, size=n).tolist()} for n in lens]
     sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5, ignore_eos=True)
+    model = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
     res = {}
     for backend in ("pallas", "pallas-mosaic"):
-        llm = LLM(sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b", load_format="dummy", dtype="bfloat16", max_model_len=2048,
+        llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
                   max_num_seqs=16, max_num_batched_tokens=2048, num_kv_blocks=1024,
                   attention_backend=backend)
         outs = llm.generate(prompts, sp, use_tqdm=False)

@@ -42,6 +42,7 @@ from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import MosaicTiling  # noqa: F401
 from jaxengine.pallas_kernels.ragged_paged_attention import (  # noqa: F401  (re-exported)
     ragged_paged_attention_reference,
+    token_positions,
 )
 
 # `dot` moved from pallas to pallas.triton; take whichever this jax version has.
@@ -455,16 +456,11 @@ def _use_mosaic(prefill: str, q, k_cache, soft_cap, window, tiling: Tiling, inte
     return ok
 
 
-def _row_kinds(query_start_loc, num_seqs, t: int, s: int) -> jax.Array:
+def _row_kinds(query_start_loc, kv_lens, num_seqs, t: int) -> jax.Array:
     """Per token row: 0 padding, 1 decode (q_len 1), 2 prefill chunk."""
-    tok = jnp.arange(t, dtype=jnp.int32)
-    n_live = jnp.minimum(num_seqs[0], s)
-    live_end = query_start_loc[n_live]
-    seq = jnp.sum((query_start_loc[1:][None, :] <= tok[:, None])
-                  & (jnp.arange(s)[None, :] < n_live), axis=1)
-    seq = jnp.minimum(seq, s - 1)
+    seq, _, live = token_positions(query_start_loc, kv_lens, num_seqs, t)
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
-    return jnp.where(tok >= live_end, 0, jnp.where(q_len == 1, 1, 2))
+    return jnp.where(live, jnp.where(q_len == 1, 1, 2), 0)
 
 
 def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
@@ -500,7 +496,7 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
     if mosaic:
         pre = mgpu.prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                                      num_seqs, sm_scale=sm_scale, tiling=tiling.mosaic)
-        kind = _row_kinds(query_start_loc, num_seqs, dims.t, dims.s)[:, None, None]
+        kind = _row_kinds(query_start_loc, kv_lens, num_seqs, dims.t)[:, None, None]
         dec = out.reshape(dims.t, dims.n, dims.h)
         return jnp.where(kind == 2, pre, jnp.where(kind == 1, dec, jnp.zeros_like(dec)))
 

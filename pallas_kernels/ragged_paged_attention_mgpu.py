@@ -35,6 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxengine.pallas_kernels.ragged_paged_attention import token_positions
+
 _LOG2E = math.log2(math.e)
 _ROWS = 64  # matmul rows per compute warpgroup (the wgmma M)
 _WGS = 2    # compute warpgroups per CTA
@@ -126,10 +128,8 @@ def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k
     position = jnp.zeros((nt,), jnp.int32).at[order].set(i)  # tile i's CTA
 
     # Token r, head h -> (kv head, CTA, warpgroup, row) of the tile buffer.
-    tok = jnp.arange(t, dtype=jnp.int32)
-    tseq = jnp.minimum(jnp.sum((query_start_loc[1:][None, :] <= tok[:, None])
-                               & (slot[None, :] < n_live), axis=1), s - 1)
-    local = tok - q_start[tseq]
+    tseq, _, _ = token_positions(query_start_loc, kv_lens, num_seqs, t)
+    local = jnp.arange(t, dtype=jnp.int32) - q_start[tseq]
     cta = position[jnp.clip(first_tile[tseq] + local // tile_tokens, 0, nt - 1)]
     w = (local % tile_tokens) // tq
     heads = jnp.arange(n, dtype=jnp.int32)
@@ -288,14 +288,14 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
     _, k, p, _ = k_cache.shape
     s, m = block_tables.shape
     g = n // k
-    tq = _ROWS // g
     bkv, stages = tiling.block_kv, tiling.stages
     layout = tile_layout(query_start_loc, kv_lens, num_seqs, t=t, s=s, n=n, k=k)
     table = layout.table
     nt = table.shape[0]
     dtype = q.dtype
-    swizzle = 128 if h * jnp.dtype(dtype).itemsize >= 128 else h * jnp.dtype(dtype).itemsize
-    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, h * itemsize)
+    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                   plgpu.SwizzleTransform(swizzle))
 
     def entry(q_ref, k_ref, v_ref, bt_ref, tab_ref, out_ref):

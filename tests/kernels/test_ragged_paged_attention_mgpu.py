@@ -64,7 +64,7 @@ def test_tile_layout_routes_every_prefill_row(n, k, q_lens, ctx_lens, pad_slots,
     ref = np.asarray(ragged_paged_attention_reference(*b.args(), sm_scale=0.25))
     tiles = _emulate_tiles(layout, ref, k=k, g=n // k)
     got = tiles.reshape(-1, ref.shape[-1])[np.asarray(layout.flat)]
-    kinds = np.asarray(_row_kinds(b.query_start_loc, b.num_seqs, t, s))
+    kinds = np.asarray(_row_kinds(b.query_start_loc, b.kv_lens, b.num_seqs, t))
     expect_kinds = np.concatenate([np.where(np.asarray(q_lens) == 1, 1, 2).repeat(q_lens),
                                    np.zeros(pad_tokens, int)])
     np.testing.assert_array_equal(kinds, expect_kinds)
