@@ -200,11 +200,24 @@ def _split_geometry(kv_len, splits, window: int | None, dims: _Dims, tiling: Til
 def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, cnt_in_ref,
                    out_ref, op_ref, mp_ref, lp_ref, cnt_ref, *, dims: _Dims, tiling: Tiling,
                    sm_scale: float, soft_cap: float | None, window: int | None,
-                   interpret: bool):
+                   interpret: bool, zero_padding: bool):
     del cnt_in_ref  # zeroed arrival counters, aliased to cnt_ref
     kh = pl.program_id(0)
     p = pl.program_id(1)
     n_live = jnp.minimum(ns_ref[0], dims.s)
+    if zero_padding:
+        # Padding rows (tokens from query_start_loc[num_seqs] on) get zeros: program p of a
+        # KV head takes padding tokens p, p + NPD, ... for its G heads.
+        pad0 = qsl_ref[n_live]
+        g_all = jnp.arange(dims.rows_dec, dtype=jnp.int32)
+        zeros = jnp.zeros((dims.rows_dec, dims.h), jnp.float32)
+
+        def zero_token(i, c):
+            tok = pad0 + p + i * dims.npd
+            _store_rows(out_ref, tok * dims.n + kh * dims.g + g_all, zeros, g_all < dims.g)
+            return c
+
+        lax.fori_loop(0, _cdiv(jnp.maximum(dims.t - pad0 - p, 0), dims.npd), zero_token, 0)
     splits = _num_splits(n_live, dims, tiling)
     seq = p // splits
     split = p % splits
@@ -456,13 +469,6 @@ def _use_mosaic(prefill: str, q, k_cache, soft_cap, window, tiling: Tiling, inte
     return ok
 
 
-def _row_kinds(query_start_loc, kv_lens, num_seqs, t: int) -> jax.Array:
-    """Per token row: 0 padding, 1 decode (q_len 1), 2 prefill chunk."""
-    seq, _, live = token_positions(query_start_loc, kv_lens, num_seqs, t)
-    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
-    return jnp.where(live, jnp.where(q_len == 1, 1, 2), 0)
-
-
 def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
               sm_scale: float, soft_cap: float | None, window: int | None, tiling: Tiling,
               interpret: bool, prefill: str = "triton") -> jax.Array:
@@ -479,7 +485,7 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
     counters = jnp.zeros((dims.s * dims.k,), jnp.int32)
 
     out, _, _, _, _ = pl.pallas_call(
-        functools.partial(_decode_kernel, interpret=interpret, **common),
+        functools.partial(_decode_kernel, interpret=interpret, zero_padding=mosaic, **common),
         grid=(dims.k, dims.npd),
         out_shape=(jax.ShapeDtypeStruct((dims.t * dims.n, dims.h), q.dtype),
                    jax.ShapeDtypeStruct((n_part, dims.h), jnp.float32),
@@ -494,11 +500,12 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
     )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, counters)
 
     if mosaic:
-        pre = mgpu.prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                                     num_seqs, sm_scale=sm_scale, tiling=tiling.mosaic)
-        kind = _row_kinds(query_start_loc, kv_lens, num_seqs, dims.t)[:, None, None]
-        dec = out.reshape(dims.t, dims.n, dims.h)
-        return jnp.where(kind == 2, pre, jnp.where(kind == 1, dec, jnp.zeros_like(dec)))
+        # The decode kernel wrote the decode rows and zeroed the padding rows; the Mosaic
+        # kernel writes the prefill rows into the same buffer, in place.
+        return mgpu.prefill_attention(q, k_cache, v_cache, kv_lens, block_tables,
+                                      query_start_loc, num_seqs,
+                                      out.reshape(dims.t, dims.n, dims.h), sm_scale=sm_scale,
+                                      tiling=tiling.mosaic)
 
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, **common),

@@ -72,6 +72,12 @@ SM_SCALE = HEAD_DIM ** -0.5
 L2_ROTATION_BYTES = 256 << 20  # aim for this much distinct KV per timed chain
 
 
+def _num_ctas(name: str) -> int | None:
+    """MosaicTiling.num_ctas for a --mosaic-ctas name: all (one CTA per work item) or sm
+    (persistent, one per streaming multiprocessor)."""
+    return getattr(jax.devices()[0], "core_count", None) or 132 if name == "sm" else None
+
+
 def log(*a) -> None:
     print(*a, flush=True)
 
@@ -509,7 +515,9 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
         ]
     rows = []
     for kind, q_lens, ctx_lens in shapes:
-        if runner.args.prefill_filter and runner.args.prefill_filter not in kind:
+        name = f"{kind} {max(q_lens)}@{max(ctx_lens)}"
+        if runner.args.prefill_filter and not any(
+                f in name for f in runner.args.prefill_filter.split(",")):
             continue
         row = {"kind": kind, "q_lens_summary": f"{len(q_lens)} seqs, {sum(q_lens)} tokens",
                "chunk": max(q_lens), "ctx": max(ctx_lens),
@@ -523,27 +531,39 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
             step = build_step(rng, pool, q_lens, ctx_lens)
             row["check"] = runner.check(step, pool, tiling, with_bundled=False)
             row["ours"] = runner.ours(step, pool, 2, tiling)
-            row["reference"] = runner.reference(step, pool, 1)
+            if not runner.args.skip_reference_timing:
+                row["reference"] = runner.reference(step, pool, 1)
             if runner.args.mosaic:
                 row["check_mosaic"] = runner.check(step, pool, tiling, with_bundled=False,
                                                    prefill="mosaic")
                 variants = {}
                 for bkv in runner.args.mosaic_block_kv:
-                    tv = dataclasses.replace(tiling, mosaic=MosaicTiling(block_kv=bkv))
-                    variants[bkv] = runner.ours(step, pool, 2, tv, prefill="mosaic")
-                row["mosaic_variants"] = {str(b): v for b, v in variants.items()}
+                    for ctas in runner.args.mosaic_ctas:
+                        mt = MosaicTiling(block_kv=bkv, num_ctas=_num_ctas(ctas))
+                        variants[(bkv, ctas)] = runner.ours(
+                            step, pool, 2, dataclasses.replace(tiling, mosaic=mt), prefill="mosaic")
+                row["mosaic_variants"] = {f"{b}/{c}": v for (b, c), v in variants.items()}
                 best = min(variants, key=lambda b: _ms(variants[b]))
-                row["ours_mosaic"] = dict(variants[best], block_kv=best)
+                row["ours_mosaic"] = dict(variants[best], block_kv=best[0], ctas=best[1])
                 tm = _ms(row["ours_mosaic"])
                 row["mosaic_flops_frac_of_matmul"] = row["flops"] / (tm * 1e-3) / \
                     runner.ceil["matmul_flops_per_s"]
                 row["mosaic_vs_triton"] = _ms(row["ours"]) / tm
+                tb = dataclasses.replace(tiling, mosaic=MosaicTiling(block_kv=best[0],
+                                                                     num_ctas=_num_ctas(best[1])))
+                args = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"], step["qsl"],
+                        step["num_seqs"])
+                row["breakdown_us"] = {
+                    "triton": kernel_breakdown(runner.timer, chain_ours(2, tiling, False), args, 2),
+                    "mosaic": kernel_breakdown(runner.timer, chain_ours(2, tb, False, "mosaic"),
+                                               args, 2)}
             t = _ms(row["ours"])
             row["ours_flops_frac_of_matmul"] = row["flops"] / (t * 1e-3) / \
                 runner.ceil["matmul_flops_per_s"]
             row["ours_bw_frac_of_copy"] = row["kv_bytes"] / (t * 1e-3) / \
                 runner.ceil["copy_bytes_per_s"]
-            row["speedup_vs_reference"] = _ms(row["reference"]) / t
+            if "reference" in row:
+                row["speedup_vs_reference"] = _ms(row["reference"]) / t
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)
             row["trace"] = traceback.format_exc()[-1500:]
@@ -598,18 +618,23 @@ def table(res: dict) -> str:
                  " | mosaic us (bkv) | %matmul | x triton | mosaic err")
     for r in res.get("prefill", []):
         name = f"{r['kind'][:14]} {r['chunk']}@{r['ctx']}"
-        if "speedup_vs_reference" not in r:
+        if "ours_flops_frac_of_matmul" not in r:
             lines.append(f"  {name:<22} | {r.get('skipped') or r.get('error', '')[:60]}")
             continue
+        ref = (f"{_ms(r['reference']) * 1e3:8.1f} | {r['speedup_vs_reference']:6.1f}"
+               if "reference" in r else "       - |      -")
         lines.append(f"  {name:<22} | {_ms(r['ours']) * 1e3:8.1f} | "
                      f"{100 * r['ours_flops_frac_of_matmul']:6.1f}% | "
-                     f"{100 * r['ours_bw_frac_of_copy']:6.1f}% | "
-                     f"{_ms(r['reference']) * 1e3:8.1f} | {r['speedup_vs_reference']:6.1f}"
-                     + (f" | {_ms(r['ours_mosaic']) * 1e3:8.1f} ({r['ours_mosaic']['block_kv']})"
+                     f"{100 * r['ours_bw_frac_of_copy']:6.1f}% | " + ref
+                     + (f" | {_ms(r['ours_mosaic']) * 1e3:8.1f} ({r['ours_mosaic']['block_kv']}/"
+                        f"{r['ours_mosaic']['ctas']})"
                         f" | {100 * r['mosaic_flops_frac_of_matmul']:6.1f}% | "
                         f"{r['mosaic_vs_triton']:5.2f} | "
                         f"{r['check_mosaic']['rel_err_vs_reference']:.1e}"
                         if "ours_mosaic" in r else ""))
+        if len(r.get("mosaic_variants", {})) > 1:
+            lines.append("      mosaic variants us: " + ", ".join(
+                f"{k} {_ms(v) * 1e3:.1f}" for k, v in r["mosaic_variants"].items()))
     for r in res.get("padding", []):
         lines.append(f"padding: {r['live']} live @ {r['ctx']} in {r['slots']} slots/"
                      f"{r['tokens']} tokens: {_ms(r['ours']) * 1e3:.1f} us"
@@ -629,10 +654,16 @@ def main() -> None:
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--mosaic", action="store_true",
                     help="also check and time the Mosaic GPU prefill kernel (Hopper)")
+    ap.add_argument("--mosaic-ctas", type=lambda x: x.split(","), default=["all"],
+                    help="Mosaic CTA counts to try: sm (one per SM, persistent), all (one per "
+                         "work item)")
     ap.add_argument("--mosaic-block-kv", type=lambda x: [int(v) for v in x.split(",")],
                     default=[128], help="block_kv values of the Mosaic kernel to time")
     ap.add_argument("--prefill-filter", default="",
-                    help="only prefill-grid shapes whose kind contains this text")
+                    help="only prefill-grid shapes whose '<kind> <chunk>@<ctx>' contains one "
+                         "of these comma-separated texts")
+    ap.add_argument("--skip-reference-timing", action="store_true",
+                    help="prefill grid: check against the XLA reference but do not time it")
     ap.add_argument("--only", default="correctness,decode,prefill,padding",
                     help="comma-separated sections to run")
     args = ap.parse_args()

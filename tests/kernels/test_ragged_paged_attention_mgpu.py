@@ -1,9 +1,9 @@
 """The Mosaic GPU prefill kernel on the CPU: what can be checked without a Hopper GPU.
 
-- The tile layout (built by XLA around the kernel): every prefill row is computed by exactly one
-  tile row and gathered back to its place; tiles are ordered heaviest first. The kernel is
-  emulated by filling each tile row with the reference output of the token and head the kernel
-  gives that row, the rest poisoned with NaN.
+- The tile layout (built by XLA before the kernel): the live tiles, heaviest first, cover every
+  prefill row exactly once. The kernel's writes are emulated (each tile's live tokens, cut into
+  the power-of-two chunks its TMA stores use) into an output whose prefill rows are poisoned
+  with NaN and whose decode and padding rows hold what the decode kernel leaves there.
 - The kernel lowers for CUDA (Mosaic GPU's layout and TMA checks run at lowering).
 - Options are validated with clear errors.
 The kernel body itself runs on the H100 (benchmarks/kernels/bench_paged_attention.py --mosaic:
@@ -22,29 +22,28 @@ from jaxengine.config import EngineConfig
 from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from jaxengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention, ragged_paged_attention_reference)
-from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
-    _row_kinds, ragged_paged_attention_gpu)
+from jaxengine.pallas_kernels.ragged_paged_attention_gpu import Tiling, ragged_paged_attention_gpu
 from tests.kernels.batch_factory import make_batch
 
 
-def _emulate_tiles(layout, ref: np.ndarray, *, k: int, g: int) -> np.ndarray:
-    """What the kernel writes: tile row r of warpgroup w of CTA c = token t0 + w*TQ + r % TQ,
-    head kh * G + r // TQ, for live tokens of the tile's sequence; NaN elsewhere."""
-    t, n, h = ref.shape
+def _emulate_kernel(layout, ref: np.ndarray, out: np.ndarray, *, g: int) -> np.ndarray:
+    """What the kernel writes into `out`: for each live tile (the first `count` table rows),
+    the rows of its live tokens t0 .. min(q_end, t0 + 2 * TQ), every head, each chunk of a
+    warpgroup's tokens as `pow2_chunks` cuts it; asserts no row is written twice."""
     tq = 64 // g
     table = np.asarray(layout.table)
-    nt = table.shape[0]
-    out = np.full((k, nt, 2, 64, h), np.nan, np.float32)
-    for c in range(nt):
-        seq, t0, q_end = table[c, :3]
-        if seq < 0:
-            continue
+    count = int(np.asarray(layout.count)[0])
+    assert (table[:count, 0] >= 0).all() and (table[count:, 0] < 0).all()
+    written = np.zeros(out.shape[0], bool)
+    for seq, t0, q_end in table[:count, :3]:
         for w in range(2):
-            for r in range(64):
-                tok = t0 + w * tq + r % tq
-                if tok < q_end:
-                    for kh in range(k):
-                        out[kh, c, w, r] = ref[tok, kh * g + r // tq]
+            valid = int(np.clip(q_end - t0 - w * tq, 0, tq))
+            for b, start, present in mgpu.pow2_chunks(valid, tq):
+                if present:
+                    rows = np.arange(t0 + w * tq + start, t0 + w * tq + start + b)
+                    assert not written[rows].any()
+                    written[rows] = True
+                    out[rows] = ref[rows]
     return out
 
 
@@ -54,7 +53,8 @@ def _emulate_tiles(layout, ref: np.ndarray, *, k: int, g: int) -> np.ndarray:
     (4, 4, [3, 200, 1, 100], [0, 64, 10, 129], 1, 0),
     (8, 8, [1, 1, 1], [5, 6, 7], 0, 5),  # decode only: no tile has work
 ])
-def test_tile_layout_routes_every_prefill_row(n, k, q_lens, ctx_lens, pad_slots, pad_tokens):
+def test_tile_layout_covers_every_prefill_row_once(n, k, q_lens, ctx_lens, pad_slots,
+                                                  pad_tokens):
     rng = np.random.default_rng(len(q_lens) + n)
     b = make_batch(rng, q_lens=q_lens, ctx_lens=ctx_lens, num_heads=n, num_kv_heads=k,
                    head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=pad_slots,
@@ -62,32 +62,47 @@ def test_tile_layout_routes_every_prefill_row(n, k, q_lens, ctx_lens, pad_slots,
     t, s = b.q.shape[0], b.block_tables.shape[0]
     layout = mgpu.tile_layout(b.query_start_loc, b.kv_lens, b.num_seqs, t=t, s=s, n=n, k=k)
     ref = np.asarray(ragged_paged_attention_reference(*b.args(), sm_scale=0.25))
-    tiles = _emulate_tiles(layout, ref, k=k, g=n // k)
-    got = tiles.reshape(-1, ref.shape[-1])[np.asarray(layout.flat)]
-    kinds = np.asarray(_row_kinds(b.query_start_loc, b.kv_lens, b.num_seqs, t))
-    expect_kinds = np.concatenate([np.where(np.asarray(q_lens) == 1, 1, 2).repeat(q_lens),
-                                   np.zeros(pad_tokens, int)])
-    np.testing.assert_array_equal(kinds, expect_kinds)
-    pre = kinds == 2
-    np.testing.assert_array_equal(got[pre], ref[pre])  # exact: a pure data movement
+    # Decode rows and zeroed padding as the decode kernel leaves them, prefill rows poisoned.
+    kinds = np.concatenate([np.where(np.asarray(q_lens) == 1, 1, 2).repeat(q_lens),
+                            np.zeros(pad_tokens, int)])
+    out = np.where((kinds == 2)[:, None, None], np.nan, ref)
+    got = _emulate_kernel(layout, ref, out, g=n // k)
+    np.testing.assert_array_equal(got, ref)  # exact: every prefill row written, nothing else
     table = np.asarray(layout.table)
     live = table[:, 0] >= 0
     assert live.sum() == sum(-(-q // (2 * 64 // (n // k))) for q in q_lens if q > 1)
     assert (np.diff(table[live, 3]) <= 0).all()  # heaviest (furthest-reaching) tiles first
-    assert not live[live.sum():].any()
 
 
-@pytest.mark.parametrize("n,k,h,p", [(32, 8, 128, 16), (16, 2, 64, 32)])
-def test_mosaic_prefill_lowers_for_cuda(n, k, h, p):
+@pytest.mark.parametrize("n", range(0, 17))
+def test_pow2_chunks_partition_the_rows(n):
+    chunks = [(b, start) for b, start, present in mgpu.pow2_chunks(n, 16) if present]
+    rows = [r for b, start in chunks for r in range(start, start + b)]
+    assert rows == list(range(n))
+
+
+@pytest.mark.parametrize("n,k,h,p,num_ctas", [(32, 8, 128, 16, None), (16, 2, 64, 32, 3)])
+def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, num_ctas):
     t, s, m, blocks = 64, 4, 16, 64
     sd = jax.ShapeDtypeStruct
     args = (sd((t, n, h), jnp.bfloat16), sd((blocks, k, p, h), jnp.bfloat16),
             sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
             sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
-    lowered = ragged_paged_attention_gpu.trace(*args, sm_scale=h ** -0.5, prefill="mosaic").lower(
-        lowering_platforms=("cuda",))
+    tiling = Tiling(mosaic=mgpu.MosaicTiling(num_ctas=num_ctas))
+    lowered = ragged_paged_attention_gpu.trace(*args, sm_scale=h ** -0.5, prefill="mosaic",
+                                               tiling=tiling).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "mosaic_gpu" in text and "rpa_decode" in text
+    # The Mosaic kernel writes its rows into the decode kernel's output in place.
+    assert "output_operand_alias" in text.split("mosaic_gpu", 1)[1]
+
+
+def test_smem_budget_decides_support():
+    tiling = mgpu.MosaicTiling()
+    assert mgpu.supported(jnp.bfloat16, 128, 4, 16, None, None, tiling)
+    assert not mgpu.supported(jnp.bfloat16, 256, 4, 16, None, None, tiling)  # 384 KiB of smem
+    assert not mgpu.supported(jnp.bfloat16, 128, 4, 16, None, None,
+                              mgpu.MosaicTiling(block_kv=256))  # 320 KiB
 
 
 def test_prefill_option_errors():
