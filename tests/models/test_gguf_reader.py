@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 from jaxengine.models.checkpoint import open_checkpoint
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.gguf_reader import GGUFCheckpoint, _llama3_rope_divisors, unpermute_rotary
+from tests.hf_gguf import cached_gguf_name_map
 
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 64, 256, 4, 2, 32
 HEAD_DIM = HIDDEN // HEADS
@@ -298,8 +299,9 @@ def test_smollm2_values_equal_transformers_gguf_loading(smollm2: GGUFCheckpoint,
     prove the un-permutation and the name mapping."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    ref = load_gguf_checkpoint(smollm2.path, return_tensors=True,
-                               model_to_load=smollm2_meta_llama)["tensors"]
+    with cached_gguf_name_map():  # the same tensors, mapped faster
+        ref = load_gguf_checkpoint(smollm2.path, return_tensors=True,
+                                   model_to_load=smollm2_meta_llama)["tensors"]
     assert sorted(ref) == sorted(smollm2.tensor_names())
     for name, ref_t in ref.items():
         np.testing.assert_array_equal(smollm2.get_tensor(name), ref_t.numpy(), err_msg=name)

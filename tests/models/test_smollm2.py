@@ -15,6 +15,7 @@ from jaxengine.default_model import DEFAULT_MODEL_FILE, default_model_path
 from jaxengine.models.checkpoint import open_checkpoint
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import load_params
+from tests.hf_gguf import cached_gguf_name_map
 from tests.model_harness import PagedRunner
 
 PROMPTS = [
@@ -31,8 +32,9 @@ def smollm2():
     ckpt = open_checkpoint(path)
     cfg = ModelConfig.from_hf_dict(ckpt.hf_config)
     graphdef, state = load_params(ckpt, cfg, jnp.float32, attn_backend="reference")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()
+    with cached_gguf_name_map():  # the same model, loaded faster
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()
     return ckpt, cfg, graphdef, state, ref
 
 
@@ -63,7 +65,9 @@ def test_engine_greedy_matches_transformers_generate(smollm2, xla_cache_dir):
     from tests.engine.test_engine import assert_close_greedy
 
     *_, ref = smollm2
-    llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64,
+    # one token bucket (16) and one row bucket (4): the 34-37-token chat prompts are prefilled in
+    # chunks, and each conversation needs at most 57 of the 128 positions
+    llm = LLM(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64,
               compilation_cache_dir=xla_cache_dir)
     conversations = [[{"role": "user", "content": q}] for q in
                      ("What is the capital of France?", "Name three colors.", "Write one word about the sea.")]

@@ -28,10 +28,11 @@ def _close(a: list[int], b: list[int], top_a: list[list[int]], top_b: list[list[
     return len(a) == len(b)
 
 
-def _run_worker(path: str, sizes: tuple[int, ...], devices: int) -> dict:
+def _run_worker(jobs: list[tuple[str, tuple[int, ...]]], devices: int) -> dict:
+    """One worker process for every (checkpoint, sizes) job: {checkpoint: {tp: result}}."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, WORKER, path, *map(str, sizes)], env=env, capture_output=True,
-                          text=True, timeout=900)
+    args = [a for path, sizes in jobs for a in (path, ",".join(map(str, sizes)))]
+    proc = subprocess.run([sys.executable, WORKER, *args], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -46,13 +47,30 @@ def _assert_same(res: dict, base: str, others: tuple[str, ...]) -> None:
 
 
 # llama: 4 KV heads split over 2 and 4 devices; qwen2 (q/k/v biases): 2 KV heads, so at TP=4 each
-# KV head (weights, biases and cache) is repeated on two devices.
-@pytest.mark.parametrize("family,kv_heads", [("llama", 4), ("qwen2", 2)])
-def test_tp_matches_single_device(family, kv_heads, tmp_path, smollm2_tokenizer_dir):
+# KV head (weights, biases and cache) is repeated on two devices. "llama70b": a tiny Llama with
+# Llama-3-70B's head layout (8 query heads per KV head, 8 KV heads).
+CASES = {"llama": ("llama", dict(num_attention_heads=8, num_key_value_heads=4), (1, 2, 4)),
+         "qwen2": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2), (1, 2, 4)),
+         "llama70b": ("llama", dict(hidden_size=128, num_attention_heads=64, num_key_value_heads=8, head_dim=16,
+                                    intermediate_size=256), (2, 8))}
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory, smollm2_tokenizer_dir) -> dict:
+    """Every case's results from one worker process over 8 simulated devices (TP=N uses the first
+    N), so the interpreter, JAX and transformers start once rather than once per case."""
     tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    path = make_checkpoint(family, str(tmp_path / family), tokenizer=tok, num_attention_heads=8,
-                           num_key_value_heads=kv_heads)
-    res = _run_worker(path, (1, 2, 4), devices=4)
+    root = tmp_path_factory.mktemp("tp")
+    paths = {name: make_checkpoint(family, str(root / name), tokenizer=tok, **kw)
+             for name, (family, kw, _) in CASES.items()}
+    res = _run_worker([(paths[name], sizes) for name, (_, _, sizes) in CASES.items()], devices=8)
+    return {name: res[paths[name]] for name in CASES}
+
+
+@pytest.mark.parametrize("family,kv_heads", [("llama", 4), ("qwen2", 2)])
+def test_tp_matches_single_device(family, kv_heads, tp_results):
+    res = tp_results[family]
+    assert sorted(res) == ["1", "2", "4"]
     _assert_same(res, "1", ("2", "4"))
     assert res["4"]["kv_heads"] == max(4, kv_heads)  # 2 KV heads x 2 copies at TP=4
     assert all(res[tp]["kv_shard_heads"] == res[tp]["kv_heads"] // int(tp) for tp in ("2", "4"))
@@ -61,13 +79,11 @@ def test_tp_matches_single_device(family, kv_heads, tmp_path, smollm2_tokenizer_
         [res[tp]["step_bytes"] for tp in ("1", "2", "4")]
 
 
-def test_tp8_matches_tp2_llama_70b_layout(tmp_path, smollm2_tokenizer_dir):
+def test_tp8_matches_tp2_llama_70b_layout(tp_results):
     """The 8-GPU configuration's code path on 8 simulated devices: a tiny Llama with Llama-3-70B's
     head layout (8 query heads per KV head, 8 KV heads) at TP=8, one KV head per device, equals TP=2."""
-    tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    path = make_checkpoint("llama", str(tmp_path / "llama70b"), tokenizer=tok, hidden_size=128,
-                           num_attention_heads=64, num_key_value_heads=8, head_dim=16, intermediate_size=256)
-    res = _run_worker(path, (2, 8), devices=8)
+    res = tp_results["llama70b"]
+    assert sorted(res) == ["2", "8"]
     _assert_same(res, "2", ("8",))
     assert res["8"]["kv_shard_heads"] == 1
 

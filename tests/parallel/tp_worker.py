@@ -1,7 +1,9 @@
 """Run in a subprocess with simulated CPU devices: greedy outputs and parameter shardings at each
-tensor-parallel size given, for the checkpoint given as argv[1]; prints one JSON line.
+tensor-parallel size given, for each checkpoint given; prints one JSON line
+{checkpoint: {tp: result}}. One process serves every checkpoint, so the interpreter, JAX and the
+tokenizer start once.
 
-    python tp_worker.py CHECKPOINT TP [TP ...]
+    python tp_worker.py CHECKPOINT TP[,TP ...] [CHECKPOINT TP[,TP ...] ...]
 """
 
 import json
@@ -13,26 +15,32 @@ from jaxengine import LLM, SamplingParams
 from jaxengine.model_runner import profile_step_bytes
 from jaxengine.sharding import LOGICAL_AXES
 
-path, sizes = sys.argv[1], [int(a) for a in sys.argv[2:]]
-res = {}
+args = sys.argv[1:]
+assert args and len(args) % 2 == 0, __doc__
+jobs = [(args[i], [int(s) for s in args[i + 1].split(",")]) for i in range(0, len(args), 2)]
 prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(4)]
-for tp in sizes:
-    llm = LLM(path, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-              num_kv_blocks=64, compilation_cache_dir=None)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5), use_tqdm=False)
-    r = llm.llm_engine.runner
-    bad, kv = [], None
-    if r.plan is not None:
-        for p, v in nnx.to_flat_state(r.state):
-            want = r.plan.spec(LOGICAL_AXES[str(p[-1])])
-            got = v.get_value().sharding.spec
-            if tuple(got) != tuple(want) and not (all(x is None for x in got) and all(x is None for x in want)):
-                bad.append((".".join(map(str, p)), str(got), str(want)))
-        kv = r.kv_caches[0][0].sharding.spec
-    res[tp] = {"tokens": [o.outputs[0].token_ids for o in outs],
-               "top5": [[sorted(d) for d in o.outputs[0].logprobs] for o in outs], "bad_shardings": bad,
-               "kv_spec": str(kv), "kv_heads": llm.llm_engine.model_config.num_kv_heads,
-               "kv_shard_heads": r.kv_caches[0][0].addressable_shards[0].data.shape[1],
-               "step_bytes": profile_step_bytes(r.config, r.model_config, r.graphdef, r.state, r.dtype, r.plan)}
-    del llm
-print(json.dumps(res))
+out = {}
+for path, sizes in jobs:
+    res = out[path] = {}
+    for tp in sizes:
+        # one token bucket (16): prompts of 35-41 tokens are prefilled in chunks, mixed with decodes
+        llm = LLM(path, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+                  num_kv_blocks=64, compilation_cache_dir=None)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5),
+                            use_tqdm=False)
+        r = llm.llm_engine.runner
+        bad, kv = [], None
+        if r.plan is not None:
+            for p, v in nnx.to_flat_state(r.state):
+                want = r.plan.spec(LOGICAL_AXES[str(p[-1])])
+                got = v.get_value().sharding.spec
+                if tuple(got) != tuple(want) and not (all(x is None for x in got) and all(x is None for x in want)):
+                    bad.append((".".join(map(str, p)), str(got), str(want)))
+            kv = r.kv_caches[0][0].sharding.spec
+        res[tp] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                   "top5": [[sorted(d) for d in o.outputs[0].logprobs] for o in outs], "bad_shardings": bad,
+                   "kv_spec": str(kv), "kv_heads": llm.llm_engine.model_config.num_kv_heads,
+                   "kv_shard_heads": r.kv_caches[0][0].addressable_shards[0].data.shape[1],
+                   "step_bytes": profile_step_bytes(r.config, r.model_config, r.graphdef, r.state, r.dtype, r.plan)}
+        del llm
+print(json.dumps(out))
