@@ -34,6 +34,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxengine.config import ATTENTION_BACKENDS
+
 _MASK_VALUE = -1e30
 
 
@@ -234,8 +236,8 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Dispatch: the Pallas GPU kernels on GPU ("auto"/"pallas"; "pallas-mosaic" adds the Mosaic
     GPU prefill kernel on Hopper), the CPU path on CPU ("auto"), the jnp reference otherwise."""
-    if backend not in ("auto", "pallas", "pallas-mosaic", "reference"):
-        raise ValueError("attention backend must be auto, pallas, pallas-mosaic or reference, "
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                          f"got {backend!r}")
     use_kernel = backend in ("pallas", "pallas-mosaic") or (
         backend == "auto" and jax.default_backend() == "gpu")

@@ -42,7 +42,6 @@ from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import MosaicTiling  # noqa: F401
 from jaxengine.pallas_kernels.ragged_paged_attention import (  # noqa: F401  (re-exported)
     ragged_paged_attention_reference,
-    token_positions,
 )
 
 # `dot` moved from pallas to pallas.triton; take whichever this jax version has.
