@@ -43,20 +43,39 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 _LOG2E = math.log2(math.e)
 _ROWS = 64  # matmul rows per compute warpgroup (the wgmma M)
 _WGS = 2    # compute warpgroups per CTA
+_MAX_SPLITS = 4
+_RCP_LN2 = 1.4426950408889634
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTiling:
-    """block_kv: keys per pipeline step (multiple of 64 and of the block size);
-    stages: K/V steps buffered in shared memory; num_ctas: how many CTAs walk the work items."""
+    """Static choices of the Mosaic prefill kernel.
+
+    block_kv: keys per pipeline step (multiple of 64 and of the block size).
+    stages: K/V steps buffered in shared memory.
+    kv_splits: KV ranges each tile's keys are cut into, one work item each, merged after the
+      kernel (flash-decoding for prefill tiles). None: as many as fill `sm_count` CTAs when the
+      token rows hold few tiles (up to 4), else 1.
+    num_ctas: CTAs walking the work items. None: one per item up to the items of the token rows'
+      tiles plus `sm_count` (more items than that, from many short sequences, are taken
+      round-robin); a number: that many persistent CTAs.
+    sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
+    """
 
     block_kv: int = 128
     stages: int = 2
-    num_ctas: int | None = None  # CTAs walking the work items; None: one per item
+    kv_splits: int | None = None
+    num_ctas: int | None = None
+    sm_count: int = 132
 
     def __post_init__(self) -> None:
         if self.num_ctas is not None and self.num_ctas < 1:
             raise ValueError(f"MosaicTiling.num_ctas must be >= 1 or None, got {self.num_ctas}")
+        if self.kv_splits is not None and not 1 <= self.kv_splits <= _MAX_SPLITS:
+            raise ValueError(f"MosaicTiling.kv_splits must be in [1, {_MAX_SPLITS}] or None, "
+                             f"got {self.kv_splits}")
+        if self.sm_count < 1:
+            raise ValueError(f"MosaicTiling.sm_count must be >= 1, got {self.sm_count}")
         if self.block_kv % 64 or self.block_kv < 64:
             raise ValueError(f"MosaicTiling.block_kv must be a multiple of 64, got {self.block_kv}")
         if self.stages < 2:
@@ -67,8 +86,10 @@ _SMEM_BYTES = 227 * 1024  # per CTA on Hopper
 
 
 def smem_bytes(head_dim: int, itemsize: int, tiling: MosaicTiling) -> int:
-    """Shared memory one CTA uses: Q/output tiles (swizzled + staging) and the K/V stages."""
-    return (2 * _WGS * _ROWS + 2 * tiling.stages * tiling.block_kv) * head_dim * itemsize + 1024
+    """Shared memory one CTA uses: Q/output tiles (swizzled + staging), the K/V stages and the
+    row log-sum-exps of split tiles."""
+    return ((2 * _WGS * _ROWS + 2 * tiling.stages * tiling.block_kv) * head_dim * itemsize
+            + _WGS * _ROWS * 4 + 1024)
 
 
 def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, window,
@@ -107,10 +128,41 @@ def pow2_chunks(n, top: int) -> list:
     return out
 
 
+def tile_tokens(group: int) -> int:
+    """Tokens of one tile: TQ = 64 // G per compute warpgroup."""
+    return _WGS * (_ROWS // group)
+
+
 def num_tiles(t: int, s: int, group: int) -> int:
     """Static bound on live tiles: every prefill sequence has >= 2 tokens."""
-    tile_tokens = _WGS * (_ROWS // group)
-    return max(1, _cdiv(t, tile_tokens) + min(s, t // 2))
+    return max(1, _cdiv(t, tile_tokens(group)) + min(s, t // 2))
+
+
+def kv_splits(t: int, k: int, group: int, tiling: MosaicTiling) -> int:
+    """KV ranges per tile (static): when T token rows make fewer (tile, KV head) items than the
+    GPU has SMs, each tile's keys are cut so the CTAs fill it (256 tokens, G = 4, K = 8:
+    64 items -> 2 splits)."""
+    if tiling.kv_splits is not None:
+        return tiling.kv_splits
+    items = k * _cdiv(t, tile_tokens(group))
+    return int(min(_MAX_SPLITS, max(1, tiling.sm_count // items)))
+
+
+def grid_ctas(t: int, s: int, k: int, group: int, splits: int, tiling: MosaicTiling) -> int:
+    """CTAs launched (static). The work-item bound counts one partial tile per possible
+    prefill sequence; launching that many (1,088 CTAs for 256 rows x 256 slots) costs
+    microseconds of empty CTAs, so by default the grid stops at the items of the rows' own
+    tiles plus one CTA per SM, and CTAs then take items round-robin."""
+    bound = k * splits * num_tiles(t, s, group)
+    if tiling.num_ctas is not None:
+        return min(bound, tiling.num_ctas)
+    return min(bound, k * splits * _cdiv(t, tile_tokens(group)) + tiling.sm_count)
+
+
+def split_steps(tile_steps, split, splits: int):
+    """KV steps [lo, hi) of one split of a tile of `tile_steps` steps; split 0 is never empty
+    when tile_steps >= 1 (ints or traced scalars)."""
+    return _cdiv(split * tile_steps, splits), _cdiv((split + 1) * tile_steps, splits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,13 +180,13 @@ class TileLayout:
 def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k: int
                 ) -> TileLayout:
     g = n // k
-    tile_tokens = _WGS * (_ROWS // g)
+    tt = tile_tokens(g)
     nt = num_tiles(t, s, g)
     slot = jnp.arange(s, dtype=jnp.int32)
     n_live = jnp.minimum(num_seqs[0], s)
     q_start = query_start_loc[:-1]
     q_len = jnp.where(slot < n_live, query_start_loc[1:] - q_start, 0)
-    tiles = jnp.where(q_len > 1, _cdiv(q_len, tile_tokens), 0)
+    tiles = jnp.where(q_len > 1, _cdiv(q_len, tt), 0)
     ends = jnp.cumsum(tiles)  # inclusive
     first_tile = ends - tiles
 
@@ -142,7 +194,7 @@ def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k
     i = jnp.arange(nt, dtype=jnp.int32)
     seq = jnp.minimum(jnp.sum((ends[None, :] <= i[:, None]).astype(jnp.int32), axis=1), s - 1)
     live = i < ends[-1]
-    t0 = q_start[seq] + (i - first_tile[seq]) * tile_tokens
+    t0 = q_start[seq] + (i - first_tile[seq]) * tt
     kv_len = kv_lens[seq]
     first_pos = kv_len - q_len[seq] + (t0 - q_start[seq])
     # Heaviest first: the tiles that reach furthest into the KV start first.
@@ -153,32 +205,71 @@ def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k
     return TileLayout(table=table, count=jnp.minimum(ends[-1:], nt).astype(jnp.int32))
 
 
-def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, scoped, *, g: int, p: int,
-            m: int, h: int, k_heads: int, n_ctas: int, bkv: int, stages: int, sm_scale: float,
-            dtype):
+def merge_splits(out, part, lse, table, *, group: int):
+    """Combines the split results of the kernel into `out` [T, N, H] (an XLA fusion).
+
+    Split 0 wrote its rows into `out`, split s >= 1 into part[s - 1] ([S - 1, T, N, H]), each
+    normalised by its own softmax sum; lse [S, NT, K, WGS, ROWS] float32 holds each warpgroup
+    row's log2-sum-exp of the scaled logits (-inf where the split had no key for the row),
+    indexed by the tile's row in `table`. Rows outside the live tiles keep what `out` holds."""
+    t, n, h = out.shape
+    splits = lse.shape[0]
+    tq = _ROWS // group
+    tt = _WGS * tq
+    nt = table.shape[0]
+    # Token -> (tile row in the table, offset in the tile), from the live tiles' token ranges.
+    tok = table[:, 1:2] + jnp.arange(tt, dtype=jnp.int32)[None, :]  # [NT, TT]
+    ok = (table[:, 0:1] >= 0) & (tok < table[:, 2:3])
+    idx = jnp.where(ok, tok, t).reshape(-1)
+    where = jnp.full((t,), -1, jnp.int32).at[idx].set(  # tile row * TT + offset, one scatter
+        jnp.arange(nt * tt, dtype=jnp.int32), mode="drop")
+    tile_of = jnp.where(where >= 0, where // tt, -1)
+    off = jnp.maximum(where, 0) % tt
+    head = jnp.arange(n, dtype=jnp.int32)
+    row = (head % group)[None, :] * tq + (off % tq)[:, None]  # [T, N] warpgroup row
+    lse_t = lse[:, jnp.maximum(tile_of, 0)[:, None], (head // group)[None, :],
+                (off // tq)[:, None], row]  # [S, T, N]
+    m = jnp.max(lse_t, axis=0)
+    m = jnp.where(m > -jnp.inf, m, 0.0)
+    w = jnp.exp2(lse_t - m[None])  # 0 where a split saw no key
+    num = w[0][..., None] * out.astype(jnp.float32)
+    for sp in range(1, splits):
+        # Rows a split did not write may hold anything: weight 0 must not meet NaN.
+        num = num + jnp.where(w[sp][..., None] > 0, w[sp][..., None] * part[sp - 1], 0.0)
+    merged = (num / jnp.maximum(jnp.sum(w, axis=0), 1e-30)[..., None]).astype(out.dtype)
+    return jnp.where((tile_of >= 0)[:, None, None], merged, out)
+
+
+def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, lse_ref, scoped,
+            *, g: int, p: int, m: int, h: int, k_heads: int, n_ctas: int, splits: int, bkv: int,
+            stages: int, sm_scale: float, dtype):
     tq = _ROWS // g
     pages = bkv // p
     cta = lax.axis_index("ctas")
     wg = lax.axis_index("wg")
-    (qo_smem2, q_stage2, k_smem, v_smem), (k_bars, v_bars, q_bars), (k_free, v_free), sched = scoped
+    ((qo_smem2, q_stage2, k_smem, v_smem, lse_smem2), (k_bars, v_bars, q_bars),
+     (k_free, v_free), sched) = scoped
 
     # Work item j of this CTA: item cta + j * n_ctas of the heaviest-first list of
-    # (tile, KV head) pairs. Every warpgroup walks the same items and the K/V step counter
-    # (which picks the pipeline slot) runs on across them.
-    n_items = cnt_ref[0] * k_heads
+    # (tile, split, KV head) triples. Every warpgroup walks the same items and the K/V step
+    # counter (which picks the pipeline slot) runs on across them.
+    per_tile = k_heads * splits
+    n_items = cnt_ref[0] * per_tile
     my_items = jnp.maximum(n_items - cta + n_ctas - 1, 0) // n_ctas
 
     def item(j):
         it = cta + j * n_ctas
-        tile = it // k_heads
-        kh = it - tile * k_heads
+        tile = it // per_tile
+        rest = it - tile * per_tile
+        split = rest // k_heads
+        kh = rest - split * k_heads
         seq = tab_ref[tile, 0]
         t0 = tab_ref[tile, 1]
         n_valid = jnp.minimum(tab_ref[tile, 2] - t0, _WGS * tq)  # live tokens of the tile
         first_pos = tab_ref[tile, 3]
-        # KV steps the tile needs: up to its last live token's position.
-        tile_steps = _cdiv(first_pos + n_valid, bkv)
-        return kh, seq, t0, n_valid, first_pos, tile_steps
+        # KV steps the tile needs (up to its last live token's position); this split's share.
+        lo, hi = split_steps(_cdiv(first_pos + n_valid, bkv), split, splits)
+        return tile, split, kh, seq, t0, n_valid, first_pos, lo, hi
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched)
@@ -189,16 +280,22 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, scoped, *, g
         plgpu.set_max_registers(232, action="increase")
         qo_smem = qo_smem2.at[wg]
         q_stage = q_stage2.at[wg]
+        lse_smem = lse_smem2.at[wg]
 
         scale = sm_scale * _LOG2E
 
         def tile_body(j, base):
-            kh, _, t0, n_valid, first_pos, tile_steps = item(j)
+            tile, split, kh, _, t0, n_valid, first_pos, lo, hi = item(j)
             wg_t0 = t0 + wg * tq
             wg_first = first_pos + wg * tq
             wg_valid = jnp.clip(n_valid - wg * tq, 0, tq)
-            steps = jnp.where(wg_valid > 0, _cdiv(wg_first + wg_valid, bkv), 0)
-            full = jnp.minimum((wg_first + 1) // bkv, steps)  # steps with every key <= every row's
+            wg_steps = jnp.where(wg_valid > 0, _cdiv(wg_first + wg_valid, bkv), 0)
+            full = jnp.minimum((wg_first + 1) // bkv, wg_steps)  # steps with every key <= every row's
+            # This warpgroup's steps of the split, counted from lo: [0, n_full) unmasked,
+            # [n_full, n_mine) masked; the split has n_item steps in all.
+            n_item = hi - lo
+            n_mine = jnp.clip(wg_steps, lo, hi) - lo
+            n_full = jnp.clip(full, lo, hi) - lo
 
             # Q rows start anywhere in the token array, so they come by TMA into an untiled
             # buffer (a tiled one needs tile-aligned source offsets), then through registers
@@ -216,15 +313,15 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, scoped, *, g
                                     plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-            @pl.when(steps > 0)
+            @pl.when(n_mine > 0)
             def _():
                 plgpu.barrier_wait(k_bars.at[lax.rem(base, stages)])
 
             pl.when(wg == 1)(schedule_barrier)
 
-            def kv_step(step, carry, masked: bool):
+            def kv_step(i, carry, masked: bool):
                 acc, m_i, l_i = carry
-                slot = lax.rem(base + step, stages)
+                slot = lax.rem(base + i, stages)
 
                 def compute_qk(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -240,7 +337,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, scoped, *, g
                     cols = plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 1,
                                                   layout=plgpu.Layout.WGMMA)
                     qpos = wg_first + lax.rem(rows, tq)
-                    s = jnp.where(step * bkv + cols <= qpos, s, -jnp.inf)
+                    s = jnp.where((lo + i) * bkv + cols <= qpos, s, -jnp.inf)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -254,9 +351,9 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, scoped, *, g
 
                 def compute_pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    nxt = step + 1
+                    nxt = i + 1
 
-                    @pl.when(nxt < steps)
+                    @pl.when(nxt < n_mine)
                     def _():
                         plgpu.barrier_wait(k_bars.at[lax.rem(base + nxt, stages)])
 
@@ -265,16 +362,16 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, scoped, *, g
                 return acc, m_new, l_i
 
             carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, full, lambda i, c: kv_step(i, c, False), carry)
-            carry = lax.fori_loop(full, steps, lambda i, c: kv_step(i, c, True), carry)
+            carry = lax.fori_loop(0, n_full, lambda i, c: kv_step(i, c, False), carry)
+            carry = lax.fori_loop(n_full, n_mine, lambda i, c: kv_step(i, c, True), carry)
             acc, m_i, l_i = carry
 
-            @pl.loop(steps, tile_steps)
-            def _drain(step):
+            @pl.loop(n_mine, n_item)
+            def _drain(i):
                 # The other warpgroup needs these steps: take the buffers' arrivals (so every
                 # barrier's phase stays in step for the next item), release them, and keep the
                 # schedule barrier's count in step.
-                slot = lax.rem(base + step, stages)
+                slot = lax.rem(base + i, stages)
                 plgpu.barrier_wait(k_bars.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_bars.at[slot])
@@ -287,15 +384,27 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, scoped, *, g
             # The output goes through the untiled staging buffer, so that any row can start a
             # TMA store: per query head, the wg_valid live tokens in power-of-two chunks.
             q_stage[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+            if splits > 1:
+                lse_smem[...] = m_i + jnp.log(l_safe) * _RCP_LN2  # -inf: no key in this split
             plgpu.commit_smem()
-            for jj in range(g):
-                for b, start, present in pow2_chunks(wg_valid, tq):
-                    @pl.when(present)
-                    def _(b=b, start=start, jj=jj):
-                        plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(jj * tq + start, b)],
-                                                out_ref.at[pl.ds(wg_t0 + start, b), kh * g + jj])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_stage is reused next item
-            return base + tile_steps
+
+            def store_rows(dst):
+                for jj in range(g):
+                    for b, start, present in pow2_chunks(wg_valid, tq):
+                        @pl.when(present)
+                        def _(b=b, start=start, jj=jj):
+                            plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(jj * tq + start, b)],
+                                                    dst.at[pl.ds(wg_t0 + start, b), kh * g + jj])
+
+            if splits == 1:
+                store_rows(out_ref)
+            else:
+                pl.when(split == 0)(lambda: store_rows(out_ref))
+                for sp in range(1, splits):
+                    pl.when(split == sp)(lambda sp=sp: store_rows(part_ref.at[sp - 1]))
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tile, kh, wg])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next item
+            return base + n_item
 
         lax.fori_loop(0, my_items, tile_body, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
@@ -305,11 +414,11 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, scoped, *, g
         plgpu.set_max_registers(40, action="decrease")
 
         def tile_body(j, base):
-            kh, seq, _, _, _, tile_steps = item(j)
+            _, _, kh, seq, _, _, _, lo, hi = item(j)
 
-            @pl.loop(0, tile_steps)
+            @pl.loop(lo, hi)
             def _(step):
-                n = base + step
+                n = base + step - lo
                 slot = lax.rem(n, stages)
                 blks = [bt_ref[seq, jnp.minimum(step * pages + jj, m - 1)] for jj in range(pages)]
                 pl.when(n >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
@@ -321,7 +430,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, scoped, *, g
                     plgpu.copy_gmem_to_smem(v_ref.at[blk, kh], v_smem.at[slot, pl.ds(jj * p, p)],
                                             v_bars.at[slot])
 
-            return base + tile_steps
+            return base + hi - lo
 
         lax.fori_loop(0, my_items, tile_body, jnp.int32(0))
 
@@ -329,8 +438,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, scoped, *, g
 def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                       out, *, sm_scale: float, tiling: MosaicTiling):
     """Writes the rows of the prefill chunks into `out` [T, N, H] (in place: the buffer is
-    aliased) and returns it; the other rows are left as they are. Inputs validated by the
-    caller."""
+    aliased; with KV splits, split 0 in place and a merge after) and returns it; the other
+    rows are left as they are. Inputs validated by the caller."""
     t, n, h = q.shape
     _, k, p, _ = k_cache.shape
     s, m = block_tables.shape
@@ -338,35 +447,46 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
     bkv, stages = tiling.block_kv, tiling.stages
     layout = tile_layout(query_start_loc, kv_lens, num_seqs, t=t, s=s, n=n, k=k)
     nt = layout.table.shape[0]
-    n_ctas = min(k * nt, tiling.num_ctas or k * nt)
+    splits = kv_splits(t, k, g, tiling)
+    n_ctas = grid_ctas(t, s, k, g, splits, tiling)
     dtype = q.dtype
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = min(128, h * itemsize)
     transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                   plgpu.SwizzleTransform(swizzle))
 
-    def entry(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref):
+    def entry(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref=None,
+              lse_ref=None):
         smem = (plgpu.SMEM((_WGS, _ROWS, h), dtype, transforms=transforms),
                 plgpu.SMEM((_WGS, _ROWS, h), dtype),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
-                plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms))
+                plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
+                plgpu.SMEM((_WGS, _ROWS), jnp.float32))
         ready = (plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=g, num_barriers=_WGS))
         free = (plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref,
-                                    scoped, g=g, p=p, m=m, h=h, k_heads=k, n_ctas=n_ctas,
-                                    bkv=bkv, stages=stages, sm_scale=sm_scale, dtype=dtype),
+                                    part_ref, lse_ref, scoped, g=g, p=p, m=m, h=h, k_heads=k,
+                                    n_ctas=n_ctas, splits=splits, bkv=bkv, stages=stages,
+                                    sm_scale=sm_scale, dtype=dtype),
             smem, ready, free, plgpu.Barrier(num_arrivals=_WGS),
             collective_axes="wg")
 
+    # Split results other than split 0's, and every row's log-sum-exp per split.
+    out_type = () if splits == 1 else (
+        jax.ShapeDtypeStruct((splits - 1, t, n, h), dtype),
+        jax.ShapeDtypeStruct((splits, nt, k, _WGS, _ROWS), jnp.float32))
     # `pl.kernel` over a Mosaic GPU mesh: a Ref argument is read and written in place.
     out_ref = jax.new_ref(out)
-    pl.kernel(entry, out_type=(),
-              mesh=plgpu.Mesh(grid=(n_ctas,), grid_names=("ctas",), num_threads=_WGS + 1,
-                              thread_name="wg"),
-              compiler_params=plgpu.CompilerParams(approx_math=True),
-              name="rpa_prefill_mosaic",
-              )(q, k_cache, v_cache, block_tables, layout.table, layout.count, out_ref)
-    return out_ref[...]
+    extra = pl.kernel(entry, out_type=out_type,
+                      mesh=plgpu.Mesh(grid=(n_ctas,), grid_names=("ctas",),
+                                      num_threads=_WGS + 1, thread_name="wg"),
+                      compiler_params=plgpu.CompilerParams(approx_math=True),
+                      name="rpa_prefill_mosaic",
+                      )(q, k_cache, v_cache, block_tables, layout.table, layout.count, out_ref)
+    if splits == 1:
+        return out_ref[...]
+    part, lse = extra
+    return merge_splits(out_ref[...], part, lse, layout.table, group=g)

@@ -210,6 +210,11 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton") -> list[d
              n=16, k=2, h=64, p=32, dtype=jnp.bfloat16, pad_tokens=4),
         dict(name="chunks G1 H128 P64", q_lens=[3, 200, 1, 100], ctx_lens=[0, 64, 10, 129],
              n=4, k=4, h=128, p=64, dtype=jnp.bfloat16),
+        # 144 token rows: 40 (tile, KV head) items, so the Mosaic kernel cuts each tile's
+        # keys in 3 (KV splits) and merges.
+        dict(name="long-context chunks G4 H128 P16, 144 rows", q_lens=[1, 96, 40],
+             ctx_lens=[4000, 3000, 0], n=32, k=8, h=128, p=16, dtype=jnp.bfloat16,
+             pad_tokens=7),
     ]
     if smoke:
         cases = [dict(c, q_lens=[min(x, 9) for x in c["q_lens"]][:6],
@@ -536,21 +541,29 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
             if runner.args.mosaic:
                 row["check_mosaic"] = runner.check(step, pool, tiling, with_bundled=False,
                                                    prefill="mosaic")
-                variants = {}
+                variants, tilings = {}, {}
                 for bkv in runner.args.mosaic_block_kv:
                     for ctas in runner.args.mosaic_ctas:
-                        mt = MosaicTiling(block_kv=bkv, num_ctas=_num_ctas(ctas))
-                        variants[(bkv, ctas)] = runner.ours(
-                            step, pool, 2, dataclasses.replace(tiling, mosaic=mt), prefill="mosaic")
-                row["mosaic_variants"] = {f"{b}/{c}": v for (b, c), v in variants.items()}
+                        for sp in runner.args.mosaic_splits:
+                            mt = MosaicTiling(block_kv=bkv, num_ctas=_num_ctas(ctas),
+                                              kv_splits=None if sp == "auto" else int(sp))
+                            key = (bkv, ctas, sp)
+                            tilings[key] = dataclasses.replace(tiling, mosaic=mt)
+                            variants[key] = runner.ours(step, pool, 2, tilings[key],
+                                                        prefill="mosaic")
+                            if len(runner.args.mosaic_splits) > 1:
+                                variants[key]["check"] = runner.check(
+                                    step, pool, tilings[key], with_bundled=False,
+                                    prefill="mosaic")
+                row["mosaic_variants"] = {"/".join(map(str, k)): v for k, v in variants.items()}
                 best = min(variants, key=lambda b: _ms(variants[b]))
-                row["ours_mosaic"] = dict(variants[best], block_kv=best[0], ctas=best[1])
+                row["ours_mosaic"] = dict(variants[best], block_kv=best[0], ctas=best[1],
+                                          kv_splits=best[2])
                 tm = _ms(row["ours_mosaic"])
                 row["mosaic_flops_frac_of_matmul"] = row["flops"] / (tm * 1e-3) / \
                     runner.ceil["matmul_flops_per_s"]
                 row["mosaic_vs_triton"] = _ms(row["ours"]) / tm
-                tb = dataclasses.replace(tiling, mosaic=MosaicTiling(block_kv=best[0],
-                                                                     num_ctas=_num_ctas(best[1])))
+                tb = tilings[best]
                 args = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"], step["qsl"],
                         step["num_seqs"])
                 row["breakdown_us"] = {
@@ -615,7 +628,7 @@ def table(res: dict) -> str:
                      f"{r['speedup_vs_bundled']:6.2f} | {_ms(r['reference']) * 1e3:8.1f} | "
                      f"{r['speedup_vs_reference']:6.1f}")
     lines.append("prefill/mixed            | ours us | %matmul | %copyBW | ref us | x ref"
-                 " | mosaic us (bkv) | %matmul | x triton | mosaic err")
+                 " | mosaic us (bkv/ctas/splits) | %matmul | x triton | mosaic err")
     for r in res.get("prefill", []):
         name = f"{r['kind'][:14]} {r['chunk']}@{r['ctx']}"
         if "ours_flops_frac_of_matmul" not in r:
@@ -627,14 +640,16 @@ def table(res: dict) -> str:
                      f"{100 * r['ours_flops_frac_of_matmul']:6.1f}% | "
                      f"{100 * r['ours_bw_frac_of_copy']:6.1f}% | " + ref
                      + (f" | {_ms(r['ours_mosaic']) * 1e3:8.1f} ({r['ours_mosaic']['block_kv']}/"
-                        f"{r['ours_mosaic']['ctas']})"
+                        f"{r['ours_mosaic']['ctas']}/{r['ours_mosaic'].get('kv_splits')})"
                         f" | {100 * r['mosaic_flops_frac_of_matmul']:6.1f}% | "
                         f"{r['mosaic_vs_triton']:5.2f} | "
                         f"{r['check_mosaic']['rel_err_vs_reference']:.1e}"
                         if "ours_mosaic" in r else ""))
         if len(r.get("mosaic_variants", {})) > 1:
             lines.append("      mosaic variants us: " + ", ".join(
-                f"{k} {_ms(v) * 1e3:.1f}" for k, v in r["mosaic_variants"].items()))
+                f"{k} {_ms(v) * 1e3:.1f}" + (f" (err {v['check']['rel_err_vs_reference']:.1e})"
+                                             if "check" in v else "")
+                for k, v in r["mosaic_variants"].items()))
     for r in res.get("padding", []):
         lines.append(f"padding: {r['live']} live @ {r['ctx']} in {r['slots']} slots/"
                      f"{r['tokens']} tokens: {_ms(r['ours']) * 1e3:.1f} us"
@@ -657,6 +672,9 @@ def main() -> None:
     ap.add_argument("--mosaic-ctas", type=lambda x: x.split(","), default=["all"],
                     help="Mosaic CTA counts to try: sm (one per SM, persistent), all (one per "
                          "work item)")
+    ap.add_argument("--mosaic-splits", type=lambda x: x.split(","), default=["auto"],
+                    help="Mosaic KV splits per tile to time: auto (MosaicTiling default) or "
+                         "numbers, e.g. 1,auto")
     ap.add_argument("--mosaic-block-kv", type=lambda x: [int(v) for v in x.split(",")],
                     default=[128], help="block_kv values of the Mosaic kernel to time")
     ap.add_argument("--prefill-filter", default="",

@@ -74,6 +74,95 @@ def test_tile_layout_covers_every_prefill_row_once(n, k, q_lens, ctx_lens, pad_s
     assert (np.diff(table[live, 3]) <= 0).all()  # heaviest (furthest-reaching) tiles first
 
 
+def _emulate_splits(b, layout, out, *, g: int, bkv: int, splits: int, sm_scale: float):
+    """What the kernel writes with KV splits: for each live tile, KV head, warpgroup and split,
+    the rows' attention over the split's keys (normalised by their own sum) and its log2-sum-
+    exp; split 0 into `out` (in place), split s into part[s - 1]. Unwritten memory is NaN."""
+    q = np.asarray(b.q, np.float64)
+    kc, vc = np.asarray(b.k_cache, np.float64), np.asarray(b.v_cache, np.float64)
+    bt = np.asarray(b.block_tables)
+    t, n, h = q.shape
+    k_heads, p = kc.shape[1], kc.shape[2]
+    tq = 64 // g
+    table = np.asarray(layout.table)
+    count = int(np.asarray(layout.count)[0])
+    part = np.full((splits - 1, t, n, h), np.nan)
+    lse = np.full((splits, table.shape[0], k_heads, 2, 64), np.nan)
+    for j, (seq, t0, q_end, first_pos, kv_len) in enumerate(table[:count, :5]):
+        pos = np.arange(kv_len)
+        slots = bt[seq, pos // p]
+        n_valid = min(q_end - t0, 2 * tq)
+        for split in range(splits):
+            lo, hi = mgpu.split_steps(-(-(first_pos + n_valid) // bkv), split, splits)
+            for kh in range(k_heads):
+                kk, vv = kc[slots, kh, pos % p], vc[slots, kh, pos % p]
+                for w in range(2):
+                    valid = int(np.clip(n_valid - w * tq, 0, tq))
+                    rows = np.arange(valid)
+                    qpos = first_pos + w * tq + rows
+                    keys = (pos[None] >= lo * bkv) & (pos[None] < hi * bkv) & (
+                        pos[None] <= qpos[:, None])
+                    for jj in range(g):
+                        logits = q[t0 + w * tq + rows, kh * g + jj] @ kk.T * sm_scale
+                        logits = np.where(keys, logits, -np.inf)
+                        mx = np.max(logits, axis=1, initial=-np.inf)
+                        e = np.exp(logits - np.where(np.isfinite(mx), mx, 0)[:, None])
+                        tot = e.sum(axis=1)
+                        o = e @ vv / np.maximum(tot, 1e-30)[:, None]
+                        dst = out if split == 0 else part[split - 1]
+                        dst[t0 + w * tq + rows, kh * g + jj] = o
+                        lse[split, j, kh, w, jj * tq + rows] = (
+                            np.where(tot > 0, mx + np.log(np.maximum(tot, 1e-300)), -np.inf)
+                            / np.log(2))
+    return out, part, lse
+
+
+@pytest.mark.parametrize("n,k,splits,q_lens,ctx_lens", [
+    (32, 8, 2, [1, 37, 300, 17, 2], [3000, 0, 500, 1234, 1]),
+    (8, 8, 3, [1, 129, 5, 250], [40, 0, 190, 777]),
+    (16, 2, 4, [70, 1, 64], [64, 9, 0]),
+])
+def test_kv_split_results_merge_to_the_reference(n, k, splits, q_lens, ctx_lens):
+    """Tiles whose keys are cut into `splits` ranges (one work item each): the kernel's split
+    writes (emulated in float64) merged by merge_splits give the reference; decode and padding
+    rows are kept; NaN in unwritten split rows and log-sum-exps does not leak."""
+    rng = np.random.default_rng(splits)
+    b = make_batch(rng, q_lens=q_lens, ctx_lens=ctx_lens, num_heads=n, num_kv_heads=k,
+                   head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=1, pad_tokens=3)
+    t, s = b.q.shape[0], b.block_tables.shape[0]
+    layout = mgpu.tile_layout(b.query_start_loc, b.kv_lens, b.num_seqs, t=t, s=s, n=n, k=k)
+    ref = np.asarray(ragged_paged_attention_reference(*b.args(), sm_scale=0.25))
+    kinds = np.concatenate([np.where(np.asarray(q_lens) == 1, 1, 2).repeat(q_lens),
+                            np.zeros(3, int)])
+    out = np.where((kinds == 2)[:, None, None], np.nan, ref).astype(np.float64)
+    out, part, lse = _emulate_splits(b, layout, out, g=n // k, bkv=64, splits=splits,
+                                     sm_scale=0.25)
+    got = mgpu.merge_splits(jnp.asarray(out, jnp.float32), jnp.asarray(part, jnp.float32),
+                            jnp.asarray(lse, jnp.float32), layout.table, group=n // k)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(got)[kinds != 2], ref[kinds != 2])
+
+
+def test_split_steps_and_grid_sizes():
+    for steps in range(0, 12):
+        for splits in range(1, 5):
+            ranges = [mgpu.split_steps(steps, sp, splits) for sp in range(splits)]
+            assert [r for lo, hi in ranges for r in range(lo, hi)] == list(range(steps))
+            assert steps == 0 or ranges[0][1] > 0  # split 0 has a step
+    tiling = mgpu.MosaicTiling()
+    # 256 rows, G = 4 (32-token tiles), 8 KV heads: 64 items fill half of 132 SMs -> 2 splits.
+    assert mgpu.kv_splits(256, 8, 4, tiling) == 2
+    assert mgpu.kv_splits(2048, 8, 4, tiling) == 1
+    assert mgpu.kv_splits(64, 8, 4, tiling) == 4  # capped
+    assert mgpu.kv_splits(256, 8, 4, mgpu.MosaicTiling(kv_splits=1)) == 1
+    # 256 slots: the item bound counts 128 partial tiles; the grid stops at 8 x 8 + 132.
+    assert mgpu.grid_ctas(256, 256, 8, 4, 1, tiling) == 8 * 8 + 132
+    assert mgpu.grid_ctas(256, 1, 8, 4, 1, tiling) == 8 * 9
+    assert mgpu.grid_ctas(256, 256, 8, 4, 1, mgpu.MosaicTiling(num_ctas=132)) == 132
+    with pytest.raises(ValueError, match="kv_splits must be in"):
+        mgpu.MosaicTiling(kv_splits=5)
+
+
 @pytest.mark.parametrize("n", range(0, 17))
 def test_pow2_chunks_partition_the_rows(n):
     chunks = [(b, start) for b, start, present in mgpu.pow2_chunks(n, 16) if present]
@@ -81,14 +170,16 @@ def test_pow2_chunks_partition_the_rows(n):
     assert rows == list(range(n))
 
 
-@pytest.mark.parametrize("n,k,h,p,num_ctas", [(32, 8, 128, 16, None), (16, 2, 64, 32, 3)])
-def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, num_ctas):
+@pytest.mark.parametrize("n,k,h,p,num_ctas,splits", [(32, 8, 128, 16, None, 1),
+                                                     (32, 8, 128, 16, None, None),
+                                                     (16, 2, 64, 32, 3, 3)])
+def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, num_ctas, splits):
     t, s, m, blocks = 64, 4, 16, 64
     sd = jax.ShapeDtypeStruct
     args = (sd((t, n, h), jnp.bfloat16), sd((blocks, k, p, h), jnp.bfloat16),
             sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
             sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
-    tiling = Tiling(mosaic=mgpu.MosaicTiling(num_ctas=num_ctas))
+    tiling = Tiling(mosaic=mgpu.MosaicTiling(num_ctas=num_ctas, kv_splits=splits))
     lowered = ragged_paged_attention_gpu.trace(*args, sm_scale=h ** -0.5, prefill="mosaic",
                                                tiling=tiling).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
