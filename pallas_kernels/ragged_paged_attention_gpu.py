@@ -501,10 +501,11 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
     if mosaic:
         # The decode kernel wrote the decode rows and zeroed the padding rows; the Mosaic
         # kernel writes the prefill rows into the same buffer, in place.
-        return mgpu.prefill_attention(q, k_cache, v_cache, kv_lens, block_tables,
-                                      query_start_loc, num_seqs,
-                                      out.reshape(dims.t, dims.n, dims.h), sm_scale=sm_scale,
-                                      tiling=tiling.mosaic)
+        out3, split = mgpu.prefill_attention(q, k_cache, v_cache, kv_lens, block_tables,
+                                             query_start_loc, num_seqs,
+                                             out.reshape(dims.t, dims.n, dims.h),
+                                             sm_scale=sm_scale, tiling=tiling.mosaic)
+        return out3 if split is None else merge_splits_gpu(out3, split, dims.g)
 
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, **common),
@@ -517,6 +518,69 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
         name="rpa_prefill",
     )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, out)
     return out.reshape(dims.t, dims.n, dims.h)
+
+
+def _merge_splits_kernel(tab_ref, cnt_ref, lse_ref, part_ref, out_in_ref, out_ref, *,
+                         splits: int, g: int, n: int, t: int, nt: int, k: int, progs: int):
+    """Program (i, head): head `head` of the live tiles i, i + progs, ... of the Mosaic
+    kernel's tile table; each live row becomes the softmax-weighted sum of its splits' rows
+    (the statement in mgpu.merge_splits). Refs are flat: table [NT * 8], lse [S * NT * K *
+    2 * 64], part [(S - 1) * T * N, H], out [T * N, H] (aliased: other rows are kept)."""
+    del out_in_ref  # aliased with out_ref
+    i = pl.program_id(0)
+    head = pl.program_id(1)
+    kh, jj = head // g, head % g
+    tq = 64 // g
+    r = jnp.arange(2 * tq, dtype=jnp.int32)
+    lse_off = (kh * 2 + r // tq) * 64 + jj * tq + r % tq  # [2TQ] within lse[s, tile]
+    tile_stride, split_stride = k * 2 * 64, nt * k * 2 * 64
+
+    def body(it, carry):
+        j = i + it * progs
+        tok = tab_ref[j * 8 + 1] + r
+        ok = tok < tab_ref[j * 8 + 2]
+        ls = [plgpu.load(lse_ref.at[sp * split_stride + j * tile_stride + lse_off], mask=ok,
+                         other=-jnp.inf) for sp in range(splits)]
+        mx = ls[0]
+        for x in ls[1:]:
+            mx = jnp.maximum(mx, x)
+        mx = jnp.where(mx > -jnp.inf, mx, 0.0)
+        w = [jnp.exp2(x - mx) for x in ls]  # 0 where a split saw no key for the row
+        rows = jnp.minimum(tok, t - 1) * n + head  # masked rows stay in bounds
+        acc = w[0][:, None] * _load_kv(out_ref, rows, ok, out_ref.shape[1]).astype(jnp.float32)
+        den = w[0]
+        for sp in range(1, splits):
+            o = _load_kv(part_ref, (sp - 1) * t * n + rows, ok, out_ref.shape[1])
+            acc = acc + jnp.where(w[sp][:, None] > 0, w[sp][:, None] * o.astype(jnp.float32),
+                                  0.0)
+            den = den + w[sp]
+        _store_rows(out_ref, rows, acc / jnp.maximum(den, 1e-30)[:, None], ok)
+        return carry
+
+    lax.fori_loop(0, _cdiv(jnp.maximum(cnt_ref[0] - i, 0), progs), body, 0)
+
+
+def merge_splits_gpu(out: jax.Array, split: mgpu.SplitResults, g: int, *,
+                     interpret: bool = False) -> jax.Array:
+    """Merges the Mosaic kernel's KV splits into `out` [T, N, H] in place: one Triton kernel.
+
+    Its grid is (live-tile programs, N): the tiles of T token rows plus 4 (short sequences
+    leave partial tiles; each program walks the tiles i, i + progs, ...)."""
+    t, n, h = out.shape
+    splits, nt, k = split.lse.shape[:3]
+    progs = min(nt, _cdiv(t, mgpu.tile_tokens(g)) + 4)
+    merged = pl.pallas_call(
+        functools.partial(_merge_splits_kernel, splits=splits, g=g, n=n, t=t, nt=nt, k=k,
+                          progs=progs),
+        grid=(progs, n),
+        out_shape=jax.ShapeDtypeStruct((t * n, h), out.dtype),
+        input_output_aliases={4: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="rpa_merge_splits",
+    )(split.layout.table.reshape(-1), split.layout.count, split.lse.reshape(-1),
+      split.part.reshape((splits - 1) * t * n, h), out.reshape(t * n, h))
+    return merged.reshape(t, n, h)
 
 
 def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,

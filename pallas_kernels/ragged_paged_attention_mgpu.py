@@ -205,8 +205,18 @@ def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k
     return TileLayout(table=table, count=jnp.minimum(ends[-1:], nt).astype(jnp.int32))
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitResults:
+    """What the kernel leaves beside `out` when tiles are cut into KV splits."""
+
+    part: jax.Array  # [S - 1, T, N, H] rows of splits 1 .. S - 1, each normalised by its sum
+    lse: jax.Array   # [S, NT, K, WGS, ROWS] float32 log2-sum-exp per split and warpgroup row
+    layout: TileLayout
+
+
 def merge_splits(out, part, lse, table, *, group: int):
-    """Combines the split results of the kernel into `out` [T, N, H] (an XLA fusion).
+    """Combines the split results of the kernel into `out` [T, N, H]: the pure-jnp statement
+    of the merge (the GPU path runs it as one Triton kernel, `merge_splits_gpu`).
 
     Split 0 wrote its rows into `out`, split s >= 1 into part[s - 1] ([S - 1, T, N, H]), each
     normalised by its own softmax sum; lse [S, NT, K, WGS, ROWS] float32 holds each warpgroup
@@ -438,8 +448,9 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, ls
 def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                       out, *, sm_scale: float, tiling: MosaicTiling):
     """Writes the rows of the prefill chunks into `out` [T, N, H] (in place: the buffer is
-    aliased; with KV splits, split 0 in place and a merge after) and returns it; the other
-    rows are left as they are. Inputs validated by the caller."""
+    aliased) and returns (out, None); the other rows are left as they are. With KV splits
+    (kv_splits > 1) the rows in `out` are split 0's and the second value holds the other
+    splits' results, to be merged (`merge_splits` says how). Inputs validated by the caller."""
     t, n, h = q.shape
     _, k, p, _ = k_cache.shape
     s, m = block_tables.shape
@@ -487,6 +498,6 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
                       name="rpa_prefill_mosaic",
                       )(q, k_cache, v_cache, block_tables, layout.table, layout.count, out_ref)
     if splits == 1:
-        return out_ref[...]
+        return out_ref[...], None
     part, lse = extra
-    return merge_splits(out_ref[...], part, lse, layout.table, group=g)
+    return out_ref[...], SplitResults(part=part, lse=lse, layout=layout)

@@ -22,7 +22,8 @@ from jaxengine.config import EngineConfig
 from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from jaxengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention, ragged_paged_attention_reference)
-from jaxengine.pallas_kernels.ragged_paged_attention_gpu import Tiling, ragged_paged_attention_gpu
+from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
+    Tiling, merge_splits_gpu, ragged_paged_attention_gpu)
 from tests.kernels.batch_factory import make_batch
 
 
@@ -125,7 +126,8 @@ def _emulate_splits(b, layout, out, *, g: int, bkv: int, splits: int, sm_scale: 
 def test_kv_split_results_merge_to_the_reference(n, k, splits, q_lens, ctx_lens):
     """Tiles whose keys are cut into `splits` ranges (one work item each): the kernel's split
     writes (emulated in float64) merged by merge_splits give the reference; decode and padding
-    rows are kept; NaN in unwritten split rows and log-sum-exps does not leak."""
+    rows are kept; NaN in unwritten split rows and log-sum-exps does not leak; the Triton merge
+    kernel the GPU path runs (interpreted) gives the same."""
     rng = np.random.default_rng(splits)
     b = make_batch(rng, q_lens=q_lens, ctx_lens=ctx_lens, num_heads=n, num_kv_heads=k,
                    head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=1, pad_tokens=3)
@@ -137,10 +139,16 @@ def test_kv_split_results_merge_to_the_reference(n, k, splits, q_lens, ctx_lens)
     out = np.where((kinds == 2)[:, None, None], np.nan, ref).astype(np.float64)
     out, part, lse = _emulate_splits(b, layout, out, g=n // k, bkv=64, splits=splits,
                                      sm_scale=0.25)
-    got = mgpu.merge_splits(jnp.asarray(out, jnp.float32), jnp.asarray(part, jnp.float32),
-                            jnp.asarray(lse, jnp.float32), layout.table, group=n // k)
+    args = (jnp.asarray(out, jnp.float32), jnp.asarray(part, jnp.float32),
+            jnp.asarray(lse, jnp.float32))
+    got = mgpu.merge_splits(*args, layout.table, group=n // k)
     np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(got)[kinds != 2], ref[kinds != 2])
+    # The GPU path's Triton merge kernel (interpreted) against that statement.
+    split = mgpu.SplitResults(part=args[1], lse=args[2], layout=layout)
+    got_gpu = merge_splits_gpu(args[0], split, n // k, interpret=True)
+    np.testing.assert_allclose(np.asarray(got_gpu), np.asarray(got), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got_gpu)[kinds != 2], ref[kinds != 2])
 
 
 def test_split_steps_and_grid_sizes():
