@@ -37,9 +37,15 @@ def get_kernel(mosaic_prefill: bool = False) -> Callable | None:
         logger.info("no Pallas attention kernel for device %s (compute capability %s)",
                     device.device_kind, cc)
         return None
-    from jaxengine.pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+    from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
+        MosaicTiling, Tiling, ragged_paged_attention_gpu)
     if mosaic_prefill and cc[0] == 9:
+        # The Mosaic kernel sizes its KV splits and grid by the SM count (132 on an H100 SXM).
+        sms = getattr(device, "core_count", None) or MosaicTiling().sm_count
+        tiling = Tiling(mosaic=MosaicTiling(sm_count=int(sms)))
+
         def ragged_paged_attention_gpu_mosaic_prefill(*args, **kwargs):
+            kwargs.setdefault("tiling", tiling)
             return ragged_paged_attention_gpu(*args, **kwargs, prefill="auto")
         return ragged_paged_attention_gpu_mosaic_prefill
     return ragged_paged_attention_gpu

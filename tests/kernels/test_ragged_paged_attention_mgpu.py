@@ -161,7 +161,8 @@ def test_split_steps_and_grid_sizes():
     # 256 rows, G = 4 (32-token tiles), 8 KV heads: 64 items fill half of 132 SMs -> 2 splits.
     assert mgpu.kv_splits(256, 8, 4, tiling) == 2
     assert mgpu.kv_splits(2048, 8, 4, tiling) == 1
-    assert mgpu.kv_splits(64, 8, 4, tiling) == 4  # capped
+    assert mgpu.kv_splits(128, 8, 4, tiling) == 4  # 32 items: capped at 4
+    assert mgpu.kv_splits(64, 8, 4, tiling) == 1  # decode-sized buckets: no merge launch
     assert mgpu.kv_splits(256, 8, 4, mgpu.MosaicTiling(kv_splits=1)) == 1
     # 256 slots: the item bound counts 128 partial tiles; the grid stops at 8 x 8 + 132.
     assert mgpu.grid_ctas(256, 256, 8, 4, 1, tiling) == 8 * 8 + 132
@@ -179,7 +180,7 @@ def test_pow2_chunks_partition_the_rows(n):
 
 
 @pytest.mark.parametrize("n,k,h,p,num_ctas,splits", [(32, 8, 128, 16, None, 1),
-                                                     (32, 8, 128, 16, None, None),
+                                                     (32, 8, 128, 16, None, 2),
                                                      (16, 2, 64, 32, 3, 3)])
 def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, num_ctas, splits):
     t, s, m, blocks = 64, 4, 16, 64
