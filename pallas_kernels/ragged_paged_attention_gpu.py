@@ -521,24 +521,23 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
 
 
 def _merge_splits_kernel(tab_ref, cnt_ref, lse_ref, part_ref, out_in_ref, out_ref, *,
-                         splits: int, g: int, n: int, t: int, nt: int, k: int, progs: int):
+                         splits: int, g: int, n: int, t: int, nt: int, k: int, cols: int,
+                         progs: int):
     """Program (i, head): head `head` of the live tiles i, i + progs, ... of the Mosaic
     kernel's tile table; each live row becomes the softmax-weighted sum of its splits' rows
-    (the statement in mgpu.merge_splits). Refs are flat: table [NT * 8], lse [S * NT * K *
-    2 * 64], part [(S - 1) * T * N, H], out [T * N, H] (aliased: other rows are kept)."""
+    (the statement in mgpu.merge_splits). Refs are flat: table [NT * cols], lse [S * NT * K *
+    LSE_BLOCK], part [(S - 1) * T * N, H], out [T * N, H] (aliased: other rows are kept)."""
     del out_in_ref  # aliased with out_ref
     i = pl.program_id(0)
     head = pl.program_id(1)
-    kh, jj = head // g, head % g
-    tq = 64 // g
-    r = jnp.arange(2 * tq, dtype=jnp.int32)
-    lse_off = (kh * 2 + r // tq) * 64 + jj * tq + r % tq  # [2TQ] within lse[s, tile]
-    tile_stride, split_stride = k * 2 * 64, nt * k * 2 * 64
+    r = jnp.arange(mgpu.tile_tokens(g), dtype=jnp.int32)
+    lse_off = (head // g) * mgpu.LSE_BLOCK + mgpu.lse_slot(head % g, r, g)  # within lse[s, tile]
+    tile_stride, split_stride = k * mgpu.LSE_BLOCK, nt * k * mgpu.LSE_BLOCK
 
     def body(it, carry):
         j = i + it * progs
-        tok = tab_ref[j * 8 + 1] + r
-        ok = tok < tab_ref[j * 8 + 2]
+        tok = tab_ref[j * cols + 1] + r
+        ok = tok < tab_ref[j * cols + 2]
         ls = [plgpu.load(lse_ref.at[sp * split_stride + j * tile_stride + lse_off], mask=ok,
                          other=-jnp.inf) for sp in range(splits)]
         mx = ls[0]
@@ -571,7 +570,7 @@ def merge_splits_gpu(out: jax.Array, split: mgpu.SplitResults, g: int, *,
     progs = min(nt, _cdiv(t, mgpu.tile_tokens(g)) + 4)
     merged = pl.pallas_call(
         functools.partial(_merge_splits_kernel, splits=splits, g=g, n=n, t=t, nt=nt, k=k,
-                          progs=progs),
+                          cols=split.layout.table.shape[1], progs=progs),
         grid=(progs, n),
         out_shape=jax.ShapeDtypeStruct((t * n, h), out.dtype),
         input_output_aliases={4: 0},

@@ -45,7 +45,6 @@ _ROWS = 64  # matmul rows per compute warpgroup (the wgmma M)
 _WGS = 2    # compute warpgroups per CTA
 _MAX_SPLITS = 4
 _MIN_SPLIT_ROWS = 128  # token rows from which kv_splits=None may split
-_RCP_LN2 = 1.4426950408889634
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,12 +208,23 @@ def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k
     return TileLayout(table=table, count=jnp.minimum(ends[-1:], nt).astype(jnp.int32))
 
 
+LSE_BLOCK = _WGS * _ROWS  # log-sum-exps per (tile, KV head) item: one per warpgroup row
+
+
+def lse_slot(head_in_group, off, group: int):
+    """Where query head `head_in_group` of a KV head, at token `off` of its tile, sits in the
+    item's LSE_BLOCK log-sum-exps (warpgroup off // TQ, row head * TQ + off % TQ); ints or
+    arrays, in jnp and in kernels."""
+    tq = _ROWS // group
+    return (off // tq) * _ROWS + head_in_group * tq + off % tq
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitResults:
     """What the kernel leaves beside `out` when tiles are cut into KV splits."""
 
     part: jax.Array  # [S - 1, T, N, H] rows of splits 1 .. S - 1, each normalised by its sum
-    lse: jax.Array   # [S, NT, K, WGS, ROWS] float32 log2-sum-exp per split and warpgroup row
+    lse: jax.Array   # [S, NT, K, LSE_BLOCK] float32 log2-sum-exp per split and warpgroup row
     layout: TileLayout
 
 
@@ -223,7 +233,7 @@ def merge_splits(out, part, lse, table, *, group: int):
     of the merge (the GPU path runs it as one Triton kernel, `merge_splits_gpu`).
 
     Split 0 wrote its rows into `out`, split s >= 1 into part[s - 1] ([S - 1, T, N, H]), each
-    normalised by its own softmax sum; lse [S, NT, K, WGS, ROWS] float32 holds each warpgroup
+    normalised by its own softmax sum; lse [S, NT, K, LSE_BLOCK] float32 holds each warpgroup
     row's log2-sum-exp of the scaled logits (-inf where the split had no key for the row),
     indexed by the tile's row in `table`. Rows outside the live tiles keep what `out` holds."""
     t, n, h = out.shape
@@ -240,9 +250,9 @@ def merge_splits(out, part, lse, table, *, group: int):
     tile_of = jnp.where(where >= 0, where // tt, -1)
     off = jnp.maximum(where, 0) % tt
     head = jnp.arange(n, dtype=jnp.int32)
-    row = (head % group)[None, :] * tq + (off % tq)[:, None]  # [T, N] warpgroup row
-    lse_t = lse[:, jnp.maximum(tile_of, 0)[:, None], (head // group)[None, :],
-                (off // tq)[:, None], row]  # [S, T, N]
+    slot = (head // group)[None, :] * LSE_BLOCK + lse_slot((head % group)[None, :],
+                                                          off[:, None], group)  # [T, N]
+    lse_t = lse.reshape(splits, nt, -1)[:, jnp.maximum(tile_of, 0)[:, None], slot]  # [S, T, N]
     m = jnp.max(lse_t, axis=0)
     m = jnp.where(m > -jnp.inf, m, 0.0)
     w = jnp.exp2(lse_t - m[None])  # 0 where a split saw no key
@@ -399,7 +409,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, ls
             # TMA store: per query head, the wg_valid live tokens in power-of-two chunks.
             q_stage[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
             if splits > 1:
-                lse_smem[...] = m_i + jnp.log(l_safe) * _RCP_LN2  # -inf: no key in this split
+                lse_smem[...] = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
             plgpu.commit_smem()
 
             def store_rows(dst):
@@ -416,7 +426,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, ls
                 pl.when(split == 0)(lambda: store_rows(out_ref))
                 for sp in range(1, splits):
                     pl.when(split == sp)(lambda sp=sp: store_rows(part_ref.at[sp - 1]))
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tile, kh, wg])
+                plgpu.copy_smem_to_gmem(lse_smem,
+                                        lse_ref.at[split, tile, kh, pl.ds(wg * _ROWS, _ROWS)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next item
             return base + n_item
 
@@ -492,7 +503,7 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
     # Split results other than split 0's, and every row's log-sum-exp per split.
     out_type = () if splits == 1 else (
         jax.ShapeDtypeStruct((splits - 1, t, n, h), dtype),
-        jax.ShapeDtypeStruct((splits, nt, k, _WGS, _ROWS), jnp.float32))
+        jax.ShapeDtypeStruct((splits, nt, k, LSE_BLOCK), jnp.float32))
     # `pl.kernel` over a Mosaic GPU mesh: a Ref argument is read and written in place.
     out_ref = jax.new_ref(out)
     extra = pl.kernel(entry, out_type=out_type,
