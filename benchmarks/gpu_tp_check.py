@@ -64,6 +64,7 @@ def forward_alone_ms(runner, context: int = 512, t: int = 16, n: int = 50) -> fl
     """One decode row over `context` tokens in token bucket `t`, device synchronised per call."""
     from jaxengine.input_batch import StepInputs
     from jaxengine.models.attention import AttentionMetadata
+    from jaxengine.packing import pack
     r, m, bs = runner.rows_for(t), runner.config.max_blocks_per_seq, runner.config.block_size
     nblk = -(-context // bs)
     block_tables = np.zeros((r, m), np.int32)
@@ -79,10 +80,10 @@ def forward_alone_ms(runner, context: int = 512, t: int = 16, n: int = 50) -> fl
     inputs = StepInputs(np.full(t, 7, np.int32), positions,
                         AttentionMetadata(slot, kv_lens, block_tables, qsl, np.ones(1, np.int32)),
                         np.zeros(r, np.int32), np.full(t, -1, np.int32))
-    fwd = runner._get_forward(t)
+    fwd, packed = runner._get_forward(t), pack(inputs)
 
     def call():
-        runner.kv_caches, logits, _ = fwd(runner.param_leaves, runner.kv_caches, inputs, runner._no_prev)
+        runner.kv_caches, logits, _ = fwd(runner.param_leaves, runner.kv_caches, packed, runner._no_prev)
         logits.block_until_ready()
     return _sync_timing(call, n) * 1e3
 

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from jaxengine.config import EngineConfig, pick_bucket, token_buckets
 from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs
 from jaxengine.models.config import ModelConfig
+from jaxengine.packing import Layout, pack, unpack
 from jaxengine.sampler import batch_sampling_metadata, build_sampling_metadata, sample
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,11 @@ class RunnerOutput:
     nan_rows: np.ndarray | None = None  # [num_seqs] bool: the row's logits hold a NaN
 
 
-def _forward(graphdef, state, kv_caches, inputs: StepInputs, prev_tokens: jax.Array):
-    """prev_tokens [max_num_seqs] int32: the previous step's samples, still on the device; rows
+def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, *, layout: Layout):
+    """packed: the step's StepInputs as one int32 buffer of `layout` (jaxengine.packing).
+    prev_tokens [max_num_seqs] int32: the previous step's samples, still on the device; rows
     with prev_index >= 0 take their input token from there (scheduling ran ahead of them)."""
+    inputs: StepInputs = unpack(packed, layout)
     model = nnx.merge(graphdef, state)
     from_prev = prev_tokens[jnp.maximum(inputs.prev_index, 0)]
     input_ids = jnp.where(inputs.prev_index >= 0, from_prev, inputs.input_ids)
@@ -110,15 +113,13 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     kv = jax.ShapeDtypeStruct((2, c.num_kv_heads, config.block_size, c.head_dim), dtype,
                               sharding=plan.kv_sharding() if plan is not None else None)
 
-    def placed(tree):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
-
-    fwd = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,)).lower(
-        _abstract(state), [(kv, kv)] * c.num_layers, placed(abstract_inputs(t, r, config.max_blocks_per_seq)),
+    layout = Layout.of(abstract_inputs(t, r, config.max_blocks_per_seq))
+    fwd = jax.jit(functools.partial(_forward, graphdef, layout=layout), donate_argnums=(1,)).lower(
+        _abstract(state), [(kv, kv)] * c.num_layers, layout.abstract(rep),
         jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile()
-    md = placed(build_sampling_metadata([], r, config.max_model_len))
-    smp = jax.jit(functools.partial(_sample_padded, use_penalties=True, pad_to=config.max_num_seqs)).lower(
-        jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32, sharding=rep), md).compile()
+    md = Layout.of(build_sampling_metadata([], r, config.max_model_len))
+    smp = jax.jit(functools.partial(_sample_padded, layout=md, use_penalties=True, pad_to=config.max_num_seqs)).lower(
+        jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32, sharding=rep), md.abstract(rep)).compile()
     total = 0
     for compiled in (fwd, smp):
         ma = compiled.memory_analysis()
@@ -130,10 +131,11 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     return max(total - weights, 0)
 
 
-def _sample_padded(logits: jax.Array, md, *, use_penalties: bool, pad_to: int):
-    """The sampler, plus its tokens padded to [pad_to] (a fixed shape the next forward reads) and
-    a [R] flag for rows whose logits hold a NaN (that request is failed alone, not sampled from)."""
-    out = sample(logits, md, use_penalties=use_penalties)
+def _sample_padded(logits: jax.Array, packed_md: jax.Array, *, layout: Layout, use_penalties: bool, pad_to: int):
+    """The sampler on metadata packed with `layout`, plus its tokens padded to [pad_to] (a fixed
+    shape the next forward reads) and a [R] flag for rows whose logits hold a NaN (that request
+    is failed alone, not sampled from)."""
+    out = sample(logits, unpack(packed_md, layout), use_penalties=use_penalties)
     nan_rows = jnp.any(jnp.isnan(logits), axis=-1)
     return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0])), nan_rows
 
@@ -167,11 +169,9 @@ class ModelRunner:
         leaves, self.param_treedef = jax.tree.flatten(state)
         self.param_leaves = tuple(leaves)
         self._params_abs = _abstract(self.param_leaves)
-        fwd_out = None
+        self._fwd_out = None
         if plan is not None:  # fixed output placement, so the sampler programs can be compiled for it
-            fwd_out = ([(self.kv_sharding, self.kv_sharding)] * model_config.num_layers, self._rep, self._rep)
-        self._jit_forward = jax.jit(_flat(_forward, graphdef, self.param_treedef), donate_argnums=(1,),
-                                    out_shardings=fwd_out)
+            self._fwd_out = ([(self.kv_sharding, self.kv_sharding)] * model_config.num_layers, self._rep, self._rep)
         self._jit_prompt_lp = jax.jit(_flat(_prompt_logprobs, graphdef, self.param_treedef,
                                             k=config.max_logprobs or 1))
         self.compile_seconds = 0.0
@@ -197,16 +197,11 @@ class ModelRunner:
         return [(make(), make()) for _ in range(c.num_layers)]
 
     def _compile_forward(self, t: int) -> jax.stages.Compiled:
-        r = self.rows_for(t)
-        kv_abs = _abstract(self.kv_caches)
+        layout = Layout.of(abstract_inputs(t, self.rows_for(t), self.config.max_blocks_per_seq))
+        fn = jax.jit(_flat(_forward, self.graphdef, self.param_treedef, layout=layout), donate_argnums=(1,),
+                     out_shardings=self._fwd_out)
         prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
-        return self._jit_forward.lower(self._params_abs, kv_abs, self._replicated(abstract_inputs(t, r, self.config.max_blocks_per_seq)),
-                                       prev).compile()
-
-    def _replicated(self, tree):
-        if self._rep is None:
-            return tree
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._rep), tree)
+        return fn.lower(self._params_abs, _abstract(self.kv_caches), layout.abstract(self._rep), prev).compile()
 
     def _compile_prompt_logprobs(self, t: int) -> jax.stages.Compiled:
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
@@ -214,11 +209,11 @@ class ModelRunner:
         return self._jit_prompt_lp.lower(self._params_abs, hidden, targets).compile()
 
     def _compile_sampler(self, r: int, penalties: bool) -> jax.stages.Compiled:
-        md = build_sampling_metadata([], r, self._history_len(penalties))
+        layout = Layout.of(build_sampling_metadata([], r, self._history_len(penalties)))
         logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32, sharding=self._rep)
-        md_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._rep), md)
-        fn = jax.jit(functools.partial(_sample_padded, use_penalties=penalties, pad_to=self.config.max_num_seqs))
-        return fn.lower(logits, md_abs).compile()
+        fn = jax.jit(functools.partial(_sample_padded, layout=layout, use_penalties=penalties,
+                                       pad_to=self.config.max_num_seqs))
+        return fn.lower(logits, layout.abstract(self._rep)).compile()
 
     def _history_len(self, penalties: bool) -> int:
         return self.config.max_model_len if penalties else 1
@@ -275,9 +270,7 @@ class ModelRunner:
         ids until min_tokens are out; `prompt_targets` [n_tokens] (next prompt token per row, -1
         where not wanted) asks for prompt logprobs of this step's rows. `prev`, the step still in
         flight, supplies the tokens of decode rows whose input is a placeholder. `num_tokens`:
-        the rows' new tokens in all, when the caller knows it. The host buffers behind the inputs
-        are reused by the next `dispatch` of the same bucket, so `collect` must come first (the
-        engine does so).
+        the rows' new tokens in all, when the caller knows it.
         """
         if num_tokens is None:
             num_tokens = sum(s.num_new_tokens for s in seqs)
@@ -287,13 +280,15 @@ class ModelRunner:
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         requests = [s.request for s in seqs]
         md, penalties = batch_sampling_metadata(requests, seeds, eos_token_ids, r, self._history_len(True))
-        self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches, inputs, prev_tokens)
+        # Each numpy argument is its own host-to-device copy: one packed buffer per program.
+        self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches, pack(inputs),
+                                                              prev_tokens)
         prompt_lp = None
         if prompt_targets is not None:
             targets = np.full(t, -1, np.int32)
             targets[:len(prompt_targets)] = prompt_targets
             prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, targets)
-        sampler_out, tokens, nan_rows = self._get_sampler(r, penalties)(logits, md)
+        sampler_out, tokens, nan_rows = self._get_sampler(r, penalties)(logits, pack(md))
         rows_of = {s.request.request_id: i for i, s in enumerate(seqs) if s.samples}
         return InFlight(sampler_out, len(seqs), prompt_lp, tokens, rows_of, nan_rows)
 
