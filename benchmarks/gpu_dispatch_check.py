@@ -11,7 +11,8 @@ This check times, on 1 and on 2 devices:
    arrays, K numpy inputs (each one host-to-device copy), on 1 and 2 devices;
 3. the engine itself (the Llama-3-8B shape with `--layers` layers, dummy weights, batch-1
    decode): the host time of each forward and sampler call, the step time and the device wait;
-   and the forward call split into placing its numpy inputs and the call on placed inputs.
+   and the forward call split into placing its numpy inputs and the call on placed inputs; then
+   greedy tokens of three prompts, compared with the first variant's (a flag must not change them).
 
 Each XLA_FLAGS variant (VARIANTS) runs in its own process, which measures the ceilings on device
 0 first. Tables are printed last; JSON goes to $OUT.
@@ -112,7 +113,7 @@ def engine(tp: int, smoke: bool, layers: int) -> dict:
     import jax
     import numpy as np
     from benchmarks.gpu_tp_check import dispatch_host_ms
-    from jaxengine import LLM
+    from jaxengine import LLM, SamplingParams
     from jaxengine.models.presets import PRESETS
     over = dict(num_hidden_layers=layers)
     if smoke:
@@ -158,7 +159,11 @@ def engine(tp: int, smoke: bool, layers: int) -> dict:
     disp, step, wait = dispatch_host_ms(eng, 60)
     runner._get_forward = timed_placed(runner.__class__._get_forward.__get__(runner))
     dispatch_host_ms(eng, 60)
-    return {"forward_place_inputs_ms": float(np.median(placed["place"][4:]) * 1e3),
+    runner._get_forward, runner._get_sampler = (getattr(runner.__class__, n).__get__(runner)
+                                                for n in ("_get_forward", "_get_sampler"))
+    greedy = llm.generate([{"prompt_token_ids": list(range(7 + i, 47 + 5 * i))} for i in range(3)],
+                          SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    return {"greedy_tokens": [o.outputs[0].token_ids for o in greedy],"forward_place_inputs_ms": float(np.median(placed["place"][4:]) * 1e3),
             "forward_call_placed_ms": float(np.median(placed["call"][4:]) * 1e3),
             "param_leaves": len(runner.param_leaves), "kv_arrays": 2 * len(runner.kv_caches),
             "tp": tp, "layers": layers, "dispatch_host_ms": disp, "step_ms": step, "device_wait_ms": wait,
@@ -235,12 +240,14 @@ def main() -> None:
     for r in results:
         for c in r["args"]:
             print(f"| {r['variant']} | {c['devices']} | {c['params']} | {c['donated_cache']} | {c['numpy_inputs']} | {c['call_us']:.0f} |")
-    print("\n| variant | TP | layers | forward call ms | of which placing inputs / call on placed | sampler call ms | dispatch ms | step ms | device wait ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| variant | TP | layers | forward call ms | of which placing inputs / call on placed | sampler call ms | dispatch ms | step ms | device wait ms | greedy tokens == first variant's |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    first = {(e["tp"], e["layers"]): e["greedy_tokens"] for e in results[0]["engine"]}
     for r in results:
         for e in r["engine"]:
             print(f"| {r['variant']} | {e['tp']} | {e['layers']} | {e['forward_call_ms']:.2f} | {e['forward_place_inputs_ms']:.2f} / {e['forward_call_placed_ms']:.2f} | {e['sampler_call_ms']:.2f} | "
-                  f"{e['dispatch_host_ms']:.2f} | {e['step_ms']:.2f} | {e['device_wait_ms']:.2f} |")
+                  f"{e['dispatch_host_ms']:.2f} | {e['step_ms']:.2f} | {e['device_wait_ms']:.2f} | "
+                  f"{first.get((e['tp'], e['layers'])) == e['greedy_tokens']} |")
 
 
 if __name__ == "__main__":
