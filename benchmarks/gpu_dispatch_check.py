@@ -229,25 +229,27 @@ def main() -> None:
         c = r["ceilings_gpu0"]
         print(f"{r['variant']}: {r['devices'][0]} x {len(r['devices'])}, jax {r['jax']}, ceilings on device 0: "
               f"copy {c['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
-    print("\n| variant | program chain | devices | big call ms | small call ms | final wait ms | ms per iteration |")
-    print("|---|---|---|---|---|---|---|")
-    for r in results:
-        for c in r["chain"]:
-            print(f"| {r['variant']} | {'with all-gather' if c['collective'] else 'no collective'} | {c['devices']} | "
-                  f"{c['big_call_ms']:.2f} | {c['small_call_ms']:.2f} | {c['final_wait_ms']:.2f} | {c['per_iter_ms']:.2f} |")
-    print("\n| variant | devices | parameter arrays | donated cache arrays | numpy inputs | call us |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        for c in r["args"]:
-            print(f"| {r['variant']} | {c['devices']} | {c['params']} | {c['donated_cache']} | {c['numpy_inputs']} | {c['call_us']:.0f} |")
-    print("\n| variant | TP | layers | forward call ms | of which placing inputs / call on placed | sampler call ms | dispatch ms | step ms | device wait ms | greedy tokens == first variant's |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
     first = {(e["tp"], e["layers"]): e["greedy_tokens"] for e in results[0]["engine"]}
-    for r in results:
-        for e in r["engine"]:
-            print(f"| {r['variant']} | {e['tp']} | {e['layers']} | {e['forward_call_ms']:.2f} | {e['forward_place_inputs_ms']:.2f} / {e['forward_call_placed_ms']:.2f} | {e['sampler_call_ms']:.2f} | "
-                  f"{e['dispatch_host_ms']:.2f} | {e['step_ms']:.2f} | {e['device_wait_ms']:.2f} | "
-                  f"{first.get((e['tp'], e['layers'])) == e['greedy_tokens']} |")
+    _table(["variant", "program chain", "devices", "big call ms", "small call ms", "final wait ms", "ms per iteration"],
+           [[r["variant"], "with all-gather" if c["collective"] else "no collective", c["devices"],
+             f"{c['big_call_ms']:.2f}", f"{c['small_call_ms']:.2f}", f"{c['final_wait_ms']:.2f}",
+             f"{c['per_iter_ms']:.2f}"] for r in results for c in r["chain"]])
+    _table(["variant", "devices", "parameter arrays", "donated cache arrays", "numpy inputs", "call us"],
+           [[r["variant"], c["devices"], c["params"], c["donated_cache"], c["numpy_inputs"], f"{c['call_us']:.0f}"]
+            for r in results for c in r["args"]])
+    _table(["variant", "TP", "layers", "forward call ms", "of which placing inputs / call on placed", "sampler call ms",
+            "dispatch ms", "step ms", "device wait ms", "greedy tokens == first variant's"],
+           [[r["variant"], e["tp"], e["layers"], f"{e['forward_call_ms']:.2f}",
+             f"{e['forward_place_inputs_ms']:.2f} / {e['forward_call_placed_ms']:.2f}", f"{e['sampler_call_ms']:.2f}",
+             f"{e['dispatch_host_ms']:.2f}", f"{e['step_ms']:.2f}", f"{e['device_wait_ms']:.2f}",
+             first.get((e["tp"], e["layers"])) == e["greedy_tokens"]] for r in results for e in r["engine"]])
+
+
+def _table(header: list[str], rows: list[list]) -> None:
+    if rows:
+        print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(str(x) for x in row) + " |")
 
 
 if __name__ == "__main__":

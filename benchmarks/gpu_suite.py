@@ -635,7 +635,6 @@ def part_serve(args, st, out_dir) -> tuple[dict, list[str]]:
            "--port", str(port), "--served-model-name", name, "--uvicorn-log-level", "warning"]
     log_path = os.path.join(out_dir, f"suite_serve{'_smoke' if st['smoke'] else ''}_server.log")
     log = open(log_path, "w")
-    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     res: dict = {"server_command": show(cmd), "server_log": os.path.basename(log_path),
                  "prompts": "token ids (random, exact lengths), sent to /v1/completions with stream=true, "

@@ -136,6 +136,44 @@ def allreduce_ms(tp: int, shape=(16, 4096), n: int = 200) -> float:
     return _sync_timing(loop, n // 10) / 10 * 1e3
 
 
+def engine_settings(smoke: bool) -> tuple[str, dict, int]:
+    """(model, engine settings, prompts in the throughput run): the Llama-3-8B shape with the H100
+    suite's settings, or on the CPU (--smoke, XLA_FLAGS=--xla_force_host_platform_device_count=2)
+    a 2-layer cut of it that runs the same code paths."""
+    if not smoke:
+        return "llama-3-8b", dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048), 256
+    from jaxengine.models.presets import PRESETS
+    PRESETS["tp-smoke"] = dict(PRESETS["llama-3-8b"], hidden_size=256, intermediate_size=512,
+                               num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2)
+    return "tp-smoke", dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=256), 8
+
+
+def engine_figures(llm, n_batch: int) -> dict:
+    """Batch-1 decode ms/token (128 greedy tokens after a warm-up), its host / device-wait split per
+    step, and offline throughput over `n_batch` random prompts x (256 in, 128 out)."""
+    from jaxengine import SamplingParams
+    eng = llm.llm_engine
+    p = {"prompt_token_ids": list(range(100, 132))}
+    llm.generate(p, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    o = llm.generate(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    ms = (o.metrics.last_token_time - o.metrics.first_token_time) / 127 * 1e3
+    disp, step, wait = dispatch_host_ms(eng)
+    rng = np.random.default_rng(0)
+    batch = [{"prompt_token_ids": rng.integers(0, 32000, size=256).tolist()} for _ in range(n_batch)]
+    eng.timing.update(steps=0, device_wait_s=0.0, step_s=0.0)
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)
+    dt = time.perf_counter() - t0
+    tm = dict(eng.timing)
+    steps = max(tm["steps"], 1)
+    return {"decode_b1_ms": ms, "decode_b1_tok_s": 1e3 / ms, "b1_dispatch_host_ms": disp, "b1_step_ms": step,
+            "b1_device_wait_ms": wait,
+            "throughput_256x256_128_out_tok_s": sum(len(x.outputs[0].token_ids) for x in outs) / dt,
+            "throughput_steps": tm["steps"],
+            "throughput_host_ms_per_step": (tm["step_s"] - tm["device_wait_s"]) / steps * 1e3,
+            "throughput_wait_ms_per_step": tm["device_wait_s"] / steps * 1e3}
+
+
 def main() -> None:
     from jaxengine import SamplingParams
     out_dir = os.environ.get("OUT", ".")
@@ -160,40 +198,17 @@ def main() -> None:
             print(f"tiny (KV heads {kv}) TP2 == TP1:", toks[1] == toks[2], flush=True)
     res["allreduce_16x4096_bf16_ms"] = allreduce_ms(2)
     print("all-reduce [16, 4096] bf16 over 2 GPUs:", res["allreduce_16x4096_bf16_ms"], "ms", flush=True)
-    rng = np.random.default_rng(0)
-    model, kw, n_batch = "llama-3-8b", dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048), 256
-    if smoke:  # the code paths on CPU (XLA_FLAGS=--xla_force_host_platform_device_count=2)
-        from jaxengine.models.presets import PRESETS
-        PRESETS["tp-smoke"] = dict(PRESETS["llama-3-8b"], hidden_size=256, intermediate_size=512,
-                                   num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2)
-        model, kw, n_batch = "tp-smoke", dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64,
-                                              num_kv_blocks=256), 8
+    model, kw, n_batch = engine_settings(smoke)
     for tp in (1, 2):
         llm, startup = run_engine(model, tp, load_format="dummy", dtype="bfloat16", **kw)
         eng = llm.llm_engine
-        p = {"prompt_token_ids": list(range(100, 132))}
-        llm.generate(p, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-        o = llm.generate(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)[0]
-        ms = (o.metrics.last_token_time - o.metrics.first_token_time) / 127 * 1e3
-        disp, step, wait = dispatch_host_ms(eng)
+        fig = engine_figures(llm, n_batch)
         fwd = forward_alone_ms(eng.runner)
         hlo = eng.runner._get_forward(16).as_text()
         with open(os.path.join(out_dir, f"forward_t16_tp{tp}.hlo.txt"), "w") as f:
             f.write(hlo)
-        batch = [{"prompt_token_ids": rng.integers(0, 32000, size=256).tolist()} for _ in range(n_batch)]
-        eng.timing.update(steps=0, device_wait_s=0.0, step_s=0.0)
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)
-        dt = time.perf_counter() - t0
-        tm = dict(eng.timing)
-        n = sum(len(x.outputs[0].token_ids) for x in outs)
-        res[f"tp{tp}"] = {"startup_s": startup, "decode_b1_ms": ms, "decode_b1_tok_s": 1e3 / ms,
-                          "b1_dispatch_host_ms": disp, "b1_step_ms": step, "b1_device_wait_ms": wait,
-                          "forward_alone_b1_ctx512_ms": fwd, "collectives_forward_t16": collectives(hlo),
-                          "throughput_256x256_128_out_tok_s": n / dt, "throughput_steps": tm["steps"],
-                          "throughput_host_ms_per_step": (tm["step_s"] - tm["device_wait_s"]) / max(tm["steps"], 1) * 1e3,
-                          "throughput_wait_ms_per_step": tm["device_wait_s"] / max(tm["steps"], 1) * 1e3,
-                          "kv_blocks": eng.config.num_kv_blocks}
+        res[f"tp{tp}"] = dict(fig, startup_s=startup, forward_alone_b1_ctx512_ms=fwd,
+                              collectives_forward_t16=collectives(hlo), kv_blocks=eng.config.num_kv_blocks)
         print(f"tp{tp}", res[f"tp{tp}"], flush=True)
         del llm, eng
     weights = 8.03e9 * 2  # Llama-3-8B bf16
@@ -201,7 +216,7 @@ def main() -> None:
     with open(os.path.join(out_dir, "tp_h200x2.json"), "w") as f:
         json.dump(res, f, indent=2)
     c = res["ceilings_gpu0"]
-    print(f"\n| figure | TP=1 | TP=2 |\n|---|---|---|")
+    print("\n| figure | TP=1 | TP=2 |\n|---|---|---|")
     for key, label in (("decode_b1_ms", "batch-1 decode ms/token (engine)"),
                        ("forward_alone_b1_ctx512_ms", "forward program alone, batch 1, ms"),
                        ("b1_dispatch_host_ms", "dispatch host ms (batch 1)"),

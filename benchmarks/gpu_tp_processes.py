@@ -28,18 +28,13 @@ def worker(rank: int, coordinator: str, smoke: bool) -> None:
     from jaxengine import distributed
     distributed.initialize(distributed.MultiHostConfig(2, rank, coordinator))
     import jax
-    import numpy as np
 
     from benchmarks.ceilings import measure
-    from benchmarks.gpu_tp_check import dispatch_host_ms
-    from jaxengine import LLM, SamplingParams
-    model, kw, n_batch = "llama-3-8b", dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048), 256
+    from benchmarks.gpu_tp_check import engine_figures, engine_settings
+    from jaxengine import LLM
+    model, kw, n_batch = engine_settings(smoke)
     if smoke:
-        from jaxengine.models.presets import PRESETS
-        PRESETS["tp-smoke"] = dict(PRESETS["llama-3-8b"], hidden_size=256, intermediate_size=512,
-                                   num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2)
-        model, kw, n_batch = "tp-smoke", dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64,
-                                              num_kv_blocks=256, compilation_cache_dir=None), 8
+        kw["compilation_cache_dir"] = None  # two processes on one small machine: no shared cache
     res = {"jax": jax.__version__, "processes": jax.process_count(), "devices": jax.device_count(),
            "device_kind": jax.local_devices()[0].device_kind}
     if rank == 0:
@@ -47,24 +42,7 @@ def worker(rank: int, coordinator: str, smoke: bool) -> None:
     t0 = time.perf_counter()
     llm = LLM(model, tensor_parallel_size=2, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", **kw)
     res["startup_s"] = time.perf_counter() - t0
-    eng = llm.llm_engine
-    p = {"prompt_token_ids": list(range(100, 132))}
-    llm.generate(p, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    o = llm.generate(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)[0]
-    res["decode_b1_ms"] = (o.metrics.last_token_time - o.metrics.first_token_time) / 127 * 1e3
-    res["decode_b1_tok_s"] = 1e3 / res["decode_b1_ms"]
-    disp, step, wait = dispatch_host_ms(eng)
-    res.update(b1_dispatch_host_ms=disp, b1_step_ms=step, b1_device_wait_ms=wait)
-    rng = np.random.default_rng(0)
-    batch = [{"prompt_token_ids": rng.integers(0, 32000, size=256).tolist()} for _ in range(n_batch)]
-    eng.timing.update(steps=0, device_wait_s=0.0, step_s=0.0)
-    t0 = time.perf_counter()
-    outs = llm.generate(batch, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)
-    dt = time.perf_counter() - t0
-    tm = dict(eng.timing)
-    res["throughput_256x256_128_out_tok_s"] = sum(len(x.outputs[0].token_ids) for x in outs) / dt
-    res["throughput_steps"] = tm["steps"]
-    res["throughput_host_ms_per_step"] = (tm["step_s"] - tm["device_wait_s"]) / max(tm["steps"], 1) * 1e3
+    res.update(engine_figures(llm, n_batch))
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
 

@@ -88,7 +88,6 @@ class Timer:
         self._wrap(engine, "_dispatch", "_dispatch")
         self._wrap(r.builder, "build", "dispatch: inputs")
         # the sampling-metadata builder: whichever the code in hand has
-        import jaxengine.engine as eng_mod
         import jaxengine.model_runner as mr
         self._wrap(r, "dispatch", "runner.dispatch")
         self._md_name = "batch_sampling_metadata" if hasattr(mr, "batch_sampling_metadata") else "build_sampling_metadata"

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from jaxengine.cli import main
-from tests.server.conftest import ENGINE_KW, LiveServer, make_engine
+from tests.server.conftest import LiveServer, make_engine
 
 ENGINE_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
                 "--num-kv-blocks", "128", "--dtype", "float32"]
