@@ -32,6 +32,7 @@ def _make_llm(args):
 
 def cmd_generate(args) -> int:
     from jaxengine import distributed
+    distributed.start_local_workers(args)
     distributed.initialize(distributed.multihost_config(args))  # every rank runs the same prompts
     llm = _make_llm(args)
     outs = llm.generate(args.prompt, _sampling_params(args), use_tqdm=False)
@@ -105,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv, args.prog_module = argv, "jaxengine.cli"  # for worker processes that repeat the command
     try:
         return args.func(args)
     except ValueError as e:

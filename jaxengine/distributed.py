@@ -15,9 +15,15 @@ with `agree_min` before it shapes a program.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import logging
+import os
 import pickle
+import socket
+import subprocess
+import sys
+import time
 from typing import TYPE_CHECKING
 
 import jax
@@ -62,11 +68,67 @@ def add_multihost_args(parser: argparse.ArgumentParser) -> None:
                    help="this process's rank; rank 0 hosts the coordinator and (serve) answers HTTP")
     g.add_argument("--coordinator", "--coordinator-address", dest="coordinator", default=None,
                    help="HOST:PORT of rank 0's coordinator, the same on every process")
+    g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="uni",
+                   help="tensor parallelism on one machine: 'uni' drives every GPU from this process; 'mp' "
+                        "starts one process per GPU (a local multi-host job; this process is rank 0)")
+
+
+EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 def multihost_config(args: argparse.Namespace) -> MultiHostConfig:
     return MultiHostConfig(getattr(args, "num_hosts", 1), getattr(args, "host_rank", 0),
                            getattr(args, "coordinator", None))
+
+
+def start_local_workers(args: argparse.Namespace) -> list[subprocess.Popen]:
+    """`--distributed-executor-backend mp`: this process becomes rank 0 of a job of one process per
+    GPU on this machine, and ranks 1..N-1 start as the same command line (`python -m
+    args.prog_module *args.argv`, which the command-line entry points record) plus the
+    multi-host flags. Each process sees one GPU (CUDA_VISIBLE_DEVICES), so each launches a
+    single-device program: on two H200s this decodes faster than one process driving both
+    (benchmarks/results/tp_h200x2.md). Returns the children, [] when there is nothing to start.
+    Call before anything touches a device; `args` is updated to rank 0's multi-host settings."""
+    if getattr(args, "distributed_executor_backend", "uni") != "mp":
+        return []
+    n = args.tensor_parallel_size
+    if args.num_hosts != 1:
+        raise ValueError("--distributed-executor-backend mp starts the processes of one machine itself; "
+                         "across hosts, start one process per host with --num-hosts (backend 'uni')")
+    if n == 1:
+        return []
+    if getattr(args, "argv", None) is None or getattr(args, "prog_module", None) is None:
+        raise ValueError("--distributed-executor-backend mp repeats the command line in its workers: "
+                         "run it from `jaxengine ...` or `python -m jaxengine.server ...`")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [g for g in visible.split(",") if g] if visible is not None else [str(i) for i in range(n)]
+    if len(gpus) < n:
+        raise ValueError(f"--distributed-executor-backend mp with tensor_parallel_size={n} needs {n} GPUs, "
+                         f"CUDA_VISIBLE_DEVICES lists {len(gpus)}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
+    children = []
+    for rank in range(1, n):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[rank])
+        children.append(subprocess.Popen(
+            [sys.executable, "-m", args.prog_module, *args.argv, "--distributed-executor-backend", "uni", "--num-hosts", str(n), "--host-rank", str(rank),
+             "--coordinator", coordinator], env=env))
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[0]
+    args.num_hosts, args.host_rank, args.coordinator = n, 0, coordinator
+    logger.info("started %d worker processes (one per GPU); coordinator %s", n - 1, coordinator)
+    atexit.register(_reap, children)
+    return children
+
+
+def _reap(children: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+    """At rank 0's exit: the workers follow its stop; any still running after `timeout_s` are ended."""
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        try:
+            c.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            c.kill()
 
 
 def initialize(mh: MultiHostConfig) -> None:

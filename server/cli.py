@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -220,6 +221,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     args = resolve_args(args)
     settings = ServerSettings.from_args(args)
     config = EngineConfig(model=args.model, **engine_kwargs(args))
+    distributed.start_local_workers(args)  # --distributed-executor-backend mp: one process per GPU
     mh = multihost_config(args)
     distributed.initialize(mh)
     with _interrupt_on_sigterm():
@@ -315,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxengine.server",
                                      description="OpenAI-compatible HTTP server for jaxengine")
     add_serve_args(parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv, args.prog_module = argv, "jaxengine.server"  # for worker processes that repeat the command
     try:
         return cmd_serve(args)
     except ValueError as e:

@@ -1,9 +1,11 @@
-"""Two CPU processes on 127.0.0.1, started with the multi-host flags, act as one engine: offline
-they produce the outputs of one process over the same two devices, and as a server rank 0 answers
-HTTP while rank 1 follows its steps, with the same outputs, until a SIGTERM stops both."""
+"""Two CPU processes on 127.0.0.1 act as one engine. Started by hand with the multi-host flags,
+offline, they produce the outputs of one process over the same two devices. Started as a server
+with `--distributed-executor-backend mp` (rank 0 starts rank 1 itself), rank 0 answers HTTP while
+rank 1 follows its steps, with the same outputs, until a SIGTERM to rank 0 stops both."""
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import json
 import os
@@ -17,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from jaxengine.distributed import MultiHostConfig
+from jaxengine.distributed import MultiHostConfig, start_local_workers
 from tests.parallel.multihost_common import ENGINE_KW, MAX_TOKENS, PROMPTS
 from tests.tiny_checkpoints import make_checkpoint
 
@@ -78,21 +80,37 @@ def test_two_processes_offline_equal_one(checkpoint, reference):
     assert got["tokens"] == reference["tokens"]
 
 
-def test_two_process_server_equals_one_process(checkpoint, reference):
-    coord, port = f"127.0.0.1:{_free_port()}", _free_port()
+def _rank1_pids(port: int) -> list[int]:
+    """Processes whose command line is a rank-1 worker serving on `port` (Linux /proc)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if str(port) in argv and any(a == "--host-rank" and b == "1" for a, b in zip(argv, argv[1:])):
+            pids.append(int(pid))
+    return pids
+
+
+def test_server_with_a_process_per_device_equals_one_process(checkpoint, reference, tmp_path):
+    """`--distributed-executor-backend mp`: the server starts rank 1 itself (the multi-host flags on
+    127.0.0.1); rank 0 answers HTTP, rank 1 follows its steps, and a SIGTERM to rank 0 stops both."""
+    port = _free_port()
     flags = ["--tensor-parallel-size", "2", "--max-model-len", str(ENGINE_KW["max_model_len"]),
              "--max-num-seqs", str(ENGINE_KW["max_num_seqs"]),
              "--max-num-batched-tokens", str(ENGINE_KW["max_num_batched_tokens"]),
              "--num-kv-blocks", str(ENGINE_KW["num_kv_blocks"]), "--port", str(port),
-             "--uvicorn-log-level", "warning", "--num-hosts", "2", "--coordinator", coord]
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxengine.server", checkpoint, *flags, "--host-rank", str(r)],
-                              env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (0, 1)]
+             "--uvicorn-log-level", "warning", "--distributed-executor-backend", "mp"]
+    log = open(tmp_path / "server.log", "w+")  # both ranks write here (a pipe could fill up unread)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxengine.server", checkpoint, *flags], env=_env(1),
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 600
         while True:
-            assert all(p.poll() is None for p in procs), "a rank exited during start-up"
+            assert proc.poll() is None, "rank 0 exited during start-up"
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -100,6 +118,7 @@ def test_two_process_server_equals_one_process(checkpoint, reference):
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.5)
+        assert len(_rank1_pids(port)) == 1, "rank 0 did not start exactly one worker"
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
 
         def complete(prompt: list[int]) -> str:
@@ -114,13 +133,15 @@ def test_two_process_server_equals_one_process(checkpoint, reference):
                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in stream) == reference["texts"][0]
         time.sleep(2.5)  # idle: rank 1 keeps following the heartbeat iterations
-        assert procs[1].poll() is None
-        procs[0].send_signal(signal.SIGTERM)  # rank 0 drains, tells rank 1 to stop; both exit cleanly
-        results = _wait_all(procs, timeout=120)
-        assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+        assert len(_rank1_pids(port)) == 1
+        proc.send_signal(signal.SIGTERM)  # rank 0 drains, tells rank 1 to stop, waits for it
+        assert proc.wait(timeout=120) == 0, log.seek(0) or log.read()[-3000:]
+        assert _rank1_pids(port) == []
     finally:
-        for p in procs:
-            p.kill()
+        proc.kill()
+        for pid in _rank1_pids(port):
+            os.kill(pid, signal.SIGKILL)
+        log.close()
 
 
 def test_bad_multihost_flags_are_clear_errors():
@@ -133,3 +154,20 @@ def test_bad_multihost_flags_are_clear_errors():
     proc = subprocess.run([sys.executable, "-m", "jaxengine.cli", "generate", "hi", "--num-hosts", "2",
                            "--coordinator", "nohostport"], env=_env(1), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "coordinator must be HOST:PORT" in proc.stderr
+
+
+def test_bad_process_per_device_settings_are_clear_errors(monkeypatch):
+    def args(**kw):
+        base = dict(distributed_executor_backend="mp", tensor_parallel_size=2, num_hosts=1, host_rank=0,
+                    coordinator=None, argv=["generate", "hi"], prog_module="jaxengine.cli")
+        return argparse.Namespace(**dict(base, **kw))
+    with pytest.raises(ValueError, match="across hosts"):
+        start_local_workers(args(num_hosts=2))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    with pytest.raises(ValueError, match="needs 4 GPUs, CUDA_VISIBLE_DEVICES lists 2"):
+        start_local_workers(args(tensor_parallel_size=4))
+    with pytest.raises(ValueError, match="repeats the command line"):
+        start_local_workers(args(argv=None))
+    # nothing to start: one device, or the single-process backend
+    assert start_local_workers(args(tensor_parallel_size=1)) == []
+    assert start_local_workers(args(distributed_executor_backend="uni")) == []
