@@ -122,7 +122,12 @@ def start_local_workers(args: argparse.Namespace) -> list[subprocess.Popen]:
 
 
 def _reap(children: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
-    """At rank 0's exit: the workers follow its stop; any still running after `timeout_s` are ended."""
+    """At rank 0's exit: the workers follow its stop; any still running after `timeout_s` are ended.
+
+    A worker's own exit waits for every process at jax.distributed's shutdown barrier, so rank 0
+    takes its part there first (jax's exit hook, registered at import, would only run after this
+    one and find it done)."""
+    jax.distributed.shutdown()
     deadline = time.monotonic() + timeout_s
     for c in children:
         try:

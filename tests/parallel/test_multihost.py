@@ -135,7 +135,7 @@ def test_server_with_a_process_per_device_equals_one_process(checkpoint, referen
         time.sleep(2.5)  # idle: rank 1 keeps following the heartbeat iterations
         assert len(_rank1_pids(port)) == 1
         proc.send_signal(signal.SIGTERM)  # rank 0 drains, tells rank 1 to stop, waits for it
-        assert proc.wait(timeout=120) == 0, log.seek(0) or log.read()[-3000:]
+        assert proc.wait(timeout=45) == 0, log.seek(0) or log.read()[-3000:]  # no wait on the worker's exit
         assert _rank1_pids(port) == []
     finally:
         proc.kill()
