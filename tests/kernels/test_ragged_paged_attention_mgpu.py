@@ -5,6 +5,7 @@
   the power-of-two chunks its TMA stores use) into an output whose prefill rows are poisoned
   with NaN and whose decode and padding rows hold what the decode kernel leaves there.
 - The kernel lowers for CUDA (Mosaic GPU's layout and TMA checks run at lowering).
+- The tile table is built once per program, however many layers trace it.
 - Options are validated with clear errors.
 The kernel body itself runs on the H100 (benchmarks/kernels/bench_paged_attention.py --mosaic:
 correctness cases and timings in benchmarks/results/kernels_h100_mosaic*.json); Pallas' Mosaic
@@ -149,6 +150,19 @@ def test_kv_split_results_merge_to_the_reference(n, k, splits, q_lens, ctx_lens)
     got_gpu = merge_splits_gpu(args[0], split, n // k, interpret=True)
     np.testing.assert_allclose(np.asarray(got_gpu), np.asarray(got), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got_gpu)[kinds != 2], ref[kinds != 2])
+
+
+def test_one_tile_table_per_program_however_many_layers():
+    """Every layer traces its own tile table from the same step metadata; XLA keeps one (inlining
+    plus CSE), so the table costs one step, not one per layer. Checked on the CPU pipeline."""
+    def layers(qsl, kv_lens, num_seqs, x):
+        for _ in range(4):
+            layout = mgpu.tile_layout(qsl, kv_lens, num_seqs, t=256, s=16, n=32, k=8)
+            x = jnp.sin(x + layout.table.sum() + layout.count[0])  # a layer between the calls
+        return x
+    args = (np.arange(17, dtype=np.int32) * 4, np.full(16, 100, np.int32), np.array([16], np.int32), np.float32(0))
+    hlo = jax.jit(layers).lower(*args).compile().as_text()
+    assert hlo.count(" sort(") == 1
 
 
 def test_split_steps_and_grid_sizes():
