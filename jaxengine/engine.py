@@ -76,10 +76,11 @@ class LLMEngine:
                         plan.kv_head_replicas)
             model_config = model_config.with_kv_head_replicas(plan.kv_head_replicas)
         mesh = plan.mesh if plan is not None else None
-        put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
         if ckpt is None or config.load_format == "dummy":
-            graphdef, state = dummy_params(model_config, dtype, config.seed, config.attention_backend, put, mesh)
+            graphdef, state = dummy_params(model_config, dtype, config.seed, config.attention_backend,
+                                           plan.param_sharding if plan is not None else None, mesh)
         else:
+            put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
             graphdef, state = load_params(ckpt, model_config, dtype, config.attention_backend, put, mesh)
         config = dataclasses.replace(config, num_kv_blocks=self._num_blocks(config, model_config, dtype, graphdef, state, plan))
         if plan is not None:

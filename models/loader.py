@@ -221,24 +221,28 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, attn_backend: st
 
 
 def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, attn_backend: str = "auto",
-                 put: Callable[[Path, jax.Array], jax.Array] | None = None, mesh=None):
-    """Random weights of the right shapes, made on device (for benchmarks of big shapes)."""
+                 sharding_of: Callable[[tuple], jax.sharding.Sharding] | None = None, mesh=None):
+    """Random weights of the right shapes, made on device (for benchmarks of big shapes).
+
+    `sharding_of(path)` places each parameter: it is generated in place, each device computing
+    only its shard (the values do not depend on the placement), never whole on one device first,
+    which with one process per GPU would have to reach the other processes' devices."""
     graphdef, abs_state = abstract_model(cfg, dtype, attn_backend, mesh)
     pure = nnx.to_pure_dict(abs_state)
     key = jax.random.key(seed)
-    put = put or (lambda path, arr: arr)
     for i, (path, sds) in enumerate(_flat(pure).items()):
-        shape = tuple(sds.shape)
-        if path[-1] == "weight":  # norms
-            arr = jnp.ones(shape, dtype)
-        else:
-            arr = _normal(jax.random.fold_in(key, i), shape, jnp.dtype(dtype))
-        _set(pure, path, put(path, arr))
+        shape, sharding = tuple(sds.shape), sharding_of(path) if sharding_of is not None else None
+        fill = "ones" if path[-1] == "weight" else "normal"  # norms are ones
+        _set(pure, path, _dummy_fn(shape, jnp.dtype(dtype), fill, sharding)(jax.random.fold_in(key, i)))
     nnx.replace_by_pure_dict(abs_state, pure)
     return graphdef, abs_state
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
-    """One compile per distinct (shape, dtype): a model has only a handful."""
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+@functools.lru_cache(maxsize=None)
+def _dummy_fn(shape: tuple[int, ...], dtype: jnp.dtype, fill: str, sharding) -> Callable[[jax.Array], jax.Array]:
+    """One compiled generator per distinct (shape, dtype, fill, placement): a model has a handful."""
+    def make(key):
+        if fill == "ones":
+            return jnp.ones(shape, dtype)
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jax.jit(make, out_shardings=sharding)

@@ -97,3 +97,35 @@ def test_impossible_settings_are_clear_errors():
     cfg8 = ModelConfig.from_hf_dict(PRESETS["llama-3-8b"])  # 32 heads, 8 KV heads
     with pytest.raises(ValueError, match="num_kv_heads=4 and tensor_parallel_size=6: one must divide the other"):
         make_plan(dataclasses.replace(cfg8, num_heads=24, num_kv_heads=4), 6, devices=list(range(6)))
+
+
+DUMMY_CHECK = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.loader import dummy_params
+from jaxengine.models.presets import PRESETS
+from jaxengine.sharding import LOGICAL_AXES, make_plan
+cfg = ModelConfig.from_hf_dict(dict(PRESETS["llama-3-8b"], hidden_size=256, intermediate_size=512, vocab_size=1024,
+                                    num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2))
+plan = make_plan(cfg, 2)
+_, whole = dummy_params(cfg, jnp.bfloat16, 0, "auto", None, plan.mesh)
+_, placed = dummy_params(cfg, jnp.bfloat16, 0, "auto", plan.param_sharding, plan.mesh)
+pairs = list(zip(nnx.to_flat_state(whole), nnx.to_flat_state(placed)))
+print(json.dumps({
+    "equal": all(np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())) for (_, a), (_, b) in pairs),
+    "bad": [".".join(map(str, p)) for (p, _), (_, b) in pairs
+            if b.get_value().sharding != plan.param_sharding(p)],
+    "split": sum(any(s is not None for s in b.get_value().sharding.spec) for _, (_, b) in pairs)}))
+"""
+
+
+def test_dummy_weights_are_made_in_their_shards():
+    """Dummy weights under TP are generated in their shards (no whole copy on one device first),
+    with the rules table's placement and the same values as unplaced generation."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", DUMMY_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["equal"] and res["bad"] == [] and res["split"] > 0, res
