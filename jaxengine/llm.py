@@ -30,7 +30,12 @@ class LLM:
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, tensor_parallel_size: int = 1, seed: int = 0,
-                 load_format: str = "auto", **kwargs):
+                 load_format: str = "auto", distributed_executor_backend: str = "uni", **kwargs):
+        if distributed_executor_backend != "uni":
+            raise ValueError(
+                f"distributed_executor_backend={distributed_executor_backend!r}: LLM() drives every GPU from this "
+                "process ('uni'); one process per GPU ('mp') is started from the command line: "
+                "jaxengine serve|generate ... --tensor-parallel-size N --distributed-executor-backend mp")
         config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,

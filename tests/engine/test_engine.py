@@ -194,7 +194,9 @@ def test_bad_inputs(family_llm):
 def test_engine_arguments_validated():
     for kw, msg in [(dict(block_size=12), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
                     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-                    (dict(dtype="int4"), "dtype"), (dict(load_format="pickle"), "load_format")]:
+                    (dict(dtype="int4"), "dtype"), (dict(load_format="pickle"), "load_format"),
+                    (dict(distributed_executor_backend="mp"), "command line"),
+                    (dict(distributed_executor_backend="ray"), "distributed_executor_backend")]:
         with pytest.raises(ValueError, match=msg):
             LLM(**kw)
 
