@@ -60,6 +60,9 @@ class MultiHostConfig:
         return self.num_hosts > 1
 
 
+EXECUTOR_BACKENDS = ("uni", "mp")  # --distributed-executor-backend, as vLLM names them
+
+
 def add_multihost_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("multi-host (one mesh over several processes)")
     g.add_argument("--num-hosts", "--num-processes", dest="num_hosts", type=int, default=1,
@@ -71,9 +74,6 @@ def add_multihost_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="uni",
                    help="tensor parallelism on one machine: 'uni' drives every GPU from this process; 'mp' "
                         "starts one process per GPU (a local multi-host job; this process is rank 0)")
-
-
-EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 def multihost_config(args: argparse.Namespace) -> MultiHostConfig:
@@ -111,9 +111,9 @@ def start_local_workers(args: argparse.Namespace) -> list[subprocess.Popen]:
     children = []
     for rank in range(1, n):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[rank])
-        children.append(subprocess.Popen(
-            [sys.executable, "-m", args.prog_module, *args.argv, "--distributed-executor-backend", "uni", "--num-hosts", str(n), "--host-rank", str(rank),
-             "--coordinator", coordinator], env=env))
+        flags = ["--distributed-executor-backend", "uni", "--num-hosts", str(n), "--host-rank", str(rank),
+                 "--coordinator", coordinator]  # after the user's flags, so they win
+        children.append(subprocess.Popen([sys.executable, "-m", args.prog_module, *args.argv, *flags], env=env))
     os.environ["CUDA_VISIBLE_DEVICES"] = gpus[0]
     args.num_hosts, args.host_rank, args.coordinator = n, 0, coordinator
     logger.info("started %d worker processes (one per GPU); coordinator %s", n - 1, coordinator)

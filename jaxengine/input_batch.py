@@ -30,19 +30,17 @@ class StepInputs:
 class InputBuilder:
     """Preallocated host buffers per bucket, refilled each step (no per-step allocation of big arrays).
 
-    Two sets per bucket, used in turn: the engine builds step N+1 while step N (which may still
-    read its host buffers) runs on the device.
+    One set per bucket: the runner sends a packed copy (jaxengine.packing), so the device never
+    reads these buffers and the next step may refill them while this one runs.
     """
 
     def __init__(self, max_blocks_per_seq: int, block_size: int):
         self.m = max_blocks_per_seq
         self.block_size = block_size
-        self._buffers: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
-        self._turn = 0
+        self._buffers: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
     def _bufs(self, t: int, r: int) -> dict[str, np.ndarray]:
-        self._turn ^= 1
-        key = (t, r, self._turn)
+        key = (t, r)
         if key not in self._buffers:
             self._buffers[key] = {
                 "input_ids": np.zeros(t, np.int32), "positions": np.zeros(t, np.int32),

@@ -29,7 +29,6 @@ the kernel computes float32 products in full precision.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 

@@ -238,8 +238,7 @@ def merge_splits(out, part, lse, table, *, group: int):
     indexed by the tile's row in `table`. Rows outside the live tiles keep what `out` holds."""
     t, n, h = out.shape
     splits = lse.shape[0]
-    tq = _ROWS // group
-    tt = _WGS * tq
+    tt = tile_tokens(group)
     nt = table.shape[0]
     # Token -> (tile row in the table, offset in the tile), from the live tiles' token ranges.
     tok = table[:, 1:2] + jnp.arange(tt, dtype=jnp.int32)[None, :]  # [NT, TT]
