@@ -39,7 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
+from jaxengine.pallas_kernels import ragged_paged_attention_mgpu_decode as mgpu_decode
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import MosaicTiling  # noqa: F401
+from jaxengine.pallas_kernels.ragged_paged_attention_mgpu_decode import DecodeTiling  # noqa: F401
 from jaxengine.pallas_kernels.ragged_paged_attention import (  # noqa: F401  (re-exported)
     ragged_paged_attention_reference,
 )
@@ -85,6 +87,7 @@ class Tiling:
     target_programs: int = 264
     max_splits: int = 32
     mosaic: mgpu.MosaicTiling = mgpu.MosaicTiling()
+    mosaic_decode: mgpu_decode.DecodeTiling = mgpu_decode.DecodeTiling()
 
     def __post_init__(self) -> None:
         for name in ("decode_block_kv", "prefill_rows", "prefill_block_kv"):
@@ -468,12 +471,40 @@ def _use_mosaic(prefill: str, q, k_cache, soft_cap, window, tiling: Tiling, inte
     return ok
 
 
+def _use_mosaic_decode(decode: str, q, k_cache, soft_cap, window, tiling: Tiling,
+                       interpret: bool) -> bool:
+    """Whether decode rows go to the Mosaic GPU decode kernel (static)."""
+    if decode == "triton":
+        return False
+    t, n, h = q.shape
+    ok = not interpret and mgpu_decode.supported(q.dtype, h, n // k_cache.shape[1],
+                                                 k_cache.shape[2], soft_cap, window,
+                                                 tiling.mosaic_decode)
+    if decode == "mosaic" and not ok:
+        raise ValueError(
+            f"decode='mosaic' cannot serve this call (dtype {q.dtype}, head dim {h}, "
+            f"{n // k_cache.shape[1]} query heads per KV head, block size {k_cache.shape[2]}, "
+            f"soft_cap {soft_cap}, sliding_window {window}, interpret {interpret}); see "
+            f"ragged_paged_attention_mgpu_decode.supported")
+    return ok
+
+
 def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
               sm_scale: float, soft_cap: float | None, window: int | None, tiling: Tiling,
-              interpret: bool, prefill: str = "triton") -> jax.Array:
+              interpret: bool, prefill: str = "triton", decode: str = "triton") -> jax.Array:
     """Builds the grids and runs the kernels; inputs already validated."""
     dims = _make_dims(q, k_cache, block_tables, tiling)
     mosaic = _use_mosaic(prefill, q, k_cache, soft_cap, window, tiling, interpret)
+    if _use_mosaic_decode(decode, q, k_cache, soft_cap, window, tiling, interpret):
+        # Decode rows (and, for the Mosaic prefill kernel, zeroed padding rows) by the Mosaic
+        # decode kernel; the prefill kernel then writes its rows into the same buffer.
+        out3 = mgpu_decode.decode_attention(q, k_cache, v_cache, kv_lens, block_tables,
+                                            query_start_loc, num_seqs, sm_scale=sm_scale,
+                                            tiling=tiling.mosaic_decode, zero_padding=mosaic)
+        return _prefill_rows(out3.reshape(dims.t * dims.n, dims.h), q, k_cache, v_cache,
+                             kv_lens, block_tables, query_start_loc, num_seqs, dims=dims,
+                             mosaic=mosaic, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
+                             tiling=tiling, interpret=interpret)
     b = k_cache.shape[0]
     q2 = q.reshape(dims.t * dims.n, dims.h)
     kc = k_cache.reshape(b * dims.k * dims.p, dims.h)
@@ -497,7 +528,16 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
         interpret=interpret,
         name="rpa_decode",
     )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, counters)
+    return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                         num_seqs, dims=dims, mosaic=mosaic, sm_scale=sm_scale,
+                         soft_cap=soft_cap, window=window, tiling=tiling, interpret=interpret)
 
+
+def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
+                  *, dims: _Dims, mosaic: bool, sm_scale: float, soft_cap: float | None,
+                  window: int | None, tiling: Tiling, interpret: bool) -> jax.Array:
+    """Writes the prefill rows (and, on the Triton path, zero padding rows) into `out`
+    [T * N, H], which holds the decode rows, in place; returns [T, N, H]."""
     if mosaic:
         # The decode kernel wrote the decode rows and zeroed the padding rows; the Mosaic
         # kernel writes the prefill rows into the same buffer, in place.
@@ -507,6 +547,8 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
                                              sm_scale=sm_scale, tiling=tiling.mosaic)
         return out3 if split is None else merge_splits_gpu(out3, split, dims.g)
 
+    b = k_cache.shape[0]
+    common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window)
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, **common),
         grid=(dims.k, dims.nqb),
@@ -516,7 +558,9 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
                                              num_stages=tiling.prefill_num_stages),
         interpret=interpret,
         name="rpa_prefill",
-    )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, out)
+    )(q.reshape(dims.t * dims.n, dims.h), k_cache.reshape(b * dims.k * dims.p, dims.h),
+      v_cache.reshape(b * dims.k * dims.p, dims.h), kv_lens,
+      block_tables.reshape(dims.s * dims.m), query_start_loc, num_seqs, out)
     return out.reshape(dims.t, dims.n, dims.h)
 
 
@@ -629,12 +673,13 @@ def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "tiling",
-                                             "interpret", "prefill"))
+                                             "interpret", "prefill", "decode"))
 def ragged_paged_attention_gpu(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
     block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
     tiling: Tiling | None = None, interpret: bool = False, prefill: str = "triton",
+    decode: str = "triton",
 ) -> jax.Array:
     """Ragged paged attention [T, N, H] -> [T, N, H]; contract of the reference.
 
@@ -642,6 +687,9 @@ def ragged_paged_attention_gpu(
     `prefill`: who computes the rows of prefill chunks: "triton" (the kernel above, every
     case), "mosaic" (the Hopper kernel of ragged_paged_attention_mgpu.py; ValueError where it
     does not apply) or "auto" (Mosaic where it applies, else Triton). Hopper only for Mosaic.
+    `decode`: who computes the decode rows (q_len == 1): "triton" (flash-decoding kernel
+    above, every case), "mosaic" (the Hopper kernel of ragged_paged_attention_mgpu_decode.py;
+    ValueError where it does not apply) or "auto".
     Run-time preconditions (not checked): query_start_loc is non-decreasing, kv_lens[s] >=
     q_len[s] for live slots, block ids < B, num_seqs <= S.
     """
@@ -649,8 +697,11 @@ def ragged_paged_attention_gpu(
               sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if prefill not in ("triton", "mosaic", "auto"):
         raise ValueError(f"prefill must be 'triton', 'mosaic' or 'auto', got {prefill!r}")
+    if decode not in ("triton", "mosaic", "auto"):
+        raise ValueError(f"decode must be 'triton', 'mosaic' or 'auto', got {decode!r}")
     return _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                      sm_scale=float(sm_scale),
                      soft_cap=None if soft_cap is None else float(soft_cap),
                      window=None if sliding_window is None else int(sliding_window),
-                     tiling=tiling or Tiling(), interpret=interpret, prefill=prefill)
+                     tiling=tiling or Tiling(), interpret=interpret, prefill=prefill,
+                     decode=decode)

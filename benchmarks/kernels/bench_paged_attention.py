@@ -185,7 +185,8 @@ def _jit_reference(sm_scale, soft_cap, sliding_window):
                                      soft_cap=soft_cap, sliding_window=sliding_window))
 
 
-def correctness(interpret: bool, smoke: bool, prefill: str = "triton") -> list[dict]:
+def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
+                decode: str = "triton") -> list[dict]:
     rng = np.random.default_rng(1234)
     cases = [
         dict(name="mixed bf16 G4 H128 P16", q_lens=[1, 1, 1, 1, 1, 37, 300, 17],
@@ -221,7 +222,7 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton") -> list[d
                       ctx_lens=[min(int(x), 40) for x in c["ctx_lens"]][:6]) for c in cases[:3]]
     results = []
     for c in cases:
-        row = {"name": c["name"], "prefill": prefill}
+        row = {"name": c["name"], "prefill": prefill, "decode": decode}
         try:
             b = make_batch(rng, q_lens=c["q_lens"], ctx_lens=[int(x) for x in c["ctx_lens"]],
                            num_heads=c["n"], num_kv_heads=c["k"], head_dim=c["h"],
@@ -230,7 +231,7 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton") -> list[d
             kw = dict(sm_scale=c["h"] ** -0.5, soft_cap=c.get("soft_cap"),
                       sliding_window=c.get("sliding_window"))
             out = ragged_paged_attention_gpu(*b.args(), **kw, interpret=interpret,
-                                             prefill=prefill)
+                                             prefill=prefill, decode=decode)
             ref = _jit_reference(**kw)(*b.args())
             dense = dense_reference(b, **kw)
             live_end = int(np.asarray(b.query_start_loc)[int(b.num_seqs[0])])
@@ -318,13 +319,14 @@ def build_step(rng, pool: Pool, q_lens, ctx_lens, *, slots: int | None = None,
                 num_seqs=jnp.asarray([live], jnp.int32), n_sets=n_sets)
 
 
-def chain_ours(reps: int, tiling: Tiling, interpret: bool, prefill: str = "triton"):
+def chain_ours(reps: int, tiling: Tiling, interpret: bool, prefill: str = "triton",
+               decode: str = "triton"):
     @jax.jit
     def f(q, kc, vc, kvl, tables, qsl, ns):
         for i in range(reps):
             q = ragged_paged_attention_gpu(q, kc, vc, kvl, tables[i % len(tables)], qsl, ns,
                                            sm_scale=SM_SCALE, tiling=tiling, interpret=interpret,
-                                           prefill=prefill)
+                                           prefill=prefill, decode=decode)
         return q
     return f
 
@@ -364,8 +366,9 @@ class Runner:
     def over_budget(self) -> bool:
         return time.time() - self.t_start > self.args.budget_s
 
-    def ours(self, step, pool, reps, tiling, prefill: str = "triton") -> dict:
-        f = chain_ours(reps, tiling, self.interpret, prefill)
+    def ours(self, step, pool, reps, tiling, prefill: str = "triton",
+             decode: str = "triton") -> dict:
+        f = chain_ours(reps, tiling, self.interpret, prefill, decode)
         t = self.timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
                            step["qsl"], step["num_seqs"]))
         return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
@@ -384,11 +387,13 @@ class Runner:
         return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
                 for k, v in t.items()}
 
-    def check(self, step, pool, tiling, with_bundled: bool, prefill: str = "triton") -> dict:
+    def check(self, step, pool, tiling, with_bundled: bool, prefill: str = "triton",
+              decode: str = "triton") -> dict:
         args = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"][0], step["qsl"],
                 step["num_seqs"])
         out = ragged_paged_attention_gpu(*args, sm_scale=SM_SCALE, tiling=tiling,
-                                         interpret=self.interpret, prefill=prefill)
+                                         interpret=self.interpret, prefill=prefill,
+                                         decode=decode)
         ref = _jit_reference(SM_SCALE, None, None)(*args)
         res = {"rel_err_vs_reference": rel_err(out, ref),
                "nan": bool(jnp.isnan(out.astype(jnp.float32)).any())}
@@ -472,6 +477,9 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
     rows = []
     for b in batches:
         for ctx in ctxs:
+            if runner.args.decode_filter and f"{b}x{ctx}" not in \
+                    runner.args.decode_filter.split(","):
+                continue
             row = {"batch": b, "ctx": ctx, "kv_bytes": kv_bytes([ctx] * b)}
             if runner.over_budget():
                 row["skipped"] = "budget"
@@ -485,7 +493,17 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
                 row["check"] = runner.check(step, pool, tiling, with_bundled=True)
                 row["ours"] = runner.ours(step, pool, reps, tiling)
                 row["bundled"] = runner.bundled(step, pool, reps)
-                row["reference"] = runner.reference(step, pool, 2)
+                if runner.args.mosaic_decode:
+                    row["check_mosaic_decode"] = runner.check(step, pool, tiling, False,
+                                                              decode="mosaic")
+                    row["ours_mosaic_decode"] = runner.ours(step, pool, reps, tiling,
+                                                            decode="mosaic")
+                    row["mosaic_decode_speedup_vs_bundled"] = (
+                        _ms(row["bundled"]) / _ms(row["ours_mosaic_decode"]))
+                    row["mosaic_decode_bw_frac_of_copy"] = row["kv_bytes"] / (
+                        _ms(row["ours_mosaic_decode"]) * 1e-3) / runner.ceil["copy_bytes_per_s"]
+                if not runner.args.skip_reference_timing:
+                    row["reference"] = runner.reference(step, pool, 2)
                 if (b, ctx) in ((1, 512), (8, 512), (32, 2048), (1, 8192)):
                     targs = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
                              step["qsl"], step["num_seqs"])
@@ -499,7 +517,8 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
                 row["ours_bw_frac_of_copy"] = row["kv_bytes"] / (t * 1e-3) / \
                     runner.ceil["copy_bytes_per_s"]
                 row["speedup_vs_bundled"] = _ms(row["bundled"]) / t
-                row["speedup_vs_reference"] = _ms(row["reference"]) / t
+                if "reference" in row:
+                    row["speedup_vs_reference"] = _ms(row["reference"]) / t
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)
                 row["trace"] = traceback.format_exc()[-1500:]
@@ -576,7 +595,8 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
             row["ours_bw_frac_of_copy"] = row["kv_bytes"] / (t * 1e-3) / \
                 runner.ceil["copy_bytes_per_s"]
             if "reference" in row:
-                row["speedup_vs_reference"] = _ms(row["reference"]) / t
+                if "reference" in row:
+                    row["speedup_vs_reference"] = _ms(row["reference"]) / t
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)
             row["trace"] = traceback.format_exc()[-1500:]
@@ -599,6 +619,10 @@ def padding_rows(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
                "ours": runner.ours(step, pool, runner.args.reps, tiling)}
         if runner.args.mosaic:
             row["ours_mosaic"] = runner.ours(step, pool, runner.args.reps, tiling, prefill="mosaic")
+        if runner.args.mosaic_decode:
+            row["check_mosaic_decode"] = runner.check(step, pool, tiling, False, decode="mosaic")
+            row["ours_mosaic_decode"] = runner.ours(step, pool, runner.args.reps, tiling,
+                                                    decode="mosaic")
         log("padding", json.dumps(row)[:300])
         rows.append(row)
     return rows
@@ -618,15 +642,28 @@ def table(res: dict) -> str:
                  for r in res.get("correctness_mosaic", [])),
              f"tiling: {res['sweep'].get('chosen', {}).get('decode')} / "
              f"{res['sweep'].get('chosen', {}).get('prefill')}",
-             "decode  batch x ctx | ours us | %copyBW | bundled us | x bundled | ref us | x ref"]
+             "correctness (decode=auto, Mosaic where it applies): " + ", ".join(
+                 f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
+                 for r in res.get("correctness_mosaic_decode", [])),
+             "correctness (decode=auto, prefill=auto): " + ", ".join(
+                 f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
+                 for r in res.get("correctness_mosaic_both", [])),
+             "decode  batch x ctx | ours us | %copyBW | bundled us | x bundled | ref us | x ref"
+             " | mosaic decode us | %copyBW | x bundled | err"]
     for r in res.get("decode", []):
         if "ours" not in r:
             lines.append(f"  {r['batch']:>4} x {r['ctx']:<5} | {r.get('skipped') or r.get('error', '')[:60]}")
             continue
+        ref = (f"{_ms(r['reference']) * 1e3:8.1f} | {r['speedup_vs_reference']:6.1f}"
+               if "reference" in r else "       - |      -")
+        mos = (f" | {_ms(r['ours_mosaic_decode']) * 1e3:8.1f} | "
+               f"{100 * r['mosaic_decode_bw_frac_of_copy']:5.1f}% | "
+               f"{r['mosaic_decode_speedup_vs_bundled']:6.2f} | "
+               f"{r['check_mosaic_decode']['rel_err_vs_reference']:.1e}"
+               if "ours_mosaic_decode" in r else "")
         lines.append(f"  {r['batch']:>4} x {r['ctx']:<5} | {_ms(r['ours']) * 1e3:8.1f} | "
                      f"{100 * r['ours_bw_frac_of_copy']:5.1f}% | {_ms(r['bundled']) * 1e3:9.1f} | "
-                     f"{r['speedup_vs_bundled']:6.2f} | {_ms(r['reference']) * 1e3:8.1f} | "
-                     f"{r['speedup_vs_reference']:6.1f}")
+                     f"{r['speedup_vs_bundled']:6.2f} | " + ref + mos)
     lines.append("prefill/mixed            | ours us | %matmul | %copyBW | ref us | x ref"
                  " | mosaic us (bkv/ctas/splits) | %matmul | x triton | mosaic err")
     for r in res.get("prefill", []):
@@ -654,7 +691,10 @@ def table(res: dict) -> str:
         lines.append(f"padding: {r['live']} live @ {r['ctx']} in {r['slots']} slots/"
                      f"{r['tokens']} tokens: {_ms(r['ours']) * 1e3:.1f} us"
                      + (f" (prefill=mosaic: {_ms(r['ours_mosaic']) * 1e3:.1f} us)"
-                        if "ours_mosaic" in r else ""))
+                        if "ours_mosaic" in r else "")
+                     + (f" (decode=mosaic: {_ms(r['ours_mosaic_decode']) * 1e3:.1f} us, err "
+                        f"{r['check_mosaic_decode']['rel_err_vs_reference']:.1e})"
+                        if "ours_mosaic_decode" in r else ""))
     return "\n".join(lines)
 
 
@@ -669,6 +709,11 @@ def main() -> None:
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--mosaic", action="store_true",
                     help="also check and time the Mosaic GPU prefill kernel (Hopper)")
+    ap.add_argument("--mosaic-decode", action="store_true",
+                    help="also check and time the Mosaic GPU decode kernel (Hopper)")
+    ap.add_argument("--decode-filter", default="",
+                    help="only decode-grid rows whose '<batch>x<ctx>' is in this "
+                         "comma-separated list")
     ap.add_argument("--mosaic-ctas", type=lambda x: x.split(","), default=["all"],
                     help="Mosaic CTA counts to try: sm (one per SM, persistent), all (one per "
                          "work item)")
@@ -712,6 +757,11 @@ def main() -> None:
         res["correctness"] = correctness(args.smoke, args.smoke)
         if args.mosaic:
             res["correctness_mosaic"] = correctness(False, args.smoke, prefill="auto")
+        if args.mosaic_decode:
+            res["correctness_mosaic_decode"] = correctness(False, args.smoke, decode="auto")
+            if args.mosaic:
+                res["correctness_mosaic_both"] = correctness(False, args.smoke, prefill="auto",
+                                                             decode="auto")
         dump()
     rng = np.random.default_rng(0)
     pool = make_pool(300 if args.smoke else 131072 + 4096, with_transposed=True)
