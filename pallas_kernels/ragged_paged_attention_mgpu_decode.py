@@ -73,12 +73,18 @@ class DecodeTiling:
                              f"{self.rows_per_sm}, {self.sm_count}")
 
 
+def merge_rows(splits: int) -> int:
+    """Rows of the merge buffers: split c's rows at 8 * (c - 1), each read as a 64-row window."""
+    return _ROWS + 8 * max(splits - 2, 0)
+
+
 def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
-    """Shared memory of one CTA: K/V stages, Q (swizzled + staging), the f32 row tile and
-    log-sum-exps of the split merge, and a zero tile."""
+    """Shared memory of one CTA (at the largest cluster): K/V stages, Q (swizzled + staging),
+    the f32 rows and log-sum-exps of the split merge, and a zero tile."""
+    rows = merge_rows(tiling.splits or _MAX_CLUSTER)
     return (2 * tiling.stages * tiling.block_kv * head_dim * itemsize
-            + 2 * _ROWS * head_dim * itemsize + _ROWS * head_dim * 4
-            + _ROWS * _LSE_COLS * 4 + 8 * head_dim * itemsize + 1024)
+            + 2 * _ROWS * head_dim * itemsize + rows * (head_dim + _LSE_COLS) * 4
+            + 8 * head_dim * itemsize + 1024)
 
 
 def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, window,
@@ -216,8 +222,9 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
 
                     @pl.when(c > 0)
                     def _publish():
-                        part_smem[...] = o
-                        lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+                        part_smem[pl.ds(0, _ROWS)] = o
+                        lse_smem[pl.ds(0, _ROWS)] = lax.broadcast_in_dim(
+                            lse, (_ROWS, _LSE_COLS), [0])
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(part_smem.at[pl.ds(0, g)],
                                                 part_ref.at[slot, kh, c - 1])
@@ -230,16 +237,23 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
 
                     @pl.when(c == 0)
                     def _merge():
-                        mx, den, num = lse, jnp.ones_like(lse), o
+                        # All splits' rows come in one round trip: split cc's G rows land at
+                        # row 8 * (cc - 1) of the merge buffers, read back as the 64-row window
+                        # starting there (its rows >= G are not used).
                         for cc in range(1, splits):
                             plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1],
-                                                    part_smem.at[pl.ds(0, g)], merge_bar)
+                                                    part_smem.at[pl.ds(8 * (cc - 1), g)],
+                                                    merge_bar)
                             plgpu.copy_gmem_to_smem(lse_ref.at[slot, kh, cc - 1],
-                                                    lse_smem.at[pl.ds(0, g)], merge_bar)
-                            plgpu.barrier_wait(merge_bar)
-                            oc = _load(part_smem, plgpu.Layout.WGMMA)
-                            lc = _load(lse_smem, plgpu.Layout.WGMMA).max(axis=1)
-                            plgpu.commit_smem()  # read before the next copy overwrites
+                                                    lse_smem.at[pl.ds(8 * (cc - 1), g)],
+                                                    merge_bar)
+                        plgpu.barrier_wait(merge_bar)
+                        mx, den, num = lse, jnp.ones_like(lse), o
+                        for cc in range(1, splits):
+                            oc = _load(part_smem.at[pl.ds(8 * (cc - 1), _ROWS)],
+                                       plgpu.Layout.WGMMA)
+                            lc = _load(lse_smem.at[pl.ds(8 * (cc - 1), _ROWS)],
+                                       plgpu.Layout.WGMMA).max(axis=1)
                             mn = jnp.maximum(mx, lc)
                             a = jnp.exp2(mx - mn)
                             b = jnp.exp2(lc - mn)  # 0 for a split that saw no key
@@ -247,6 +261,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                                    + oc * lax.broadcast_in_dim(b, num.shape, [0]))
                             den = den * a + b
                             mx = mn
+                        plgpu.commit_smem()  # read before the next row's copies overwrite
                         store(num / lax.broadcast_in_dim(den, num.shape, [0]))
 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next row
@@ -306,12 +321,13 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                 plgpu.SMEM((_ROWS, h), dtype),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
-                plgpu.SMEM((_ROWS, h), jnp.float32),
-                plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),
+                plgpu.SMEM((merge_rows(splits), h), jnp.float32),
+                plgpu.SMEM((merge_rows(splits), _LSE_COLS), jnp.float32),
                 plgpu.SMEM((8, h), dtype))
         ready = (plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
-                 plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=2))
+                 plgpu.Barrier(num_arrivals=1),
+                 plgpu.Barrier(num_arrivals=max(2 * (splits - 1), 1)))
         free = (plgpu.Barrier(num_arrivals=1, num_barriers=stages),) * 2
         cluster = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1)
                    if splits > 1 else None)

@@ -405,6 +405,15 @@ class Runner:
         return res
 
 
+def decode_variant(tiling: Tiling, name: str) -> Tiling:
+    """Tiling with the Mosaic decode kernel's block_kv x stages [x splits] from a name such as
+    64x4 or 128x2x8."""
+    parts = [int(x) for x in name.split("x")]
+    dt = dataclasses.replace(tiling.mosaic_decode, block_kv=parts[0], stages=parts[1],
+                             splits=parts[2] if len(parts) > 2 else None)
+    return dataclasses.replace(tiling, mosaic_decode=dt)
+
+
 def n_sets_for(bytes_per_call: int, reps: int) -> int:
     return max(1, min(reps, math.ceil(L2_ROTATION_BYTES / max(bytes_per_call, 1))))
 
@@ -494,10 +503,21 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
                 row["ours"] = runner.ours(step, pool, reps, tiling)
                 row["bundled"] = runner.bundled(step, pool, reps)
                 if runner.args.mosaic_decode:
-                    row["check_mosaic_decode"] = runner.check(step, pool, tiling, False,
-                                                              decode="mosaic")
-                    row["ours_mosaic_decode"] = runner.ours(step, pool, reps, tiling,
-                                                            decode="mosaic")
+                    variants = {}
+                    for name in runner.args.mosaic_decode_tilings:
+                        vt = decode_variant(tiling, name)
+                        v = runner.ours(step, pool, reps, vt, decode="mosaic")
+                        v["check"] = runner.check(step, pool, vt, False, decode="mosaic")
+                        if (b, ctx) in ((1, 512), (1, 8192), (8, 2048)):
+                            v["breakdown_us"] = kernel_breakdown(
+                                runner.timer, chain_ours(reps, vt, False, decode="mosaic"),
+                                (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
+                                 step["qsl"], step["num_seqs"]), reps)
+                        variants[name] = v
+                    best = min(variants, key=lambda k: _ms(variants[k]))
+                    row["mosaic_decode_variants"] = variants
+                    row["ours_mosaic_decode"] = dict(variants[best], variant=best)
+                    row["check_mosaic_decode"] = variants[best]["check"]
                     row["mosaic_decode_speedup_vs_bundled"] = (
                         _ms(row["bundled"]) / _ms(row["ours_mosaic_decode"]))
                     row["mosaic_decode_bw_frac_of_copy"] = row["kv_bytes"] / (
@@ -659,7 +679,8 @@ def table(res: dict) -> str:
         mos = (f" | {_ms(r['ours_mosaic_decode']) * 1e3:8.1f} | "
                f"{100 * r['mosaic_decode_bw_frac_of_copy']:5.1f}% | "
                f"{r['mosaic_decode_speedup_vs_bundled']:6.2f} | "
-               f"{r['check_mosaic_decode']['rel_err_vs_reference']:.1e}"
+               f"{r['check_mosaic_decode']['rel_err_vs_reference']:.1e} "
+               f"{r['ours_mosaic_decode'].get('variant', '')}"
                if "ours_mosaic_decode" in r else "")
         lines.append(f"  {r['batch']:>4} x {r['ctx']:<5} | {_ms(r['ours']) * 1e3:8.1f} | "
                      f"{100 * r['ours_bw_frac_of_copy']:5.1f}% | {_ms(r['bundled']) * 1e3:9.1f} | "
@@ -711,6 +732,11 @@ def main() -> None:
                     help="also check and time the Mosaic GPU prefill kernel (Hopper)")
     ap.add_argument("--mosaic-decode", action="store_true",
                     help="also check and time the Mosaic GPU decode kernel (Hopper)")
+    ap.add_argument("--mosaic-decode-tilings", type=lambda x: x.split(","), default=["64x4"],
+                    help="Mosaic decode kernel variants to time: block_kv x stages [x splits]")
+    ap.add_argument("--only-mosaic-decode-correctness", action="store_true",
+                    help="correctness section: only the decode=auto (and, with --mosaic, "
+                         "decode=auto + prefill=auto) passes")
     ap.add_argument("--decode-filter", default="",
                     help="only decode-grid rows whose '<batch>x<ctx>' is in this "
                          "comma-separated list")
@@ -754,8 +780,9 @@ def main() -> None:
     res["cupti_ok"] = res["ceilings"]["copy_timing"]["kernel_ms"] is not None
     log("ceilings", res["ceilings"])
     if "correctness" in only:
-        res["correctness"] = correctness(args.smoke, args.smoke)
-        if args.mosaic:
+        if not args.only_mosaic_decode_correctness:
+            res["correctness"] = correctness(args.smoke, args.smoke)
+        if args.mosaic and not args.only_mosaic_decode_correctness:
             res["correctness_mosaic"] = correctness(False, args.smoke, prefill="auto")
         if args.mosaic_decode:
             res["correctness_mosaic_decode"] = correctness(False, args.smoke, decode="auto")
