@@ -491,16 +491,24 @@ def _use_mosaic_decode(decode: str, q, k_cache, soft_cap, window, tiling: Tiling
 
 def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
               sm_scale: float, soft_cap: float | None, window: int | None, tiling: Tiling,
-              interpret: bool, prefill: str = "triton", decode: str = "triton") -> jax.Array:
+              interpret: bool, prefill: str = "triton", decode: str = "triton",
+              decode_only: bool = False) -> jax.Array:
     """Builds the grids and runs the kernels; inputs already validated."""
     dims = _make_dims(q, k_cache, block_tables, tiling)
-    mosaic = _use_mosaic(prefill, q, k_cache, soft_cap, window, tiling, interpret)
+    mosaic = not decode_only and _use_mosaic(prefill, q, k_cache, soft_cap, window, tiling,
+                                             interpret)
+    # The decode kernel zeroes the padding rows when the Mosaic prefill kernel follows (it
+    # writes its own rows only) or when no prefill kernel follows.
+    zero_padding = mosaic or decode_only
     if _use_mosaic_decode(decode, q, k_cache, soft_cap, window, tiling, interpret):
         # Decode rows (and, for the Mosaic prefill kernel, zeroed padding rows) by the Mosaic
         # decode kernel; the prefill kernel then writes its rows into the same buffer.
         out3 = mgpu_decode.decode_attention(q, k_cache, v_cache, kv_lens, block_tables,
                                             query_start_loc, num_seqs, sm_scale=sm_scale,
-                                            tiling=tiling.mosaic_decode, zero_padding=mosaic)
+                                            tiling=tiling.mosaic_decode,
+                                            zero_padding=zero_padding)
+        if decode_only:
+            return out3
         return _prefill_rows(out3.reshape(dims.t * dims.n, dims.h), q, k_cache, v_cache,
                              kv_lens, block_tables, query_start_loc, num_seqs, dims=dims,
                              mosaic=mosaic, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
@@ -515,7 +523,8 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
     counters = jnp.zeros((dims.s * dims.k,), jnp.int32)
 
     out, _, _, _, _ = pl.pallas_call(
-        functools.partial(_decode_kernel, interpret=interpret, zero_padding=mosaic, **common),
+        functools.partial(_decode_kernel, interpret=interpret, zero_padding=zero_padding,
+                          **common),
         grid=(dims.k, dims.npd),
         out_shape=(jax.ShapeDtypeStruct((dims.t * dims.n, dims.h), q.dtype),
                    jax.ShapeDtypeStruct((n_part, dims.h), jnp.float32),
@@ -528,6 +537,8 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
         interpret=interpret,
         name="rpa_decode",
     )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, counters)
+    if decode_only:
+        return out.reshape(dims.t, dims.n, dims.h)
     return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                          num_seqs, dims=dims, mosaic=mosaic, sm_scale=sm_scale,
                          soft_cap=soft_cap, window=window, tiling=tiling, interpret=interpret)
@@ -673,13 +684,13 @@ def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "tiling",
-                                             "interpret", "prefill", "decode"))
+                                             "interpret", "prefill", "decode", "decode_only"))
 def ragged_paged_attention_gpu(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
     block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
     tiling: Tiling | None = None, interpret: bool = False, prefill: str = "triton",
-    decode: str = "triton",
+    decode: str = "triton", decode_only: bool = False,
 ) -> jax.Array:
     """Ragged paged attention [T, N, H] -> [T, N, H]; contract of the reference.
 
@@ -690,6 +701,10 @@ def ragged_paged_attention_gpu(
     `decode`: who computes the decode rows (q_len == 1): "triton" (flash-decoding kernel
     above, every case), "mosaic" (the Hopper kernel of ragged_paged_attention_mgpu_decode.py;
     ValueError where it does not apply) or "auto".
+    `decode_only=True`: a decode-only step (every live sequence has q_len == 1, as after a
+    scheduler step with no prefill chunk): the prefill kernel is not launched and the decode
+    kernel zeroes the padding rows. Rows of a live sequence with q_len > 1 are then left
+    unwritten.
     Run-time preconditions (not checked): query_start_loc is non-decreasing, kv_lens[s] >=
     q_len[s] for live slots, block ids < B, num_seqs <= S.
     """
@@ -704,4 +719,4 @@ def ragged_paged_attention_gpu(
                      soft_cap=None if soft_cap is None else float(soft_cap),
                      window=None if sliding_window is None else int(sliding_window),
                      tiling=tiling or Tiling(), interpret=interpret, prefill=prefill,
-                     decode=decode)
+                     decode=decode, decode_only=bool(decode_only))

@@ -11,7 +11,7 @@ Grid: (K, W) clusters of C CTAs. Cluster (kh, w) walks the slots w, w + W, w + 2
 head kh; the C CTAs of a cluster cut each decode row's KV steps into C ranges (flash-decoding
 splits, `split_steps`), so a small batch still fills the GPU. Each CTA has two warpgroups:
 - a memory warpgroup streams the K and V pages of its range by TMA (one copy per page of P keys,
-  the block table read as scalars), `stages` steps of `block_kv` keys in flight; it runs on
+  the block ids fetched 256 at a time by one copy), `stages` steps of `block_kv` keys in flight; it runs on
   across the CTA's rows, so the next row's pages load while this one is finished;
 - a compute warpgroup computes Q.K^T and P.V with wgmma and the online softmax.
 With C > 1, CTAs 1..C-1 write their rows (normalised by their own softmax sum) and each row's
@@ -39,6 +39,7 @@ from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
 
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
 _LSE_COLS = 8     # a row's log-sum-exp is kept as an [64, 8] tile (the smallest WGMMA tile)
+_BT_WINDOW = 256  # block ids fetched per copy by the memory warpgroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,15 @@ class DecodeTiling:
                              f"{self.rows_per_sm}, {self.sm_count}")
 
 
+def bt_window(m: int, pages: int) -> int:
+    """Block ids the memory warpgroup copies at once (0: read them one by one). A copy needs
+    16-byte aligned table rows (M a multiple of 4), a multiple of 128 bytes (32 ids) and
+    whole steps of `pages` ids."""
+    unit = max(pages, 32)
+    window = min(_BT_WINDOW, m) // unit * unit
+    return window if m % 4 == 0 and window >= pages else 0
+
+
 def merge_rows(splits: int) -> int:
     """Rows of the merge buffers: split c's rows at 8 * (c - 1), each read as a 64-row window."""
     return _ROWS + 8 * max(splits - 2, 0)
@@ -84,7 +94,7 @@ def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
     rows = merge_rows(tiling.splits or _MAX_CLUSTER)
     return (2 * tiling.stages * tiling.block_kv * head_dim * itemsize
             + 2 * _ROWS * head_dim * itemsize + rows * (head_dim + _LSE_COLS) * 4
-            + 8 * head_dim * itemsize + 1024)
+            + 8 * head_dim * itemsize + _BT_WINDOW * 4 + 1024)
 
 
 def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, window,
@@ -119,8 +129,8 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
     w = lax.axis_index("walker")
     c = lax.axis_index("split") if splits > 1 else jnp.int32(0)
     wg = lax.axis_index("wg")
-    ((qo_smem, q_stage, k_smem, v_smem, part_smem, lse_smem, zero_smem),
-     (k_bars, v_bars, q_bar, merge_bar), (k_free, v_free), cluster_bar) = scoped
+    ((qo_smem, q_stage, k_smem, v_smem, part_smem, lse_smem, zero_smem, bt_smem),
+     (k_bars, v_bars, q_bar, merge_bar, bt_bar), (k_free, v_free), cluster_bar) = scoped
     n_live = jnp.minimum(ns_ref[0], s)
     my_rows = _cdiv(rows - w, walkers)
 
@@ -273,14 +283,31 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
 
     @pl.when(wg == 1)
     def _memory():
+        window = bt_window(m, pages)
+        steps_per_window = max(window // pages, 1)
+
         def row_body(j, base):
             slot, _, _, _, lo, hi = row(j)
 
             @pl.loop(lo, hi)
             def _(step):
                 n = base + step - lo
+                if window:
+                    @pl.when(lax.rem(step - lo, steps_per_window) == 0)
+                    def _():
+                        # The block ids of the next steps in one copy (ids past the table's
+                        # end read as 0, the null block; their keys are masked).
+                        plgpu.commit_smem()  # earlier scalar reads of the window come first
+                        plgpu.copy_gmem_to_smem(bt_ref.at[slot, pl.ds(step * pages, window)],
+                                                bt_smem.at[pl.ds(0, window)], bt_bar)
+                        plgpu.barrier_wait(bt_bar)
+
+                    w0 = lax.rem(step - lo, steps_per_window) * pages
+                    blks = [bt_smem[w0 + jj] for jj in range(pages)]
+                else:  # the table's rows are not 16-byte aligned: one scalar read per page
+                    blks = [bt_ref[slot, jnp.minimum(step * pages + jj, m - 1)]
+                            for jj in range(pages)]
                 st = lax.rem(n, stages)
-                blks = [bt_ref[slot, jnp.minimum(step * pages + jj, m - 1)] for jj in range(pages)]
                 pl.when(n >= stages)(lambda: plgpu.barrier_wait(k_free.at[st]))
                 for jj, blk in enumerate(blks):
                     plgpu.copy_gmem_to_smem(k_ref.at[blk, kh], k_smem.at[st, pl.ds(jj * p, p)],
@@ -323,11 +350,13 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
                 plgpu.SMEM((merge_rows(splits), h), jnp.float32),
                 plgpu.SMEM((merge_rows(splits), _LSE_COLS), jnp.float32),
-                plgpu.SMEM((8, h), dtype))
+                plgpu.SMEM((8, h), dtype),
+                plgpu.SMEM((_BT_WINDOW,), jnp.int32))
         ready = (plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=1),
-                 plgpu.Barrier(num_arrivals=max(2 * (splits - 1), 1)))
+                 plgpu.Barrier(num_arrivals=max(2 * (splits - 1), 1)),
+                 plgpu.Barrier(num_arrivals=1))
         free = (plgpu.Barrier(num_arrivals=1, num_barriers=stages),) * 2
         cluster = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1)
                    if splits > 1 else None)

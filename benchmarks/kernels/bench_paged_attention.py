@@ -320,13 +320,14 @@ def build_step(rng, pool: Pool, q_lens, ctx_lens, *, slots: int | None = None,
 
 
 def chain_ours(reps: int, tiling: Tiling, interpret: bool, prefill: str = "triton",
-               decode: str = "triton"):
+               decode: str = "triton", decode_only: bool = False):
     @jax.jit
     def f(q, kc, vc, kvl, tables, qsl, ns):
         for i in range(reps):
             q = ragged_paged_attention_gpu(q, kc, vc, kvl, tables[i % len(tables)], qsl, ns,
                                            sm_scale=SM_SCALE, tiling=tiling, interpret=interpret,
-                                           prefill=prefill, decode=decode)
+                                           prefill=prefill, decode=decode,
+                                           decode_only=decode_only)
         return q
     return f
 
@@ -367,8 +368,8 @@ class Runner:
         return time.time() - self.t_start > self.args.budget_s
 
     def ours(self, step, pool, reps, tiling, prefill: str = "triton",
-             decode: str = "triton") -> dict:
-        f = chain_ours(reps, tiling, self.interpret, prefill, decode)
+             decode: str = "triton", decode_only: bool = False) -> dict:
+        f = chain_ours(reps, tiling, self.interpret, prefill, decode, decode_only)
         t = self.timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
                            step["qsl"], step["num_seqs"]))
         return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
@@ -388,12 +389,12 @@ class Runner:
                 for k, v in t.items()}
 
     def check(self, step, pool, tiling, with_bundled: bool, prefill: str = "triton",
-              decode: str = "triton") -> dict:
+              decode: str = "triton", decode_only: bool = False) -> dict:
         args = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"][0], step["qsl"],
                 step["num_seqs"])
         out = ragged_paged_attention_gpu(*args, sm_scale=SM_SCALE, tiling=tiling,
                                          interpret=self.interpret, prefill=prefill,
-                                         decode=decode)
+                                         decode=decode, decode_only=decode_only)
         ref = _jit_reference(SM_SCALE, None, None)(*args)
         res = {"rel_err_vs_reference": rel_err(out, ref),
                "nan": bool(jnp.isnan(out.astype(jnp.float32)).any())}
@@ -405,13 +406,18 @@ class Runner:
         return res
 
 
-def decode_variant(tiling: Tiling, name: str) -> Tiling:
-    """Tiling with the Mosaic decode kernel's block_kv x stages [x splits] from a name such as
-    64x4 or 128x2x8."""
-    parts = [int(x) for x in name.split("x")]
-    dt = dataclasses.replace(tiling.mosaic_decode, block_kv=parts[0], stages=parts[1],
-                             splits=parts[2] if len(parts) > 2 else None)
-    return dataclasses.replace(tiling, mosaic_decode=dt)
+def decode_variant(tiling: Tiling, name: str) -> tuple[Tiling, dict]:
+    """A decode path to time, by name: triton | triton-only | mosaic:BKVxSTAGES[xSPLITS] |
+    mosaic-only:... ("-only": decode_only=True, no prefill kernel launched), e.g.
+    mosaic-only:64x4 or mosaic:128x2x8. Returns the tiling and the call's keywords."""
+    kind, _, shape = name.partition(":")
+    kw = {"decode": kind.split("-")[0], "decode_only": kind.endswith("-only")}
+    if shape:
+        parts = [int(x) for x in shape.split("x")]
+        dt = dataclasses.replace(tiling.mosaic_decode, block_kv=parts[0], stages=parts[1],
+                                 splits=parts[2] if len(parts) > 2 else None)
+        tiling = dataclasses.replace(tiling, mosaic_decode=dt)
+    return tiling, kw
 
 
 def n_sets_for(bytes_per_call: int, reps: int) -> int:
@@ -504,17 +510,18 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
                 row["bundled"] = runner.bundled(step, pool, reps)
                 if runner.args.mosaic_decode:
                     variants = {}
-                    for name in runner.args.mosaic_decode_tilings:
-                        vt = decode_variant(tiling, name)
-                        v = runner.ours(step, pool, reps, vt, decode="mosaic")
-                        v["check"] = runner.check(step, pool, vt, False, decode="mosaic")
+                    for name in runner.args.decode_variants:
+                        vt, kw = decode_variant(tiling, name)
+                        v = runner.ours(step, pool, reps, vt, **kw)
+                        v["check"] = runner.check(step, pool, vt, False, **kw)
                         if (b, ctx) in ((1, 512), (1, 8192), (8, 2048)):
                             v["breakdown_us"] = kernel_breakdown(
-                                runner.timer, chain_ours(reps, vt, False, decode="mosaic"),
+                                runner.timer, chain_ours(reps, vt, False, **kw),
                                 (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
                                  step["qsl"], step["num_seqs"]), reps)
                         variants[name] = v
-                    best = min(variants, key=lambda k: _ms(variants[k]))
+                    mosaic = [k for k in variants if k.startswith("mosaic")]
+                    best = min(mosaic or variants, key=lambda k: _ms(variants[k]))
                     row["mosaic_decode_variants"] = variants
                     row["ours_mosaic_decode"] = dict(variants[best], variant=best)
                     row["check_mosaic_decode"] = variants[best]["check"]
@@ -643,6 +650,10 @@ def padding_rows(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
             row["check_mosaic_decode"] = runner.check(step, pool, tiling, False, decode="mosaic")
             row["ours_mosaic_decode"] = runner.ours(step, pool, runner.args.reps, tiling,
                                                     decode="mosaic")
+            row["ours_mosaic_decode_only"] = runner.ours(step, pool, runner.args.reps, tiling,
+                                                         decode="mosaic", decode_only=True)
+            row["check_mosaic_decode_only"] = runner.check(step, pool, tiling, False,
+                                                           decode="mosaic", decode_only=True)
         log("padding", json.dumps(row)[:300])
         rows.append(row)
     return rows
@@ -685,6 +696,10 @@ def table(res: dict) -> str:
         lines.append(f"  {r['batch']:>4} x {r['ctx']:<5} | {_ms(r['ours']) * 1e3:8.1f} | "
                      f"{100 * r['ours_bw_frac_of_copy']:5.1f}% | {_ms(r['bundled']) * 1e3:9.1f} | "
                      f"{r['speedup_vs_bundled']:6.2f} | " + ref + mos)
+        if r.get("mosaic_decode_variants"):
+            lines.append("      variants us (x bundled): " + ", ".join(
+                f"{k} {_ms(v) * 1e3:.1f} ({_ms(r['bundled']) / _ms(v):.2f})"
+                for k, v in r["mosaic_decode_variants"].items()))
     lines.append("prefill/mixed            | ours us | %matmul | %copyBW | ref us | x ref"
                  " | mosaic us (bkv/ctas/splits) | %matmul | x triton | mosaic err")
     for r in res.get("prefill", []):
@@ -714,7 +729,9 @@ def table(res: dict) -> str:
                      + (f" (prefill=mosaic: {_ms(r['ours_mosaic']) * 1e3:.1f} us)"
                         if "ours_mosaic" in r else "")
                      + (f" (decode=mosaic: {_ms(r['ours_mosaic_decode']) * 1e3:.1f} us, err "
-                        f"{r['check_mosaic_decode']['rel_err_vs_reference']:.1e})"
+                        f"{r['check_mosaic_decode']['rel_err_vs_reference']:.1e}; decode_only: "
+                        f"{_ms(r['ours_mosaic_decode_only']) * 1e3:.1f} us, err "
+                        f"{r['check_mosaic_decode_only']['rel_err_vs_reference']:.1e})"
                         if "ours_mosaic_decode" in r else ""))
     return "\n".join(lines)
 
@@ -732,8 +749,10 @@ def main() -> None:
                     help="also check and time the Mosaic GPU prefill kernel (Hopper)")
     ap.add_argument("--mosaic-decode", action="store_true",
                     help="also check and time the Mosaic GPU decode kernel (Hopper)")
-    ap.add_argument("--mosaic-decode-tilings", type=lambda x: x.split(","), default=["64x4"],
-                    help="Mosaic decode kernel variants to time: block_kv x stages [x splits]")
+    ap.add_argument("--decode-variants", type=lambda x: x.split(","),
+                    default=["mosaic:64x4", "triton-only", "mosaic-only:64x4"],
+                    help="with --mosaic-decode, decode paths to time beside the default "
+                         "Triton call (see decode_variant); the best Mosaic one is tabled")
     ap.add_argument("--only-mosaic-decode-correctness", action="store_true",
                     help="correctness section: only the decode=auto (and, with --mosaic, "
                          "decode=auto + prefill=auto) passes")
