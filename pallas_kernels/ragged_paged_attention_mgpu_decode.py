@@ -53,17 +53,13 @@ class DecodeTiling:
     rows_per_sm: clusters launched per KV head are capped at rows_per_sm x sm_count /
       (K x splits); each walks several rows (the grid does not grow with the slot count).
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
-    merge: how CTA 0 gets the other splits' rows: "gmem" (they copy them to global scratch and
-      wait for the copies; CTA 0 copies them in, one round trip) or "dsmem" (CTA 0 reads them
-      from their shared memory across the cluster; a second cluster barrier keeps them there).
     """
 
-    block_kv: int = 64
-    stages: int = 4
+    block_kv: int = 128
+    stages: int = 2
     splits: int | None = None
     rows_per_sm: int = 2
     sm_count: int = 132
-    merge: str = "gmem"
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or self.block_kv < 64:
@@ -73,8 +69,6 @@ class DecodeTiling:
         if self.splits is not None and not 1 <= self.splits <= _MAX_CLUSTER:
             raise ValueError(f"DecodeTiling.splits must be in [1, {_MAX_CLUSTER}] or None, "
                              f"got {self.splits}")
-        if self.merge not in ("gmem", "dsmem"):
-            raise ValueError(f"DecodeTiling.merge must be 'gmem' or 'dsmem', got {self.merge!r}")
         if self.rows_per_sm < 1 or self.sm_count < 1:
             raise ValueError(f"DecodeTiling.rows_per_sm and sm_count must be >= 1, got "
                              f"{self.rows_per_sm}, {self.sm_count}")
@@ -89,16 +83,16 @@ def bt_window(m: int, pages: int) -> int:
     return window if m % 4 == 0 and window >= pages else 0
 
 
-def merge_rows(splits: int, merge: str) -> int:
-    """Rows of the merge buffers: for "gmem" split c's rows land at 8 * (c - 1) of CTA 0's, each
-    read as a 64-row window; for "dsmem" each CTA keeps its own 64 rows."""
-    return _ROWS + (8 * max(splits - 2, 0) if merge == "gmem" else 0)
+def merge_rows(splits: int) -> int:
+    """Rows of the merge buffers: split c's rows land at row 8 * (c - 1) of CTA 0's, each read
+    back as the 64-row window starting there."""
+    return _ROWS + 8 * max(splits - 2, 0)
 
 
 def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
     """Shared memory of one CTA (at the largest cluster): K/V stages, Q (swizzled + staging),
     the f32 rows and log-sum-exps of the split merge, and a zero tile."""
-    rows = merge_rows(tiling.splits or _MAX_CLUSTER, tiling.merge)
+    rows = merge_rows(tiling.splits or _MAX_CLUSTER)
     return (2 * tiling.stages * tiling.block_kv * head_dim * itemsize
             + 2 * _ROWS * head_dim * itemsize + rows * (head_dim + _LSE_COLS) * 4
             + 8 * head_dim * itemsize + _BT_WINDOW * 4 + 1024)
@@ -145,8 +139,7 @@ def _merge_rows(lse0, o0, others):
 
 def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, lse_ref,
             scoped, *, g: int, p: int, m: int, h: int, t: int, s: int, rows: int, walkers: int,
-            splits: int, bkv: int, stages: int, sm_scale: float, dtype, zero_padding: bool,
-            merge: str):
+            splits: int, bkv: int, stages: int, sm_scale: float, dtype, zero_padding: bool):
     pages = bkv // p
     kh = lax.axis_index("kv")
     w = lax.axis_index("walker")
@@ -252,34 +245,6 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     store(o)
                 else:
                     lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
-
-                    if merge == "dsmem":
-                        # CTAs 1..C-1 leave their rows in their own shared memory; CTA 0 reads
-                        # them across the cluster, and a second cluster barrier keeps them
-                        # there until it has.
-                        @pl.when(c > 0)
-                        def _():
-                            part_smem[pl.ds(0, _ROWS)] = o
-                            lse_smem[pl.ds(0, _ROWS)] = lax.broadcast_in_dim(
-                                lse, (_ROWS, _LSE_COLS), [0])
-                            plgpu.commit_smem()  # every thread's rows are in before the arrive
-
-                        plgpu.barrier_arrive(cluster_bar)
-                        plgpu.barrier_wait(cluster_bar)
-
-                        @pl.when(c == 0)
-                        def _():
-                            def peer(ref, cc):
-                                return _load(plgpu.cluster_ref(ref, {"split": cc}),
-                                             plgpu.Layout.WGMMA)
-                            store(_merge_rows(lse, o, [
-                                (peer(lse_smem, cc).max(axis=1), peer(part_smem, cc))
-                                for cc in range(1, splits)]))
-
-                        plgpu.barrier_arrive(cluster_bar)
-                        plgpu.barrier_wait(cluster_bar)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        return
 
                     @pl.when(c > 0)
                     def _publish():
@@ -391,8 +356,8 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                 plgpu.SMEM((_ROWS, h), dtype),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
-                plgpu.SMEM((merge_rows(splits, tiling.merge), h), jnp.float32),
-                plgpu.SMEM((merge_rows(splits, tiling.merge), _LSE_COLS), jnp.float32),
+                plgpu.SMEM((merge_rows(splits), h), jnp.float32),
+                plgpu.SMEM((merge_rows(splits), _LSE_COLS), jnp.float32),
                 plgpu.SMEM((8, h), dtype),
                 plgpu.SMEM((_BT_WINDOW,), jnp.int32))
         ready = (plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
@@ -408,8 +373,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                 q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref,
                 lse_ref, scoped if splits > 1 else (*scoped, None), g=g, p=p, m=m, h=h, t=t,
                 s=s, rows=rows, walkers=walkers, splits=splits, bkv=bkv, stages=stages,
-                sm_scale=sm_scale, dtype=dtype, zero_padding=zero_padding,
-                merge=tiling.merge),
+                sm_scale=sm_scale, dtype=dtype, zero_padding=zero_padding),
             smem, ready, free, *(() if cluster is None else (cluster,)),
             collective_axes="wg")
 

@@ -408,16 +408,14 @@ class Runner:
 
 def decode_variant(tiling: Tiling, name: str) -> tuple[Tiling, dict]:
     """A decode path to time, by name: triton | triton-only | mosaic:BKVxSTAGES[xSPLITS] |
-    mosaic-only:... ("-only": decode_only=True, no prefill kernel launched), optionally
-    :gmem or :dsmem (DecodeTiling.merge), e.g. mosaic-only:64x4 or mosaic:128x2x8:dsmem. Returns the tiling and the call's keywords."""
+    mosaic-only:... ("-only": decode_only=True, no prefill kernel launched), e.g.
+    mosaic-only:64x4 or mosaic:128x2x8. Returns the tiling and the call's keywords."""
     kind, _, shape = name.partition(":")
-    shape, _, merge = shape.partition(":")
     kw = {"decode": kind.split("-")[0], "decode_only": kind.endswith("-only")}
     if shape:
         parts = [int(x) for x in shape.split("x")]
         dt = dataclasses.replace(tiling.mosaic_decode, block_kv=parts[0], stages=parts[1],
-                                 splits=parts[2] if len(parts) > 2 else None,
-                                 merge=merge or tiling.mosaic_decode.merge)
+                                 splits=parts[2] if len(parts) > 2 else None)
         tiling = dataclasses.replace(tiling, mosaic_decode=dt)
     return tiling, kw
 
@@ -752,7 +750,7 @@ def main() -> None:
     ap.add_argument("--mosaic-decode", action="store_true",
                     help="also check and time the Mosaic GPU decode kernel (Hopper)")
     ap.add_argument("--decode-variants", type=lambda x: x.split(","),
-                    default=["mosaic:64x4", "triton-only", "mosaic-only:64x4"],
+                    default=["mosaic:128x2", "triton-only", "mosaic-only:128x2"],
                     help="with --mosaic-decode, decode paths to time beside the default "
                          "Triton call (see decode_variant); the best Mosaic one is tabled")
     ap.add_argument("--only-mosaic-decode-correctness", action="store_true",
