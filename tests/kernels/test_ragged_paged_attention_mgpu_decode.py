@@ -1,0 +1,149 @@
+"""The Mosaic GPU decode kernel on the CPU: what can be checked without a Hopper GPU.
+
+- The kernel lowers for CUDA (Mosaic GPU's layout, TMA and cluster checks run at lowering):
+  one split and a cluster of splits, block ids by copy and by scalar reads, zeroed padding rows
+  (before the Mosaic prefill kernel), decode-only calls.
+- Its static choices: splits per row, row-walking clusters, the block-id window, the shared
+  memory budget, and the KV ranges of the splits (every step exactly once, split 0 never empty).
+- The split merge's arithmetic (`_merge_rows`, plain jnp) turns per-split softmax results into
+  the full softmax, empty splits included.
+- `decode_only=True` on the Triton path (interpreted): decode rows right, padding rows zero.
+- Options are validated with clear errors.
+The kernel body runs on the H100 (benchmarks/kernels/bench_paged_attention.py --mosaic-decode:
+correctness cases and timings in benchmarks/results/kernels_h100_mosaic_decode.*).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxengine.pallas_kernels import ragged_paged_attention_mgpu_decode as dec
+from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
+    DecodeTiling, Tiling, ragged_paged_attention_gpu)
+from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import split_steps
+from tests.kernels.batch_factory import make_batch
+
+
+def _lower(t, s, m, n, k, h, p, *, prefill="triton", decode_only=False, **tiling):
+    sd = jax.ShapeDtypeStruct
+    blocks = 64
+    args = (sd((t, n, h), jnp.bfloat16), sd((blocks, k, p, h), jnp.bfloat16),
+            sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
+            sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
+    return ragged_paged_attention_gpu.trace(
+        *args, sm_scale=h ** -0.5, prefill=prefill, decode="mosaic", decode_only=decode_only,
+        tiling=Tiling(mosaic_decode=DecodeTiling(**tiling))
+    ).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("t,s,m,n,k,h,p,prefill,decode_only", [
+    (1, 1, 64, 32, 8, 128, 16, "triton", False),   # 8 splits (a cluster), block ids by copy
+    (8, 8, 13, 16, 2, 64, 32, "mosaic", False),    # splits, scalar block ids, zeroed padding
+    (64, 64, 128, 32, 8, 128, 16, "triton", True),  # 1 split, decode-only
+])
+def test_mosaic_decode_lowers_for_cuda(t, s, m, n, k, h, p, prefill, decode_only):
+    text = _lower(t, s, m, n, k, h, p, prefill=prefill, decode_only=decode_only)
+    assert "rpa_decode_mosaic" in text
+    assert '"rpa_decode"' not in text  # the Triton decode kernel is replaced
+    assert ("rpa_prefill" in text) == (prefill == "triton" and not decode_only)
+    if prefill == "mosaic":  # a second Mosaic kernel follows (the prefill one)
+        alone = _lower(t, s, m, n, k, h, p, decode_only=True)
+        assert text.count("mosaic_gpu") >= 2 * alone.count("mosaic_gpu")
+
+
+def test_splits_walkers_and_block_id_window():
+    t = DecodeTiling()
+    assert [dec.num_splits(rows, 8, t) for rows in (1, 2, 8, 16, 32, 256)] == [8, 8, 2, 1, 1, 1]
+    assert dec.num_splits(1, 8, DecodeTiling(splits=3)) == 3
+    assert dec.num_row_walkers(256, 8, 1, t) == 33  # 2 CTAs per SM: 264 CTAs walk 256 rows
+    assert dec.num_row_walkers(8, 8, 2, t) == 8
+    assert dec.bt_window(64, 8) == 64 and dec.bt_window(300, 8) == 256
+    assert dec.bt_window(132, 16) == 128
+    assert dec.bt_window(16, 8) == 0    # under one 128-byte copy: scalar reads
+    assert dec.bt_window(130, 8) == 0   # rows not 16-byte aligned: scalar reads
+    assert dec.merge_rows(1) == dec.merge_rows(2) == 64 and dec.merge_rows(8) == 112
+
+
+def test_split_ranges_cover_every_step_once():
+    for n_steps in range(0, 40):
+        for splits in range(1, 9):
+            ranges = [split_steps(n_steps, c, splits) for c in range(splits)]
+            covered = [i for lo, hi in ranges for i in range(lo, hi)]
+            assert covered == list(range(n_steps))
+            assert n_steps == 0 or ranges[0][1] > ranges[0][0]
+
+
+def test_smem_budget_and_support():
+    t = DecodeTiling()
+    assert dec.smem_bytes(128, 2, t) <= 227 * 1024
+    assert dec.supported(jnp.bfloat16, 128, 4, 16, None, None, t)
+    assert dec.supported(jnp.float16, 64, 8, 32, None, None, t)
+    assert not dec.supported(jnp.float32, 128, 4, 16, None, None, t)
+    assert not dec.supported(jnp.bfloat16, 128, 4, 16, 30.0, None, t)   # soft cap
+    assert not dec.supported(jnp.bfloat16, 128, 4, 16, None, 128, t)    # sliding window
+    assert not dec.supported(jnp.bfloat16, 128, 3, 16, None, None, t)   # G = 3
+    assert not dec.supported(jnp.bfloat16, 256, 4, 16, None, None, t)   # head dim 256
+    assert not dec.supported(jnp.bfloat16, 128, 4, 16, None, None, DecodeTiling(stages=4))
+
+
+@pytest.mark.parametrize("splits", [2, 5, 8])
+def test_split_merge_gives_the_full_softmax(splits):
+    """Each split's rows normalised by its own sum plus its log2-sum-exp (as the kernel leaves
+    them; an empty split: zeros and -inf) merge into softmax(s) @ v over all keys."""
+    rng = np.random.default_rng(splits)
+    rows, keys, h, bkv = 64, 300, 32, 64
+    s = rng.standard_normal((rows, keys)) * 3
+    v = rng.standard_normal((keys, h))
+    n_steps = -(-keys // bkv)
+    parts = []
+    for c in range(splits):
+        lo, hi = split_steps(n_steps, c, splits)
+        k0, k1 = lo * bkv, min(hi * bkv, keys)
+        if k1 <= k0:
+            parts.append((np.full(rows, -np.inf), np.zeros((rows, h))))
+            continue
+        sc = s[:, k0:k1] * np.log2(np.e)  # the kernel's logits are in base 2
+        m = sc.max(1)
+        pr = np.exp2(sc - m[:, None])
+        parts.append((m + np.log2(pr.sum(1)), pr @ v[k0:k1] / pr.sum(1)[:, None]))
+    assert any(np.isinf(lse).all() for lse, _ in parts) == (splits > n_steps)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    got = dec._merge_rows(f32(parts[0][0]), f32(parts[0][1]),
+                          [(f32(lse), f32(o)) for lse, o in parts[1:]])
+    p = np.exp(s - s.max(1, keepdims=True))
+    want = (p / p.sum(1, keepdims=True)) @ v
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_only_triton_interpreted():
+    rng = np.random.default_rng(3)
+    b = make_batch(rng, q_lens=[1, 1, 1], ctx_lens=[0, 37, 100], num_heads=4, num_kv_heads=2,
+                   head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=2, pad_tokens=5)
+    q = b.q.at[3:].set(jnp.nan)  # padding tokens' queries must not reach their rows
+    args = (q, *b.args()[1:])
+    got = ragged_paged_attention_gpu(*args, sm_scale=0.25, interpret=True, decode_only=True)
+    ref = ragged_paged_attention_reference(*args, sm_scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    assert (np.asarray(got)[3:] == 0).all()
+
+
+def test_decode_option_errors():
+    rng = np.random.default_rng(0)
+    b = make_batch(rng, q_lens=[1, 9], ctx_lens=[3, 4], num_heads=8, num_kv_heads=2,
+                   head_dim=64, block_size=16, dtype=jnp.bfloat16, pad_tokens=6)
+    with pytest.raises(ValueError, match="decode must be 'triton', 'mosaic' or 'auto'"):
+        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, decode="cuda")
+    with pytest.raises(ValueError, match="decode='mosaic' cannot serve this call"):
+        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, soft_cap=30.0, decode="mosaic")
+    with pytest.raises(ValueError, match="decode='mosaic' cannot serve this call"):
+        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, decode="mosaic", interpret=True)
+    with pytest.raises(ValueError, match="block_kv must be a multiple of 64"):
+        DecodeTiling(block_kv=96)
+    with pytest.raises(ValueError, match="splits must be in"):
+        DecodeTiling(splits=9)
+    with pytest.raises(ValueError, match="stages must be >= 2"):
+        DecodeTiling(stages=1)
