@@ -6,6 +6,8 @@ benchmarks/gpu_dispatch_check.py). A step's forward inputs (9 arrays) and sampli
 (12 arrays) therefore travel as two flat buffers: `pack` concatenates a pytree of 4-byte arrays
 (int32, uint32, float32) bit for bit, and the program calls `unpack` with the `Layout` of the
 same pytree, which slices the buffer at offsets fixed at trace time and reinterprets the bits.
+Each leaf starts at a multiple of 256 bytes: XLA may hand a slice to a kernel as a view into the
+buffer, and Mosaic GPU kernels require 256-byte aligned operands.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+ALIGN = 64  # int32 elements: each leaf starts 256 bytes after the previous start, or a multiple
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +48,7 @@ class Layout:
             shapes.append(tuple(leaf.shape))
             dtypes.append(dt)
             offsets.append(at)
-            at += math.prod(leaf.shape)
+            at += _padded(math.prod(leaf.shape))
         return cls(treedef, tuple(shapes), tuple(dtypes), tuple(offsets), at)
 
     def abstract(self, sharding=None) -> jax.ShapeDtypeStruct:
@@ -49,8 +57,12 @@ class Layout:
 
 
 def pack(tree) -> np.ndarray:
-    """The leaves of `tree` (numpy, 4-byte dtypes), flattened in pytree order into one int32 array."""
-    parts = [np.ascontiguousarray(leaf).reshape(-1).view(np.int32) for leaf in jax.tree.leaves(tree)]
+    """The leaves of `tree` (numpy, 4-byte dtypes), flattened in pytree order into one int32 array,
+    each padded with zeros to a multiple of ALIGN elements (the offsets of `Layout.of`)."""
+    parts = []
+    for leaf in jax.tree.leaves(tree):
+        flat = np.ascontiguousarray(leaf).reshape(-1).view(np.int32)
+        parts += [flat, np.zeros(_padded(flat.size) - flat.size, np.int32)]
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 

@@ -24,12 +24,11 @@ def _compute_capability(device: jax.Device) -> tuple[int, int] | None:
         return None
 
 
-def get_kernel(mosaic: bool = False) -> Callable | None:
+def get_kernel(mosaic_prefill: bool = False) -> Callable | None:
     """The GPU kernel's public function on an NVIDIA GPU of sm_80+, else None.
 
-    mosaic: on Hopper (sm_90), prefill chunks and decode rows go to the Mosaic GPU kernels where
-    they apply (ragged_paged_attention_mgpu.supported, ragged_paged_attention_mgpu_decode.
-    supported); elsewhere the flag changes nothing."""
+    mosaic_prefill: on Hopper (sm_90), prefill chunks go to the Mosaic GPU kernel where it
+    applies (ragged_paged_attention_mgpu.supported); elsewhere the flag changes nothing."""
     if jax.default_backend() != "gpu":
         return None
     device = jax.devices()[0]
@@ -39,14 +38,14 @@ def get_kernel(mosaic: bool = False) -> Callable | None:
                     device.device_kind, cc)
         return None
     from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
-        DecodeTiling, MosaicTiling, Tiling, ragged_paged_attention_gpu)
-    if mosaic and cc[0] == 9:
-        # The Mosaic kernels size their KV splits and grids by the SM count (132 on an H100 SXM).
-        sms = int(getattr(device, "core_count", None) or MosaicTiling().sm_count)
-        tiling = Tiling(mosaic=MosaicTiling(sm_count=sms), mosaic_decode=DecodeTiling(sm_count=sms))
+        MosaicTiling, Tiling, ragged_paged_attention_gpu)
+    if mosaic_prefill and cc[0] == 9:
+        # The Mosaic kernel sizes its KV splits and grid by the SM count (132 on an H100 SXM).
+        sms = getattr(device, "core_count", None) or MosaicTiling().sm_count
+        tiling = Tiling(mosaic=MosaicTiling(sm_count=int(sms)))
 
-        def ragged_paged_attention_gpu_mosaic(*args, **kwargs):
+        def ragged_paged_attention_gpu_mosaic_prefill(*args, **kwargs):
             kwargs.setdefault("tiling", tiling)
-            return ragged_paged_attention_gpu(*args, **kwargs, prefill="auto", decode="auto")
-        return ragged_paged_attention_gpu_mosaic
+            return ragged_paged_attention_gpu(*args, **kwargs, prefill="auto")
+        return ragged_paged_attention_gpu_mosaic_prefill
     return ragged_paged_attention_gpu

@@ -43,12 +43,19 @@ def test_sampling_metadata_roundtrip():
     _roundtrip(md)
 
 
-def test_pack_is_concatenation_in_leaf_order():
-    tree = {"a": np.arange(3, dtype=np.int32), "b": np.array([[1.5, -2.0]], np.float32)}
+def test_pack_is_concatenation_in_leaf_order_at_256_byte_offsets():
+    """Leaves in order, each starting at a multiple of 256 bytes (Mosaic GPU kernels reject
+    operands that are not 256-byte aligned, and XLA may pass a slice of the buffer as a view)."""
+    tree = {"a": np.arange(3, dtype=np.int32), "b": np.array([[1.5, -2.0]], np.float32),
+            "c": np.arange(70, dtype=np.int32)}
     flat = pack(tree)
-    assert flat.dtype == np.int32 and flat.shape == (5,)
+    layout = Layout.of(tree)
+    assert layout.offsets == (0, 64, 128) and layout.size == 256 == flat.size
+    assert flat.dtype == np.int32 and all(off * 4 % 256 == 0 for off in layout.offsets)
     np.testing.assert_array_equal(flat[:3], [0, 1, 2])
-    np.testing.assert_array_equal(flat[3:].view(np.float32), [1.5, -2.0])
+    np.testing.assert_array_equal(flat[64:66].view(np.float32), [1.5, -2.0])
+    np.testing.assert_array_equal(flat[128:198], np.arange(70))
+    assert not flat[3:64].any() and not flat[66:128].any()
 
 
 def test_layout_rejects_other_itemsizes_and_wrong_buffers():
