@@ -92,14 +92,29 @@ def smem_bytes(head_dim: int, itemsize: int, tiling: MosaicTiling) -> int:
             + _WGS * _ROWS * 4 + 1024)
 
 
+def in_scope(dtype, head_dim: int, group: int, block_size: int, soft_cap, window, block_kv: int,
+             smem: int) -> bool:
+    """The scope of the Mosaic kernels (prefill and decode): 16-bit, H in {64, 128}, G a power
+    of two up to 8, pages of a multiple of 8 keys that tile a step of block_kv keys, no soft cap,
+    no sliding window, and `smem` bytes of shared memory per CTA within the budget."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and head_dim in (64, 128) and group in (1, 2, 4, 8) and smem <= _SMEM_BYTES
+            and block_size % 8 == 0 and block_kv % block_size == 0
+            and soft_cap is None and window is None)
+
+
 def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, window,
               tiling: MosaicTiling) -> bool:
     """Whether this kernel can serve a call with these static properties."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and head_dim in (64, 128) and group in (1, 2, 4, 8)
-            and smem_bytes(head_dim, jnp.dtype(dtype).itemsize, tiling) <= _SMEM_BYTES
-            and block_size % 8 == 0 and tiling.block_kv % block_size == 0
-            and soft_cap is None and window is None)
+    return in_scope(dtype, head_dim, group, block_size, soft_cap, window, tiling.block_kv,
+                    smem_bytes(head_dim, jnp.dtype(dtype).itemsize, tiling))
+
+
+def mma_transforms(head_dim: int, dtype) -> tuple:
+    """Tiling and swizzle of a [rows, head_dim] shared-memory buffer the tensor cores read."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, head_dim * itemsize)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _cdiv(a, b):
@@ -475,10 +490,7 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
     splits = kv_splits(t, k, g, tiling)
     n_ctas = grid_ctas(t, s, k, g, splits, tiling)
     dtype = q.dtype
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, h * itemsize)
-    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
-                  plgpu.SwizzleTransform(swizzle))
+    transforms = mma_transforms(h, dtype)
 
     def entry(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref=None,
               lse_ref=None):

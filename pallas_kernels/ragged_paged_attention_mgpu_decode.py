@@ -19,9 +19,9 @@ log2-sum-exp to global scratch by TMA and wait for the copies to complete; a clu
 then lets CTA 0 read them back and merge them (weights exp2(lse_c - max)) into the output: one
 launch, no counter, no merge kernel. Cluster CTAs are co-scheduled, so the wait cannot deadlock.
 
-Scope: bf16 or f16, H in {64, 128}, G in {1, 2, 4, 8}, P a multiple of 8 dividing block_kv, no
-soft cap and no sliding window (`supported()`); the Triton flash-decoding kernel serves every
-other case.
+Scope: that of the Mosaic prefill kernel (`in_scope`: bf16 or f16, H in {64, 128}, G in
+{1, 2, 4, 8}, P a multiple of 8 dividing block_kv, no soft cap, no sliding window; `supported()`);
+the Triton flash-decoding kernel serves every other case.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
-    _LOG2E, _ROWS, _SMEM_BYTES, _cdiv, _load, split_steps)
+    _LOG2E, _ROWS, _cdiv, _load, in_scope, mma_transforms, split_steps)
 
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
 _LSE_COLS = 8     # a row's log-sum-exp is kept as an [64, 8] tile (the smallest WGMMA tile)
@@ -101,11 +101,8 @@ def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
 def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, window,
               tiling: DecodeTiling) -> bool:
     """Whether this kernel can serve a call with these static properties."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and head_dim in (64, 128) and group in (1, 2, 4, 8)
-            and smem_bytes(head_dim, jnp.dtype(dtype).itemsize, tiling) <= _SMEM_BYTES
-            and block_size % 8 == 0 and tiling.block_kv % block_size == 0
-            and soft_cap is None and window is None)
+    return in_scope(dtype, head_dim, group, block_size, soft_cap, window, tiling.block_kv,
+                    smem_bytes(head_dim, jnp.dtype(dtype).itemsize, tiling))
 
 
 def num_splits(rows: int, k: int, tiling: DecodeTiling) -> int:
@@ -345,10 +342,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
     splits = num_splits(rows, k, tiling)
     walkers = num_row_walkers(rows, k, splits, tiling)
     dtype = q.dtype
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, h * itemsize)
-    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
-                  plgpu.SwizzleTransform(swizzle))
+    transforms = mma_transforms(h, dtype)
 
     def entry(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref=None,
               lse_ref=None):
