@@ -454,39 +454,35 @@ def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
     )
 
 
-def _use_mosaic(prefill: str, q, k_cache, soft_cap, window, tiling: Tiling, interpret: bool) -> bool:
-    """Whether prefill tiles go to the Mosaic GPU kernel (static: shapes, dtype, options)."""
-    if prefill == "triton":
+def _use_mosaic(rows: str, choice: str, q, k_cache, soft_cap, window, tiling: Tiling,
+                interpret: bool) -> bool:
+    """Whether the prefill or decode `rows` go to their Mosaic GPU kernel (static: shapes,
+    dtype, options); `choice` "mosaic" raises where that kernel does not apply."""
+    if choice == "triton":
         return False
     t, n, h = q.shape
-    ok = (not interpret and t >= 2 and t % 8 == 0
-          and mgpu.supported(q.dtype, h, n // k_cache.shape[1], k_cache.shape[2], soft_cap,
-                             window, tiling.mosaic))
-    if prefill == "mosaic" and not ok:
+    g, p = n // k_cache.shape[1], k_cache.shape[2]
+    if rows == "prefill":
+        ok = t >= 2 and t % 8 == 0 and mgpu.supported(q.dtype, h, g, p, soft_cap, window,
+                                                      tiling.mosaic)
+        module = "ragged_paged_attention_mgpu"
+    else:
+        ok = mgpu_decode.supported(q.dtype, h, g, p, soft_cap, window, tiling.mosaic_decode)
+        module = "ragged_paged_attention_mgpu_decode"
+    ok = ok and not interpret
+    if choice == "mosaic" and not ok:
         raise ValueError(
-            f"prefill='mosaic' cannot serve this call (dtype {q.dtype}, head dim {h}, "
-            f"{n // k_cache.shape[1]} query heads per KV head, block size {k_cache.shape[2]}, "
-            f"{t} token rows, soft_cap {soft_cap}, sliding_window {window}, interpret "
-            f"{interpret}); see ragged_paged_attention_mgpu.supported")
+            f"{rows}='mosaic' cannot serve this call (dtype {q.dtype}, head dim {h}, "
+            f"{g} query heads per KV head, block size {p}, {t} token rows, soft_cap "
+            f"{soft_cap}, sliding_window {window}, interpret {interpret}); see {module}.supported")
     return ok
 
 
-def _use_mosaic_decode(decode: str, q, k_cache, soft_cap, window, tiling: Tiling,
-                       interpret: bool) -> bool:
-    """Whether decode rows go to the Mosaic GPU decode kernel (static)."""
-    if decode == "triton":
-        return False
-    t, n, h = q.shape
-    ok = not interpret and mgpu_decode.supported(q.dtype, h, n // k_cache.shape[1],
-                                                 k_cache.shape[2], soft_cap, window,
-                                                 tiling.mosaic_decode)
-    if decode == "mosaic" and not ok:
-        raise ValueError(
-            f"decode='mosaic' cannot serve this call (dtype {q.dtype}, head dim {h}, "
-            f"{n // k_cache.shape[1]} query heads per KV head, block size {k_cache.shape[2]}, "
-            f"soft_cap {soft_cap}, sliding_window {window}, interpret {interpret}); see "
-            f"ragged_paged_attention_mgpu_decode.supported")
-    return ok
+def _flat(q, k_cache, v_cache, block_tables, dims: _Dims):
+    """The views the Triton kernels index: q [T * N, H], caches [B * K * P, H], tables [S * M]."""
+    b = k_cache.shape[0]
+    return (q.reshape(dims.t * dims.n, dims.h), k_cache.reshape(b * dims.k * dims.p, dims.h),
+            v_cache.reshape(b * dims.k * dims.p, dims.h), block_tables.reshape(dims.s * dims.m))
 
 
 def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
@@ -495,12 +491,12 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
               decode_only: bool = False) -> jax.Array:
     """Builds the grids and runs the kernels; inputs already validated."""
     dims = _make_dims(q, k_cache, block_tables, tiling)
-    mosaic = not decode_only and _use_mosaic(prefill, q, k_cache, soft_cap, window, tiling,
-                                             interpret)
+    mosaic = not decode_only and _use_mosaic("prefill", prefill, q, k_cache, soft_cap, window,
+                                             tiling, interpret)
     # The decode kernel zeroes the padding rows when the Mosaic prefill kernel follows (it
     # writes its own rows only) or when no prefill kernel follows.
     zero_padding = mosaic or decode_only
-    if _use_mosaic_decode(decode, q, k_cache, soft_cap, window, tiling, interpret):
+    if _use_mosaic("decode", decode, q, k_cache, soft_cap, window, tiling, interpret):
         # Decode rows (and, for the Mosaic prefill kernel, zeroed padding rows) by the Mosaic
         # decode kernel; the prefill kernel then writes its rows into the same buffer.
         out3 = mgpu_decode.decode_attention(q, k_cache, v_cache, kv_lens, block_tables,
@@ -513,11 +509,7 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
                              kv_lens, block_tables, query_start_loc, num_seqs, dims=dims,
                              mosaic=mosaic, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                              tiling=tiling, interpret=interpret)
-    b = k_cache.shape[0]
-    q2 = q.reshape(dims.t * dims.n, dims.h)
-    kc = k_cache.reshape(b * dims.k * dims.p, dims.h)
-    vc = v_cache.reshape(b * dims.k * dims.p, dims.h)
-    bt = block_tables.reshape(dims.s * dims.m)
+    q2, kc, vc, bt = _flat(q, k_cache, v_cache, block_tables, dims)
     common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window)
     n_part = dims.k * dims.npd * dims.g
     counters = jnp.zeros((dims.s * dims.k,), jnp.int32)
@@ -558,7 +550,7 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
                                              sm_scale=sm_scale, tiling=tiling.mosaic)
         return out3 if split is None else merge_splits_gpu(out3, split, dims.g)
 
-    b = k_cache.shape[0]
+    q2, kc, vc, bt = _flat(q, k_cache, v_cache, block_tables, dims)
     common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window)
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, **common),
@@ -569,9 +561,7 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
                                              num_stages=tiling.prefill_num_stages),
         interpret=interpret,
         name="rpa_prefill",
-    )(q.reshape(dims.t * dims.n, dims.h), k_cache.reshape(b * dims.k * dims.p, dims.h),
-      v_cache.reshape(b * dims.k * dims.p, dims.h), kv_lens,
-      block_tables.reshape(dims.s * dims.m), query_start_loc, num_seqs, out)
+    )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, out)
     return out.reshape(dims.t, dims.n, dims.h)
 
 

@@ -121,6 +121,32 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
+def load_kv_step(k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_free, v_free, *, blks, kh,
+                 n, slot, p: int, stages: int):
+    """Memory warpgroup, pipeline step n into `slot`: once the slot is free (from step
+    `stages` on), one TMA copy per page `blks[j]` of KV head `kh` for K, then for V."""
+    pl.when(n >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+    for jj, blk in enumerate(blks):
+        plgpu.copy_gmem_to_smem(k_ref.at[blk, kh], k_smem.at[slot, pl.ds(jj * p, p)],
+                                k_bars.at[slot])
+    pl.when(n >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+    for jj, blk in enumerate(blks):
+        plgpu.copy_gmem_to_smem(v_ref.at[blk, kh], v_smem.at[slot, pl.ds(jj * p, p)],
+                                v_bars.at[slot])
+
+
+def softmax_step(s, acc, m_i, l_i, dtype):
+    """Online softmax over one step's scaled base-2 logits s [64, BKV] (masked keys -inf):
+    returns the rescaled accumulator, the new running max and sum, and the probabilities in
+    `dtype` for the P.V product."""
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l_i = l_i * alpha + pr.sum(axis=1)
+    return acc, m_new, l_i, pr.astype(dtype)
+
+
 def _load(ref, layout):
     """A register load of a whole shared-memory ref in `layout` (the keyword form is newer).
 
@@ -376,12 +402,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, ls
                                                   layout=plgpu.Layout.WGMMA)
                     qpos = wg_first + lax.rem(rows, tq)
                     s = jnp.where((lo + i) * bkv + cols <= qpos, s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + pr.sum(axis=1)
-                p16 = pr.astype(dtype)
+                acc, m_new, l_i, p16 = softmax_step(s, acc, m_i, l_i, dtype)
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 plgpu.barrier_arrive(sched)  # softmax done
                 plgpu.barrier_wait(v_bars.at[slot])
@@ -460,14 +481,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, ls
                 n = base + step - lo
                 slot = lax.rem(n, stages)
                 blks = [bt_ref[seq, jnp.minimum(step * pages + jj, m - 1)] for jj in range(pages)]
-                pl.when(n >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-                for jj, blk in enumerate(blks):
-                    plgpu.copy_gmem_to_smem(k_ref.at[blk, kh], k_smem.at[slot, pl.ds(jj * p, p)],
-                                            k_bars.at[slot])
-                pl.when(n >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-                for jj, blk in enumerate(blks):
-                    plgpu.copy_gmem_to_smem(v_ref.at[blk, kh], v_smem.at[slot, pl.ds(jj * p, p)],
-                                            v_bars.at[slot])
+                load_kv_step(k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_free, v_free,
+                             blks=blks, kh=kh, n=n, slot=slot, p=p, stages=stages)
 
             return base + hi - lo
 

@@ -35,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
-    _LOG2E, _ROWS, _cdiv, _load, in_scope, mma_transforms, split_steps)
+    _LOG2E, _ROWS, _cdiv, _load, in_scope, load_kv_step, mma_transforms, softmax_step,
+    split_steps)
 
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
 _LSE_COLS = 8     # a row's log-sum-exp is kept as an [64, 8] tile (the smallest WGMMA tile)
@@ -205,12 +206,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                         cols = plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 1,
                                                       layout=plgpu.Layout.WGMMA)
                         sc = jnp.where((lo + i) * bkv + cols < kv_len, sc, -jnp.inf)
-                    m_new = jnp.maximum(m_i, sc.max(axis=1))
-                    alpha = jnp.exp2(m_i - m_new)
-                    pr = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    l_i = l_i * alpha + pr.sum(axis=1)
-                    p16 = pr.astype(dtype)
+                    acc, m_new, l_i, p16 = softmax_step(sc, acc, m_i, l_i, dtype)
                     plgpu.barrier_wait(v_bars.at[st])
 
                     def compute_pv(acc_ref):
@@ -312,15 +308,8 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                 else:  # the table's rows are not 16-byte aligned: one scalar read per page
                     blks = [bt_ref[slot, jnp.minimum(step * pages + jj, m - 1)]
                             for jj in range(pages)]
-                st = lax.rem(n, stages)
-                pl.when(n >= stages)(lambda: plgpu.barrier_wait(k_free.at[st]))
-                for jj, blk in enumerate(blks):
-                    plgpu.copy_gmem_to_smem(k_ref.at[blk, kh], k_smem.at[st, pl.ds(jj * p, p)],
-                                            k_bars.at[st])
-                pl.when(n >= stages)(lambda: plgpu.barrier_wait(v_free.at[st]))
-                for jj, blk in enumerate(blks):
-                    plgpu.copy_gmem_to_smem(v_ref.at[blk, kh], v_smem.at[st, pl.ds(jj * p, p)],
-                                            v_bars.at[st])
+                load_kv_step(k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_free, v_free,
+                             blks=blks, kh=kh, n=n, slot=lax.rem(n, stages), p=p, stages=stages)
 
             return base + (hi - lo)
 
