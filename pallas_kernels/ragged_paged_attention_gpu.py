@@ -488,11 +488,19 @@ def _flat(q, k_cache, v_cache, block_tables, dims: _Dims):
 def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
               sm_scale: float, soft_cap: float | None, window: int | None, tiling: Tiling,
               interpret: bool, prefill: str = "triton", decode: str = "triton",
-              decode_only: bool = False) -> jax.Array:
+              decode_only: bool = False, prefill_only: bool = False) -> jax.Array:
     """Builds the grids and runs the kernels; inputs already validated."""
     dims = _make_dims(q, k_cache, block_tables, tiling)
     mosaic = not decode_only and _use_mosaic("prefill", prefill, q, k_cache, soft_cap, window,
                                              tiling, interpret)
+    if prefill_only:
+        # No decode kernel: the Mosaic kernel fills a fresh buffer (zeroing the padding rows
+        # itself); the Triton prefill kernel writes prefill and padding rows into zeros.
+        out = None if mosaic else jnp.zeros((dims.t * dims.n, dims.h), q.dtype)
+        return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                             num_seqs, dims=dims, mosaic=mosaic, sm_scale=sm_scale,
+                             soft_cap=soft_cap, window=window, tiling=tiling,
+                             interpret=interpret)
     # The decode kernel zeroes the padding rows when the Mosaic prefill kernel follows (it
     # writes its own rows only) or when no prefill kernel follows.
     zero_padding = mosaic or decode_only
@@ -540,15 +548,15 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
                   *, dims: _Dims, mosaic: bool, sm_scale: float, soft_cap: float | None,
                   window: int | None, tiling: Tiling, interpret: bool) -> jax.Array:
     """Writes the prefill rows (and, on the Triton path, zero padding rows) into `out`
-    [T * N, H], which holds the decode rows, in place; returns [T, N, H]."""
+    [T * N, H], which holds the decode rows, in place; returns [T, N, H]. `out=None` (Mosaic
+    path, prefill-only call): a fresh buffer, padding rows zeroed by the Mosaic kernel."""
     if mosaic:
         # The decode kernel wrote the decode rows and zeroed the padding rows; the Mosaic
         # kernel writes the prefill rows into the same buffer, in place.
-        out3, split = mgpu.prefill_attention(q, k_cache, v_cache, kv_lens, block_tables,
-                                             query_start_loc, num_seqs,
-                                             out.reshape(dims.t, dims.n, dims.h),
-                                             sm_scale=sm_scale, tiling=tiling.mosaic)
-        return out3 if split is None else merge_splits_gpu(out3, split, dims.g)
+        out3 = None if out is None else out.reshape(dims.t, dims.n, dims.h)
+        return mgpu.prefill_attention(q, k_cache, v_cache, kv_lens, block_tables,
+                                      query_start_loc, num_seqs, out3, sm_scale=sm_scale,
+                                      tiling=tiling.mosaic)
 
     q2, kc, vc, bt = _flat(q, k_cache, v_cache, block_tables, dims)
     common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window)
@@ -563,68 +571,6 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
         name="rpa_prefill",
     )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, out)
     return out.reshape(dims.t, dims.n, dims.h)
-
-
-def _merge_splits_kernel(tab_ref, cnt_ref, lse_ref, part_ref, out_in_ref, out_ref, *,
-                         splits: int, g: int, n: int, t: int, nt: int, k: int, cols: int,
-                         progs: int):
-    """Program (i, head): head `head` of the live tiles i, i + progs, ... of the Mosaic
-    kernel's tile table; each live row becomes the softmax-weighted sum of its splits' rows
-    (the statement in mgpu.merge_splits). Refs are flat: table [NT * cols], lse [S * NT * K *
-    LSE_BLOCK], part [(S - 1) * T * N, H], out [T * N, H] (aliased: other rows are kept)."""
-    del out_in_ref  # aliased with out_ref
-    i = pl.program_id(0)
-    head = pl.program_id(1)
-    r = jnp.arange(mgpu.tile_tokens(g), dtype=jnp.int32)
-    lse_off = (head // g) * mgpu.LSE_BLOCK + mgpu.lse_slot(head % g, r, g)  # within lse[s, tile]
-    tile_stride, split_stride = k * mgpu.LSE_BLOCK, nt * k * mgpu.LSE_BLOCK
-
-    def body(it, carry):
-        j = i + it * progs
-        tok = tab_ref[j * cols + 1] + r
-        ok = tok < tab_ref[j * cols + 2]
-        ls = [plgpu.load(lse_ref.at[sp * split_stride + j * tile_stride + lse_off], mask=ok,
-                         other=-jnp.inf) for sp in range(splits)]
-        mx = ls[0]
-        for x in ls[1:]:
-            mx = jnp.maximum(mx, x)
-        mx = jnp.where(mx > -jnp.inf, mx, 0.0)
-        w = [jnp.exp2(x - mx) for x in ls]  # 0 where a split saw no key for the row
-        rows = jnp.minimum(tok, t - 1) * n + head  # masked rows stay in bounds
-        acc = w[0][:, None] * _load_kv(out_ref, rows, ok, out_ref.shape[1]).astype(jnp.float32)
-        den = w[0]
-        for sp in range(1, splits):
-            o = _load_kv(part_ref, (sp - 1) * t * n + rows, ok, out_ref.shape[1])
-            acc = acc + jnp.where(w[sp][:, None] > 0, w[sp][:, None] * o.astype(jnp.float32),
-                                  0.0)
-            den = den + w[sp]
-        _store_rows(out_ref, rows, acc / jnp.maximum(den, 1e-30)[:, None], ok)
-        return carry
-
-    lax.fori_loop(0, _cdiv(jnp.maximum(cnt_ref[0] - i, 0), progs), body, 0)
-
-
-def merge_splits_gpu(out: jax.Array, split: mgpu.SplitResults, g: int, *,
-                     interpret: bool = False) -> jax.Array:
-    """Merges the Mosaic kernel's KV splits into `out` [T, N, H] in place: one Triton kernel.
-
-    Its grid is (live-tile programs, N): the tiles of T token rows plus 4 (short sequences
-    leave partial tiles; each program walks the tiles i, i + progs, ...)."""
-    t, n, h = out.shape
-    splits, nt, k = split.lse.shape[:3]
-    progs = min(nt, _cdiv(t, mgpu.tile_tokens(g)) + 4)
-    merged = pl.pallas_call(
-        functools.partial(_merge_splits_kernel, splits=splits, g=g, n=n, t=t, nt=nt, k=k,
-                          cols=split.layout.table.shape[1], progs=progs),
-        grid=(progs, n),
-        out_shape=jax.ShapeDtypeStruct((t * n, h), out.dtype),
-        input_output_aliases={4: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="rpa_merge_splits",
-    )(split.layout.table.reshape(-1), split.layout.count, split.lse.reshape(-1),
-      split.part.reshape((splits - 1) * t * n, h), out.reshape(t * n, h))
-    return merged.reshape(t, n, h)
 
 
 def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
@@ -674,13 +620,14 @@ def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "tiling",
-                                             "interpret", "prefill", "decode", "decode_only"))
+                                             "interpret", "prefill", "decode", "decode_only",
+                                             "prefill_only"))
 def ragged_paged_attention_gpu(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
     block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
     tiling: Tiling | None = None, interpret: bool = False, prefill: str = "triton",
-    decode: str = "triton", decode_only: bool = False,
+    decode: str = "triton", decode_only: bool = False, prefill_only: bool = False,
 ) -> jax.Array:
     """Ragged paged attention [T, N, H] -> [T, N, H]; contract of the reference.
 
@@ -695,6 +642,11 @@ def ragged_paged_attention_gpu(
     scheduler step with no prefill chunk): the prefill kernel is not launched and the decode
     kernel zeroes the padding rows. Rows of a live sequence with q_len > 1 are then left
     unwritten.
+    `prefill_only=True`: a step with no decode row (every live sequence has q_len > 1, as a
+    scheduler step of prompt chunks only): the decode kernel is not launched; the prefill
+    kernel writes the prefill rows and zeroes the padding rows. Rows of a live sequence with
+    q_len == 1 are then not computed (the Mosaic path leaves them unwritten, the Triton path
+    zero).
     Run-time preconditions (not checked): query_start_loc is non-decreasing, kv_lens[s] >=
     q_len[s] for live slots, block ids < B, num_seqs <= S.
     """
@@ -704,9 +656,13 @@ def ragged_paged_attention_gpu(
         raise ValueError(f"prefill must be 'triton', 'mosaic' or 'auto', got {prefill!r}")
     if decode not in ("triton", "mosaic", "auto"):
         raise ValueError(f"decode must be 'triton', 'mosaic' or 'auto', got {decode!r}")
+    if decode_only and prefill_only:
+        raise ValueError("decode_only and prefill_only cannot both be set: a step with no "
+                         "decode row and no prefill chunk has nothing to attend")
     return _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                      sm_scale=float(sm_scale),
                      soft_cap=None if soft_cap is None else float(soft_cap),
                      window=None if sliding_window is None else int(sliding_window),
                      tiling=tiling or Tiling(), interpret=interpret, prefill=prefill,
-                     decode=decode, decode_only=bool(decode_only))
+                     decode=decode, decode_only=bool(decode_only),
+                     prefill_only=bool(prefill_only))

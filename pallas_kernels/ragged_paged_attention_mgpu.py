@@ -17,6 +17,13 @@ A tile is 2 x TQ consecutive tokens of one sequence with q_len > 1. Only the ste
 the causal diagonal are masked. Decode rows (q_len == 1) are not this kernel's work (the
 flash-decoding kernel of ragged_paged_attention_gpu.py takes them).
 
+KV splits (flash-decoding for prefill tiles, when the tiles alone would leave SMs idle): the C
+CTAs of a cluster take the same (tile, KV head) item and cut its KV steps into C ranges. CTAs
+1..C-1 leave their rows (normalised by their own softmax sum) and log2-sum-exps in their shared
+memory; after a cluster barrier CTA 0 reads them across the cluster (distributed shared
+memory), merges them with its own and stores the tile; a second cluster barrier keeps the
+other CTAs' buffers until it has read them. One launch: no side buffers, no merge kernel.
+
 The tile list is built by XLA before the call (`tile_layout`: one row per live tile, the tiles
 that attend to the most keys first). The kernel writes its rows in place into the [T, N, H]
 output the decode kernel filled (input/output aliasing): per query head, the tile's live tokens
@@ -45,6 +52,7 @@ _ROWS = 64  # matmul rows per compute warpgroup (the wgmma M)
 _WGS = 2    # compute warpgroups per CTA
 _MAX_SPLITS = 4
 _MIN_SPLIT_ROWS = 128  # token rows from which kv_splits=None may split
+_LSE_COLS = 8  # a row's log-sum-exp is kept as an [64, 8] tile (the smallest WGMMA tile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +61,13 @@ class MosaicTiling:
 
     block_kv: keys per pipeline step (multiple of 64 and of the block size).
     stages: K/V steps buffered in shared memory.
-    kv_splits: KV ranges each tile's keys are cut into, one work item each, merged after the
-      kernel (flash-decoding for prefill tiles). None: as many as fill `sm_count` CTAs when
-      128+ token rows hold few tiles (up to 4), else 1.
-    num_ctas: CTAs walking the work items. None: one per item up to the items of the token rows'
-      tiles plus `sm_count` (more items than that, from many short sequences, are taken
-      round-robin); a number: that many persistent CTAs.
+    kv_splits: KV ranges each tile's keys are cut into, one CTA each (a cluster per item),
+      merged inside the kernel (flash-decoding for prefill tiles). None: as many as fill
+      `sm_count` CTAs when 128+ token rows hold few tiles (up to 4), else 1.
+    num_ctas: CTAs walking the work items. None: one per item (one cluster per item with
+      splits) up to the items of the token rows' tiles plus `sm_count` CTAs (more items than
+      that, from many short sequences, are taken round-robin); a number: that many persistent
+      CTAs.
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
     """
 
@@ -86,10 +95,10 @@ _SMEM_BYTES = 227 * 1024  # per CTA on Hopper
 
 
 def smem_bytes(head_dim: int, itemsize: int, tiling: MosaicTiling) -> int:
-    """Shared memory one CTA uses: Q/output tiles (swizzled + staging), the K/V stages and the
-    row log-sum-exps of split tiles."""
-    return ((2 * _WGS * _ROWS + 2 * tiling.stages * tiling.block_kv) * head_dim * itemsize
-            + _WGS * _ROWS * 4 + 1024)
+    """Shared memory one CTA uses: Q/output tiles (swizzled + staging), the K/V stages, the
+    row log-sum-exps of split tiles and a zero tile for padding rows."""
+    return ((2 * _WGS * _ROWS + 2 * tiling.stages * tiling.block_kv + 8) * head_dim * itemsize
+            + _WGS * _ROWS * _LSE_COLS * 4 + 1024)
 
 
 def in_scope(dtype, head_dim: int, group: int, block_size: int, soft_cap, window, block_kv: int,
@@ -192,15 +201,17 @@ def kv_splits(t: int, k: int, group: int, tiling: MosaicTiling) -> int:
     return int(min(_MAX_SPLITS, max(1, tiling.sm_count // items)))
 
 
-def grid_ctas(t: int, s: int, k: int, group: int, splits: int, tiling: MosaicTiling) -> int:
-    """CTAs launched (static). The work-item bound counts one partial tile per possible
-    prefill sequence; launching that many (1,088 CTAs for 256 rows x 256 slots) costs
-    microseconds of empty CTAs, so by default the grid stops at the items of the rows' own
-    tiles plus one CTA per SM, and CTAs then take items round-robin."""
-    bound = k * splits * num_tiles(t, s, group)
+def grid_clusters(t: int, s: int, k: int, group: int, splits: int,
+                  tiling: MosaicTiling) -> int:
+    """Clusters of `splits` CTAs launched (static), each walking (tile, KV head) items. The
+    item bound counts one partial tile per possible prefill sequence; launching that many
+    (1,088 CTAs for 256 rows x 256 slots) costs microseconds of empty CTAs, so by default the
+    grid stops at the items of the rows' own tiles plus one CTA per SM, and clusters then take
+    items round-robin."""
+    bound = k * num_tiles(t, s, group)
     if tiling.num_ctas is not None:
-        return min(bound, tiling.num_ctas)
-    return min(bound, k * splits * _cdiv(t, tile_tokens(group)) + tiling.sm_count)
+        return max(1, min(bound, tiling.num_ctas // splits))
+    return min(bound, k * _cdiv(t, tile_tokens(group)) + max(1, tiling.sm_count // splits))
 
 
 def split_steps(tile_steps, split, splits: int):
@@ -249,91 +260,51 @@ def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k
     return TileLayout(table=table, count=jnp.minimum(ends[-1:], nt).astype(jnp.int32))
 
 
-LSE_BLOCK = _WGS * _ROWS  # log-sum-exps per (tile, KV head) item: one per warpgroup row
+def merge_split_rows(lse0, o0, others):
+    """The rows of one item's KV splits -> its rows: o0 [64, H] (split 0, normalised by its own
+    softmax sum) with log2-sum-exp lse0 [64], and (lse, rows) of each other split; weights
+    exp2(lse - max) (0 for a split that saw no key of a row). Plain jnp: the Mosaic kernels
+    (prefill and decode) run it on registers, the CPU tests on arrays."""
+    mx, den, num = lse0, jnp.ones_like(lse0), o0
+    for lc, oc in others:
+        mn = jnp.maximum(mx, lc)
+        a = jnp.exp2(mx - mn)
+        b = jnp.exp2(lc - mn)
+        num = (num * lax.broadcast_in_dim(a, num.shape, [0])
+               + oc * lax.broadcast_in_dim(b, num.shape, [0]))
+        den = den * a + b
+        mx = mn
+    return num / lax.broadcast_in_dim(den, num.shape, [0])
 
 
-def lse_slot(head_in_group, off, group: int):
-    """Where query head `head_in_group` of a KV head, at token `off` of its tile, sits in the
-    item's LSE_BLOCK log-sum-exps (warpgroup off // TQ, row head * TQ + off % TQ); ints or
-    arrays, in jnp and in kernels."""
-    tq = _ROWS // group
-    return (off // tq) * _ROWS + head_in_group * tq + off % tq
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitResults:
-    """What the kernel leaves beside `out` when tiles are cut into KV splits."""
-
-    part: jax.Array  # [S - 1, T, N, H] rows of splits 1 .. S - 1, each normalised by its sum
-    lse: jax.Array   # [S, NT, K, LSE_BLOCK] float32 log2-sum-exp per split and warpgroup row
-    layout: TileLayout
-
-
-def merge_splits(out, part, lse, table, *, group: int):
-    """Combines the split results of the kernel into `out` [T, N, H]: the pure-jnp statement
-    of the merge (the GPU path runs it as one Triton kernel, `merge_splits_gpu`).
-
-    Split 0 wrote its rows into `out`, split s >= 1 into part[s - 1] ([S - 1, T, N, H]), each
-    normalised by its own softmax sum; lse [S, NT, K, LSE_BLOCK] float32 holds each warpgroup
-    row's log2-sum-exp of the scaled logits (-inf where the split had no key for the row),
-    indexed by the tile's row in `table`. Rows outside the live tiles keep what `out` holds."""
-    t, n, h = out.shape
-    splits = lse.shape[0]
-    tt = tile_tokens(group)
-    nt = table.shape[0]
-    # Token -> (tile row in the table, offset in the tile), from the live tiles' token ranges.
-    tok = table[:, 1:2] + jnp.arange(tt, dtype=jnp.int32)[None, :]  # [NT, TT]
-    ok = (table[:, 0:1] >= 0) & (tok < table[:, 2:3])
-    idx = jnp.where(ok, tok, t).reshape(-1)
-    where = jnp.full((t,), -1, jnp.int32).at[idx].set(  # tile row * TT + offset, one scatter
-        jnp.arange(nt * tt, dtype=jnp.int32), mode="drop")
-    tile_of = jnp.where(where >= 0, where // tt, -1)
-    off = jnp.maximum(where, 0) % tt
-    head = jnp.arange(n, dtype=jnp.int32)
-    slot = (head // group)[None, :] * LSE_BLOCK + lse_slot((head % group)[None, :],
-                                                          off[:, None], group)  # [T, N]
-    lse_t = lse.reshape(splits, nt, -1)[:, jnp.maximum(tile_of, 0)[:, None], slot]  # [S, T, N]
-    m = jnp.max(lse_t, axis=0)
-    m = jnp.where(m > -jnp.inf, m, 0.0)
-    w = jnp.exp2(lse_t - m[None])  # 0 where a split saw no key
-    num = w[0][..., None] * out.astype(jnp.float32)
-    for sp in range(1, splits):
-        # Rows a split did not write may hold anything: weight 0 must not meet NaN.
-        num = num + jnp.where(w[sp][..., None] > 0, w[sp][..., None] * part[sp - 1], 0.0)
-    merged = (num / jnp.maximum(jnp.sum(w, axis=0), 1e-30)[..., None]).astype(out.dtype)
-    return jnp.where((tile_of >= 0)[:, None, None], merged, out)
-
-
-def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, lse_ref, scoped,
-            *, g: int, p: int, m: int, h: int, k_heads: int, n_ctas: int, splits: int, bkv: int,
-            stages: int, sm_scale: float, dtype):
+def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_ref, scoped, *,
+            g: int, p: int, m: int, h: int, t: int, s: int, k_heads: int, n_groups: int,
+            splits: int, bkv: int, stages: int, sm_scale: float, dtype, zero_padding: bool):
     tq = _ROWS // g
     pages = bkv // p
-    cta = lax.axis_index("ctas")
+    cta = lax.axis_index("ctas")  # the cluster (one CTA without splits)
+    split = lax.axis_index("split") if splits > 1 else jnp.int32(0)
     wg = lax.axis_index("wg")
-    ((qo_smem2, q_stage2, k_smem, v_smem, lse_smem2), (k_bars, v_bars, q_bars),
-     (k_free, v_free), sched) = scoped
+    ((qo_smem2, q_stage2, k_smem, v_smem, lse_smem2, zero_smem), (k_bars, v_bars, q_bars),
+     (k_free, v_free), sched, merge_bars) = scoped
 
-    # Work item j of this CTA: item cta + j * n_ctas of the heaviest-first list of
-    # (tile, split, KV head) triples. Every warpgroup walks the same items and the K/V step
-    # counter (which picks the pipeline slot) runs on across them.
-    per_tile = k_heads * splits
-    n_items = cnt_ref[0] * per_tile
-    my_items = jnp.maximum(n_items - cta + n_ctas - 1, 0) // n_ctas
+    # Work item j of this cluster: item cta + j * n_groups of the heaviest-first list of
+    # (tile, KV head) pairs, this CTA's split of its KV steps. Every warpgroup walks the same
+    # items and the K/V step counter (which picks the pipeline slot) runs on across them.
+    n_items = cnt_ref[0] * k_heads
+    my_items = jnp.maximum(n_items - cta + n_groups - 1, 0) // n_groups
 
     def item(j):
-        it = cta + j * n_ctas
-        tile = it // per_tile
-        rest = it - tile * per_tile
-        split = rest // k_heads
-        kh = rest - split * k_heads
+        it = cta + j * n_groups
+        tile = it // k_heads
+        kh = it - tile * k_heads
         seq = tab_ref[tile, 0]
         t0 = tab_ref[tile, 1]
         n_valid = jnp.minimum(tab_ref[tile, 2] - t0, _WGS * tq)  # live tokens of the tile
         first_pos = tab_ref[tile, 3]
         # KV steps the tile needs (up to its last live token's position); this split's share.
         lo, hi = split_steps(_cdiv(first_pos + n_valid, bkv), split, splits)
-        return tile, split, kh, seq, t0, n_valid, first_pos, lo, hi
+        return kh, seq, t0, n_valid, first_pos, lo, hi
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched)
@@ -347,9 +318,25 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, ls
         lse_smem = lse_smem2.at[wg]
 
         scale = sm_scale * _LOG2E
+        if zero_padding:
+            # No decode kernel ran before (a prefill-only call into a fresh buffer): padding
+            # rows (tokens from query_start_loc[num_seqs] on) get zeros, cluster c taking
+            # tokens c, c + n_groups, ... (split 0's first warpgroup, G heads per store).
+            @pl.when((wg == 0) & (split == 0))
+            def _():
+                zero_smem[...] = jnp.zeros((8, h), dtype)
+                plgpu.commit_smem()
+                pad0 = qsl_ref[jnp.minimum(ns_ref[0], s)]
+
+                @pl.loop(0, _cdiv(jnp.maximum(t - pad0 - cta, 0), n_groups))
+                def _(i):
+                    for kh in range(k_heads):
+                        plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, g)],
+                                                out_ref.at[pad0 + cta + i * n_groups,
+                                                           pl.ds(kh * g, g)])
 
         def tile_body(j, base):
-            tile, split, kh, _, t0, n_valid, first_pos, lo, hi = item(j)
+            kh, _, t0, n_valid, first_pos, lo, hi = item(j)
             wg_t0 = t0 + wg * tq
             wg_first = first_pos + wg * tq
             wg_valid = jnp.clip(n_valid - wg * tq, 0, tq)
@@ -440,29 +427,49 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, ls
 
             pl.when(wg == 0)(schedule_barrier)
             l_safe = jnp.maximum(l_i, 1e-30)
+            o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])  # 0 for an empty split
+
             # The output goes through the untiled staging buffer, so that any row can start a
             # TMA store: per query head, the wg_valid live tokens in power-of-two chunks.
-            q_stage[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-            if splits > 1:
-                lse_smem[...] = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
-            plgpu.commit_smem()
-
-            def store_rows(dst):
+            def store_rows(val):
+                q_stage[...] = val.astype(dtype)
+                plgpu.commit_smem()
                 for jj in range(g):
                     for b, start, present in pow2_chunks(wg_valid, tq):
                         @pl.when(present)
                         def _(b=b, start=start, jj=jj):
-                            plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(jj * tq + start, b)],
-                                                    dst.at[pl.ds(wg_t0 + start, b), kh * g + jj])
+                            plgpu.copy_smem_to_gmem(
+                                q_stage.at[pl.ds(jj * tq + start, b)],
+                                out_ref.at[pl.ds(wg_t0 + start, b), kh * g + jj])
 
             if splits == 1:
-                store_rows(out_ref)
+                store_rows(o)
             else:
-                pl.when(split == 0)(lambda: store_rows(out_ref))
-                for sp in range(1, splits):
-                    pl.when(split == sp)(lambda sp=sp: store_rows(part_ref.at[sp - 1]))
-                plgpu.copy_smem_to_gmem(lse_smem,
-                                        lse_ref.at[split, tile, kh, pl.ds(wg * _ROWS, _ROWS)])
+                lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
+
+                @pl.when(split > 0)
+                def _publish():
+                    # Rows and log-sum-exps stay in this CTA's shared memory for CTA 0.
+                    q_stage[...] = o.astype(dtype)
+                    lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+                    plgpu.commit_smem()
+
+                plgpu.barrier_arrive(merge_bars.at[0])
+                plgpu.barrier_wait(merge_bars.at[0])
+
+                @pl.when(split == 0)
+                def _merge():
+                    def peer(ref, c):
+                        return _load(plgpu.cluster_ref(ref, {"split": c}), plgpu.Layout.WGMMA)
+
+                    others = [(peer(lse_smem2.at[wg], c).max(axis=1),
+                               peer(q_stage2.at[wg], c).astype(jnp.float32))
+                              for c in range(1, splits)]
+                    store_rows(merge_split_rows(lse, o, others))
+
+                # The other CTAs keep their buffers until CTA 0 has read them.
+                plgpu.barrier_arrive(merge_bars.at[1])
+                plgpu.barrier_wait(merge_bars.at[1])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next item
             return base + n_item
 
@@ -474,7 +481,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, ls
         plgpu.set_max_registers(40, action="decrease")
 
         def tile_body(j, base):
-            _, _, kh, seq, _, _, _, lo, hi = item(j)
+            kh, seq, _, _, _, lo, hi = item(j)
 
             @pl.loop(lo, hi)
             def _(step):
@@ -491,54 +498,58 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref, ls
 
 def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                       out, *, sm_scale: float, tiling: MosaicTiling):
-    """Writes the rows of the prefill chunks into `out` [T, N, H] (in place: the buffer is
-    aliased) and returns (out, None); the other rows are left as they are. With KV splits
-    (kv_splits > 1) the rows in `out` are split 0's and the second value holds the other
-    splits' results, to be merged (`merge_splits` says how). Inputs validated by the caller."""
+    """The rows of the prefill chunks. `out` [T, N, H]: they are written into it in place (the
+    buffer is aliased) and the other rows are left as they are. `out=None` (a prefill-only
+    call: no decode kernel ran): a fresh buffer with the prefill rows, zeros in the padding
+    rows and nothing written in decode rows. Returns [T, N, H]. Inputs validated by the
+    caller."""
     t, n, h = q.shape
     _, k, p, _ = k_cache.shape
     s, m = block_tables.shape
     g = n // k
     bkv, stages = tiling.block_kv, tiling.stages
     layout = tile_layout(query_start_loc, kv_lens, num_seqs, t=t, s=s, n=n, k=k)
-    nt = layout.table.shape[0]
     splits = kv_splits(t, k, g, tiling)
-    n_ctas = grid_ctas(t, s, k, g, splits, tiling)
+    n_groups = grid_clusters(t, s, k, g, splits, tiling)
     dtype = q.dtype
     transforms = mma_transforms(h, dtype)
 
-    def entry(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref, part_ref=None,
-              lse_ref=None):
+    def entry(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_ref):
         smem = (plgpu.SMEM((_WGS, _ROWS, h), dtype, transforms=transforms),
                 plgpu.SMEM((_WGS, _ROWS, h), dtype),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
-                plgpu.SMEM((_WGS, _ROWS), jnp.float32))
+                plgpu.SMEM((_WGS, _ROWS, _LSE_COLS), jnp.float32),
+                plgpu.SMEM((8, h), dtype))
         ready = (plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=g, num_barriers=_WGS))
         free = (plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),) * 2
+        # Split CTAs meet twice per item: rows published, rows read by CTA 0.
+        merge = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=_WGS,
+                                      num_barriers=2) if splits > 1 else None)
         pl.run_scoped(
-            lambda *scoped: _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, out_ref,
-                                    part_ref, lse_ref, scoped, g=g, p=p, m=m, h=h, k_heads=k,
-                                    n_ctas=n_ctas, splits=splits, bkv=bkv, stages=stages,
-                                    sm_scale=sm_scale, dtype=dtype),
+            lambda *scoped: _kernel(
+                q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_ref,
+                scoped if splits > 1 else (*scoped, None), g=g, p=p, m=m, h=h, t=t, s=s,
+                k_heads=k, n_groups=n_groups, splits=splits, bkv=bkv, stages=stages,
+                sm_scale=sm_scale, dtype=dtype, zero_padding=out is None),
             smem, ready, free, plgpu.Barrier(num_arrivals=_WGS),
-            collective_axes="wg")
+            *(() if merge is None else (merge,)), collective_axes="wg")
 
-    # Split results other than split 0's, and every row's log-sum-exp per split.
-    out_type = () if splits == 1 else (
-        jax.ShapeDtypeStruct((splits - 1, t, n, h), dtype),
-        jax.ShapeDtypeStruct((splits, nt, k, LSE_BLOCK), jnp.float32))
+    call = pl.kernel(
+        entry, out_type=jax.ShapeDtypeStruct((t, n, h), dtype) if out is None else (),
+        mesh=plgpu.Mesh(grid=(n_groups,), grid_names=("ctas",),
+                        cluster=(splits,) if splits > 1 else (),
+                        cluster_names=("split",) if splits > 1 else (),
+                        num_threads=_WGS + 1, thread_name="wg"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        name="rpa_prefill_mosaic")
+    args = (q, k_cache, v_cache, block_tables, layout.table, layout.count, query_start_loc,
+            num_seqs)
+    if out is None:
+        return call(*args)
     # `pl.kernel` over a Mosaic GPU mesh: a Ref argument is read and written in place.
     out_ref = jax.new_ref(out)
-    extra = pl.kernel(entry, out_type=out_type,
-                      mesh=plgpu.Mesh(grid=(n_ctas,), grid_names=("ctas",),
-                                      num_threads=_WGS + 1, thread_name="wg"),
-                      compiler_params=plgpu.CompilerParams(approx_math=True),
-                      name="rpa_prefill_mosaic",
-                      )(q, k_cache, v_cache, block_tables, layout.table, layout.count, out_ref)
-    if splits == 1:
-        return out_ref[...], None
-    part, lse = extra
-    return out_ref[...], SplitResults(part=part, lse=lse, layout=layout)
+    call(*args, out_ref)
+    return out_ref[...]

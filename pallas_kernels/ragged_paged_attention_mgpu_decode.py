@@ -35,11 +35,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
-    _LOG2E, _ROWS, _cdiv, _load, in_scope, load_kv_step, mma_transforms, softmax_step,
-    split_steps)
+    _LOG2E, _LSE_COLS, _ROWS, _cdiv, _load, in_scope, load_kv_step, merge_split_rows,
+    mma_transforms, softmax_step, split_steps)
 
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
-_LSE_COLS = 8     # a row's log-sum-exp is kept as an [64, 8] tile (the smallest WGMMA tile)
 _BT_WINDOW = 256  # block ids fetched per copy by the memory warpgroup
 
 
@@ -118,21 +117,6 @@ def num_row_walkers(rows: int, k: int, splits: int, tiling: DecodeTiling) -> int
     `rows_per_sm` CTAs per SM; each cluster then walks rows w, w + W, ..."""
     cap = max(1, tiling.rows_per_sm * tiling.sm_count // (k * splits))
     return int(min(rows, cap))
-
-
-def _merge_rows(lse0, o0, others):
-    """Rows of one decode row's splits -> the row: o0 [64, H] (split 0, normalised by its own
-    sum) with log2-sum-exp lse0 [64], and (lse, rows) of the others; weights exp2(lse - max)."""
-    mx, den, num = lse0, jnp.ones_like(lse0), o0
-    for lc, oc in others:
-        mn = jnp.maximum(mx, lc)
-        a = jnp.exp2(mx - mn)
-        b = jnp.exp2(lc - mn)  # 0 for a split that saw no key
-        num = (num * lax.broadcast_in_dim(a, num.shape, [0])
-               + oc * lax.broadcast_in_dim(b, num.shape, [0]))
-        den = den * a + b
-        mx = mn
-    return num / lax.broadcast_in_dim(den, num.shape, [0])
 
 
 def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, lse_ref,
@@ -267,7 +251,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                                                     lse_smem.at[pl.ds(8 * (cc - 1), g)],
                                                     merge_bar)
                         plgpu.barrier_wait(merge_bar)
-                        merged = _merge_rows(lse, o, [
+                        merged = merge_split_rows(lse, o, [
                             (_load(lse_smem.at[pl.ds(8 * (cc - 1), _ROWS)],
                                    plgpu.Layout.WGMMA).max(axis=1),
                              _load(part_smem.at[pl.ds(8 * (cc - 1), _ROWS)], plgpu.Layout.WGMMA))

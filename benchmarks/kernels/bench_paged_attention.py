@@ -186,7 +186,10 @@ def _jit_reference(sm_scale, soft_cap, sliding_window):
 
 
 def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
-                decode: str = "triton") -> list[dict]:
+                decode: str = "triton", prefill_only: bool = False) -> list[dict]:
+    """Every case against the XLA reference and a float64 dense one, padding rows zero. With
+    prefill_only (no decode kernel: decode rows are not computed) the decode rows are left
+    out of the comparison."""
     rng = np.random.default_rng(1234)
     cases = [
         dict(name="mixed bf16 G4 H128 P16", q_lens=[1, 1, 1, 1, 1, 37, 300, 17],
@@ -212,17 +215,22 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
         dict(name="chunks G1 H128 P64", q_lens=[3, 200, 1, 100], ctx_lens=[0, 64, 10, 129],
              n=4, k=4, h=128, p=64, dtype=jnp.bfloat16),
         # 144 token rows: 40 (tile, KV head) items, so the Mosaic kernel cuts each tile's
-        # keys in 3 (KV splits) and merges.
+        # keys in 3 (KV splits, a cluster of 3 CTAs) and merges.
         dict(name="long-context chunks G4 H128 P16, 144 rows", q_lens=[1, 96, 40],
              ctx_lens=[4000, 3000, 0], n=32, k=8, h=128, p=16, dtype=jnp.bfloat16,
              pad_tokens=7),
+        # 256 token rows: 64 items, 2 KV splits.
+        dict(name="chunks G4 H128 P16, 256 rows", q_lens=[1, 200, 48],
+             ctx_lens=[100, 1500, 0], n=32, k=8, h=128, p=16, dtype=jnp.bfloat16,
+             pad_slots=1, pad_tokens=7),
     ]
     if smoke:
         cases = [dict(c, q_lens=[min(x, 9) for x in c["q_lens"]][:6],
                       ctx_lens=[min(int(x), 40) for x in c["ctx_lens"]][:6]) for c in cases[:3]]
     results = []
     for c in cases:
-        row = {"name": c["name"], "prefill": prefill, "decode": decode}
+        row = {"name": c["name"], "prefill": prefill, "decode": decode,
+               "prefill_only": prefill_only}
         try:
             b = make_batch(rng, q_lens=c["q_lens"], ctx_lens=[int(x) for x in c["ctx_lens"]],
                            num_heads=c["n"], num_kv_heads=c["k"], head_dim=c["h"],
@@ -231,11 +239,19 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
             kw = dict(sm_scale=c["h"] ** -0.5, soft_cap=c.get("soft_cap"),
                       sliding_window=c.get("sliding_window"))
             out = ragged_paged_attention_gpu(*b.args(), **kw, interpret=interpret,
-                                             prefill=prefill, decode=decode)
+                                             prefill=prefill, decode=decode,
+                                             prefill_only=prefill_only)
             ref = _jit_reference(**kw)(*b.args())
             dense = dense_reference(b, **kw)
             live_end = int(np.asarray(b.query_start_loc)[int(b.num_seqs[0])])
             o = np.asarray(out.astype(jnp.float32))
+            if prefill_only:  # decode rows are not computed: compare the others
+                keep = np.ones(o.shape[0], bool)
+                keep[:live_end] = np.repeat(np.asarray(c["q_lens"]) > 1, c["q_lens"])
+                o, dense = np.where(keep[:, None, None], o, 0), np.where(
+                    keep[:, None, None], dense, 0)
+                out = jnp.where(jnp.asarray(keep)[:, None, None], out, 0)
+                ref = jnp.where(jnp.asarray(keep)[:, None, None], ref, 0)
             tol = 1e-4 if c["dtype"] == jnp.float32 else 2e-2
             row.update(rel_err_vs_reference=rel_err(out, ref),
                        rel_err_vs_dense_f64=float(np.linalg.norm(o - dense)
@@ -320,14 +336,14 @@ def build_step(rng, pool: Pool, q_lens, ctx_lens, *, slots: int | None = None,
 
 
 def chain_ours(reps: int, tiling: Tiling, interpret: bool, prefill: str = "triton",
-               decode: str = "triton", decode_only: bool = False):
+               decode: str = "triton", decode_only: bool = False, prefill_only: bool = False):
     @jax.jit
     def f(q, kc, vc, kvl, tables, qsl, ns):
         for i in range(reps):
             q = ragged_paged_attention_gpu(q, kc, vc, kvl, tables[i % len(tables)], qsl, ns,
                                            sm_scale=SM_SCALE, tiling=tiling, interpret=interpret,
                                            prefill=prefill, decode=decode,
-                                           decode_only=decode_only)
+                                           decode_only=decode_only, prefill_only=prefill_only)
         return q
     return f
 
@@ -368,8 +384,9 @@ class Runner:
         return time.time() - self.t_start > self.args.budget_s
 
     def ours(self, step, pool, reps, tiling, prefill: str = "triton",
-             decode: str = "triton", decode_only: bool = False) -> dict:
-        f = chain_ours(reps, tiling, self.interpret, prefill, decode, decode_only)
+             decode: str = "triton", decode_only: bool = False,
+             prefill_only: bool = False) -> dict:
+        f = chain_ours(reps, tiling, self.interpret, prefill, decode, decode_only, prefill_only)
         t = self.timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
                            step["qsl"], step["num_seqs"]))
         return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
@@ -389,12 +406,14 @@ class Runner:
                 for k, v in t.items()}
 
     def check(self, step, pool, tiling, with_bundled: bool, prefill: str = "triton",
-              decode: str = "triton", decode_only: bool = False) -> dict:
+              decode: str = "triton", decode_only: bool = False,
+              prefill_only: bool = False) -> dict:
         args = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"][0], step["qsl"],
                 step["num_seqs"])
         out = ragged_paged_attention_gpu(*args, sm_scale=SM_SCALE, tiling=tiling,
                                          interpret=self.interpret, prefill=prefill,
-                                         decode=decode, decode_only=decode_only)
+                                         decode=decode, decode_only=decode_only,
+                                         prefill_only=prefill_only)
         ref = _jit_reference(SM_SCALE, None, None)(*args)
         res = {"rel_err_vs_reference": rel_err(out, ref),
                "nan": bool(jnp.isnan(out.astype(jnp.float32)).any())}
@@ -601,10 +620,19 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
                                 variants[key]["check"] = runner.check(
                                     step, pool, tilings[key], with_bundled=False,
                                     prefill="mosaic")
+                            if runner.args.prefill_only and kind == "prefill":
+                                # The same call with no decode kernel (a prefill-only step).
+                                k2 = (*key, "only")
+                                tilings[k2] = tilings[key]
+                                variants[k2] = runner.ours(step, pool, 2, tilings[key],
+                                                           prefill="mosaic", prefill_only=True)
+                                variants[k2]["check"] = runner.check(
+                                    step, pool, tilings[key], with_bundled=False,
+                                    prefill="mosaic", prefill_only=True)
                 row["mosaic_variants"] = {"/".join(map(str, k)): v for k, v in variants.items()}
                 best = min(variants, key=lambda b: _ms(variants[b]))
                 row["ours_mosaic"] = dict(variants[best], block_kv=best[0], ctas=best[1],
-                                          kv_splits=best[2])
+                                          kv_splits=best[2], prefill_only=len(best) > 3)
                 tm = _ms(row["ours_mosaic"])
                 row["mosaic_flops_frac_of_matmul"] = row["flops"] / (tm * 1e-3) / \
                     runner.ceil["matmul_flops_per_s"]
@@ -614,8 +642,9 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
                         step["num_seqs"])
                 row["breakdown_us"] = {
                     "triton": kernel_breakdown(runner.timer, chain_ours(2, tiling, False), args, 2),
-                    "mosaic": kernel_breakdown(runner.timer, chain_ours(2, tb, False, "mosaic"),
-                                               args, 2)}
+                    "mosaic": kernel_breakdown(
+                        runner.timer, chain_ours(2, tb, False, "mosaic",
+                                                 prefill_only=len(best) > 3), args, 2)}
             t = _ms(row["ours"])
             row["ours_flops_frac_of_matmul"] = row["flops"] / (t * 1e-3) / \
                 runner.ceil["matmul_flops_per_s"]
@@ -671,6 +700,9 @@ def table(res: dict) -> str:
              "correctness (prefill=auto, Mosaic where it applies): " + ", ".join(
                  f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
                  for r in res.get("correctness_mosaic", [])),
+             "correctness (prefill=auto, prefill_only): " + ", ".join(
+                 f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
+                 for r in res.get("correctness_mosaic_prefill_only", [])),
              f"tiling: {res['sweep'].get('chosen', {}).get('decode')} / "
              f"{res['sweep'].get('chosen', {}).get('prefill')}",
              "correctness (decode=auto, Mosaic where it applies): " + ", ".join(
@@ -770,6 +802,10 @@ def main() -> None:
     ap.add_argument("--prefill-filter", default="",
                     help="only prefill-grid shapes whose '<kind> <chunk>@<ctx>' contains one "
                          "of these comma-separated texts")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="with --mosaic: also time and check each Mosaic variant as a "
+                         "prefill_only call (no decode kernel) on prefill shapes, and run the "
+                         "correctness cases with prefill=auto, prefill_only=True")
     ap.add_argument("--skip-reference-timing", action="store_true",
                     help="prefill grid: check against the XLA reference but do not time it")
     ap.add_argument("--only", default="correctness,decode,prefill,padding",
@@ -803,6 +839,9 @@ def main() -> None:
             res["correctness"] = correctness(args.smoke, args.smoke)
         if args.mosaic and not args.only_mosaic_decode_correctness:
             res["correctness_mosaic"] = correctness(False, args.smoke, prefill="auto")
+        if args.mosaic and args.prefill_only:
+            res["correctness_mosaic_prefill_only"] = correctness(
+                False, args.smoke, prefill="auto", prefill_only=True)
         if args.mosaic_decode:
             res["correctness_mosaic_decode"] = correctness(False, args.smoke, decode="auto")
             if args.mosaic:

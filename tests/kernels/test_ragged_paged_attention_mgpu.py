@@ -24,7 +24,7 @@ from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from jaxengine.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention, ragged_paged_attention_reference)
 from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
-    Tiling, merge_splits_gpu, ragged_paged_attention_gpu)
+    Tiling, ragged_paged_attention_gpu)
 from tests.kernels.batch_factory import make_batch
 
 
@@ -76,47 +76,51 @@ def test_tile_layout_covers_every_prefill_row_once(n, k, q_lens, ctx_lens, pad_s
     assert (np.diff(table[live, 3]) <= 0).all()  # heaviest (furthest-reaching) tiles first
 
 
-def _emulate_splits(b, layout, out, *, g: int, bkv: int, splits: int, sm_scale: float):
-    """What the kernel writes with KV splits: for each live tile, KV head, warpgroup and split,
-    the rows' attention over the split's keys (normalised by their own sum) and its log2-sum-
-    exp; split 0 into `out` (in place), split s into part[s - 1]. Unwritten memory is NaN."""
+def _emulate_split_merge(b, layout, out, *, g: int, bkv: int, splits: int, sm_scale: float):
+    """What the kernel writes with KV splits: for each live tile, KV head and warpgroup, each
+    split CTA's 64 rows (row jj * TQ + r: head jj, token r) over its share of the keys,
+    normalised by their own sum, with their log2-sum-exps (rows past the tile's live tokens
+    NaN), merged as CTA 0 merges them (`merge_split_rows`); the live tokens' rows go to
+    `out`."""
     q = np.asarray(b.q, np.float64)
     kc, vc = np.asarray(b.k_cache, np.float64), np.asarray(b.v_cache, np.float64)
     bt = np.asarray(b.block_tables)
-    t, n, h = q.shape
+    h = q.shape[2]
     k_heads, p = kc.shape[1], kc.shape[2]
     tq = 64 // g
     table = np.asarray(layout.table)
     count = int(np.asarray(layout.count)[0])
-    part = np.full((splits - 1, t, n, h), np.nan)
-    lse = np.full((splits, table.shape[0], k_heads, 2, 64), np.nan)
-    for j, (seq, t0, q_end, first_pos, kv_len) in enumerate(table[:count, :5]):
+    for seq, t0, q_end, first_pos, kv_len in table[:count, :5]:
         pos = np.arange(kv_len)
         slots = bt[seq, pos // p]
         n_valid = min(q_end - t0, 2 * tq)
-        for split in range(splits):
-            lo, hi = mgpu.split_steps(-(-(first_pos + n_valid) // bkv), split, splits)
-            for kh in range(k_heads):
-                kk, vv = kc[slots, kh, pos % p], vc[slots, kh, pos % p]
-                for w in range(2):
-                    valid = int(np.clip(n_valid - w * tq, 0, tq))
-                    rows = np.arange(valid)
-                    qpos = first_pos + w * tq + rows
+        for kh in range(k_heads):
+            kk, vv = kc[slots, kh, pos % p], vc[slots, kh, pos % p]
+            for w in range(2):
+                valid = int(np.clip(n_valid - w * tq, 0, tq))
+                rows = np.arange(valid)
+                qpos = first_pos + w * tq + rows
+                parts = []
+                for split in range(splits):
+                    lo, hi = mgpu.split_steps(-(-(first_pos + n_valid) // bkv), split, splits)
                     keys = (pos[None] >= lo * bkv) & (pos[None] < hi * bkv) & (
                         pos[None] <= qpos[:, None])
+                    o = np.full((64, h), np.nan)
+                    lse = np.full(64, np.nan)
                     for jj in range(g):
                         logits = q[t0 + w * tq + rows, kh * g + jj] @ kk.T * sm_scale
                         logits = np.where(keys, logits, -np.inf)
                         mx = np.max(logits, axis=1, initial=-np.inf)
                         e = np.exp(logits - np.where(np.isfinite(mx), mx, 0)[:, None])
                         tot = e.sum(axis=1)
-                        o = e @ vv / np.maximum(tot, 1e-30)[:, None]
-                        dst = out if split == 0 else part[split - 1]
-                        dst[t0 + w * tq + rows, kh * g + jj] = o
-                        lse[split, j, kh, w, jj * tq + rows] = (
-                            np.where(tot > 0, mx + np.log(np.maximum(tot, 1e-300)), -np.inf)
-                            / np.log(2))
-    return out, part, lse
+                        o[jj * tq + rows] = e @ vv / np.maximum(tot, 1e-30)[:, None]
+                        lse[jj * tq + rows] = np.where(
+                            tot > 0, mx + np.log(np.maximum(tot, 1e-300)), -np.inf) / np.log(2)
+                    parts.append((jnp.asarray(lse), jnp.asarray(o)))
+                merged = np.asarray(mgpu.merge_split_rows(*parts[0], parts[1:]))
+                for jj in range(g):
+                    out[t0 + w * tq + rows, kh * g + jj] = merged[jj * tq + rows]
+    return out
 
 
 @pytest.mark.parametrize("n,k,splits,q_lens,ctx_lens", [
@@ -124,11 +128,10 @@ def _emulate_splits(b, layout, out, *, g: int, bkv: int, splits: int, sm_scale: 
     (8, 8, 3, [1, 129, 5, 250], [40, 0, 190, 777]),
     (16, 2, 4, [70, 1, 64], [64, 9, 0]),
 ])
-def test_kv_split_results_merge_to_the_reference(n, k, splits, q_lens, ctx_lens):
-    """Tiles whose keys are cut into `splits` ranges (one work item each): the kernel's split
-    writes (emulated in float64) merged by merge_splits give the reference; decode and padding
-    rows are kept; NaN in unwritten split rows and log-sum-exps does not leak; the Triton merge
-    kernel the GPU path runs (interpreted) gives the same."""
+def test_kv_split_rows_merge_to_the_reference(n, k, splits, q_lens, ctx_lens):
+    """Tiles whose keys are cut into `splits` ranges (one CTA of a cluster each): the split
+    CTAs' rows (emulated in float64, NaN past the live tokens), merged as CTA 0 merges them,
+    give the reference on every prefill row; decode and padding rows are kept."""
     rng = np.random.default_rng(splits)
     b = make_batch(rng, q_lens=q_lens, ctx_lens=ctx_lens, num_heads=n, num_kv_heads=k,
                    head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=1, pad_tokens=3)
@@ -138,18 +141,9 @@ def test_kv_split_results_merge_to_the_reference(n, k, splits, q_lens, ctx_lens)
     kinds = np.concatenate([np.where(np.asarray(q_lens) == 1, 1, 2).repeat(q_lens),
                             np.zeros(3, int)])
     out = np.where((kinds == 2)[:, None, None], np.nan, ref).astype(np.float64)
-    out, part, lse = _emulate_splits(b, layout, out, g=n // k, bkv=64, splits=splits,
-                                     sm_scale=0.25)
-    args = (jnp.asarray(out, jnp.float32), jnp.asarray(part, jnp.float32),
-            jnp.asarray(lse, jnp.float32))
-    got = mgpu.merge_splits(*args, layout.table, group=n // k)
-    np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5)
-    np.testing.assert_array_equal(np.asarray(got)[kinds != 2], ref[kinds != 2])
-    # The GPU path's Triton merge kernel (interpreted) against that statement.
-    split = mgpu.SplitResults(part=args[1], lse=args[2], layout=layout)
-    got_gpu = merge_splits_gpu(args[0], split, n // k, interpret=True)
-    np.testing.assert_allclose(np.asarray(got_gpu), np.asarray(got), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(got_gpu)[kinds != 2], ref[kinds != 2])
+    got = _emulate_split_merge(b, layout, out, g=n // k, bkv=64, splits=splits, sm_scale=0.25)
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(got[kinds != 2], ref[kinds != 2])
 
 
 def test_one_tile_table_per_program_however_many_layers():
@@ -179,9 +173,12 @@ def test_split_steps_and_grid_sizes():
     assert mgpu.kv_splits(64, 8, 4, tiling) == 1  # decode-sized buckets: no merge launch
     assert mgpu.kv_splits(256, 8, 4, mgpu.MosaicTiling(kv_splits=1)) == 1
     # 256 slots: the item bound counts 128 partial tiles; the grid stops at 8 x 8 + 132.
-    assert mgpu.grid_ctas(256, 256, 8, 4, 1, tiling) == 8 * 8 + 132
-    assert mgpu.grid_ctas(256, 1, 8, 4, 1, tiling) == 8 * 9
-    assert mgpu.grid_ctas(256, 256, 8, 4, 1, mgpu.MosaicTiling(num_ctas=132)) == 132
+    assert mgpu.grid_clusters(256, 256, 8, 4, 1, tiling) == 8 * 8 + 132
+    assert mgpu.grid_clusters(256, 1, 8, 4, 1, tiling) == 8 * 9
+    assert mgpu.grid_clusters(256, 256, 8, 4, 1, mgpu.MosaicTiling(num_ctas=132)) == 132
+    # With 2 splits: clusters of 2 CTAs, one per item, plus one CTA per SM.
+    assert mgpu.grid_clusters(256, 256, 8, 4, 2, tiling) == 8 * 8 + 66
+    assert mgpu.grid_clusters(256, 256, 8, 4, 4, mgpu.MosaicTiling(num_ctas=132)) == 33
     with pytest.raises(ValueError, match="kv_splits must be in"):
         mgpu.MosaicTiling(kv_splits=5)
 
@@ -193,22 +190,50 @@ def test_pow2_chunks_partition_the_rows(n):
     assert rows == list(range(n))
 
 
-@pytest.mark.parametrize("n,k,h,p,num_ctas,splits", [(32, 8, 128, 16, None, 1),
-                                                     (32, 8, 128, 16, None, 2),
-                                                     (16, 2, 64, 32, 3, 3)])
-def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, num_ctas, splits):
+@pytest.mark.parametrize("n,k,h,p,num_ctas,splits,prefill_only", [
+    (32, 8, 128, 16, None, 1, False),
+    (32, 8, 128, 16, None, 2, False),
+    (16, 2, 64, 32, 3, 3, False),
+    (32, 8, 128, 16, None, 1, True),
+    (32, 8, 128, 16, None, 2, True),
+])
+def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, num_ctas, splits, prefill_only):
     t, s, m, blocks = 64, 4, 16, 64
     sd = jax.ShapeDtypeStruct
     args = (sd((t, n, h), jnp.bfloat16), sd((blocks, k, p, h), jnp.bfloat16),
             sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
             sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
     tiling = Tiling(mosaic=mgpu.MosaicTiling(num_ctas=num_ctas, kv_splits=splits))
-    lowered = ragged_paged_attention_gpu.trace(*args, sm_scale=h ** -0.5, prefill="mosaic",
-                                               tiling=tiling).lower(lowering_platforms=("cuda",))
+    lowered = ragged_paged_attention_gpu.trace(
+        *args, sm_scale=h ** -0.5, prefill="mosaic", tiling=tiling,
+        prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
-    assert "mosaic_gpu" in text and "rpa_decode" in text
-    # The Mosaic kernel writes its rows into the decode kernel's output in place.
-    assert "output_operand_alias" in text.split("mosaic_gpu", 1)[1]
+    assert "mosaic_gpu" in text
+    if prefill_only:
+        # One launch: no decode kernel before it; the kernel fills a fresh buffer.
+        assert "rpa_decode" not in text
+        assert "output_operand_alias" not in text.split("mosaic_gpu", 1)[1]
+    else:
+        # The Mosaic kernel writes its rows into the decode kernel's output in place.
+        assert "rpa_decode" in text
+        assert "output_operand_alias" in text.split("mosaic_gpu", 1)[1]
+
+
+def test_prefill_only_triton_interpreted():
+    """prefill_only=True on the Triton path: no decode kernel; prefill rows right, padding
+    rows zero."""
+    rng = np.random.default_rng(4)
+    b = make_batch(rng, q_lens=[5, 40, 17], ctx_lens=[0, 37, 100], num_heads=4, num_kv_heads=2,
+                   head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=2, pad_tokens=6)
+    q = b.q.at[62:].set(jnp.nan)  # padding tokens' queries must not reach their rows
+    args = (q, *b.args()[1:])
+    got = ragged_paged_attention_gpu(*args, sm_scale=0.25, interpret=True, prefill_only=True)
+    ref = ragged_paged_attention_reference(*args, sm_scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    assert (np.asarray(got)[62:] == 0).all()
+    with pytest.raises(ValueError, match="decode_only and prefill_only cannot both be set"):
+        ragged_paged_attention_gpu(*args, sm_scale=0.25, interpret=True, prefill_only=True,
+                                   decode_only=True)
 
 
 def test_smem_budget_decides_support():

@@ -5,7 +5,7 @@
   (before the Mosaic prefill kernel), decode-only calls.
 - Its static choices: splits per row, row-walking clusters, the block-id window, the shared
   memory budget, and the KV ranges of the splits (every step exactly once, split 0 never empty).
-- The split merge's arithmetic (`_merge_rows`, plain jnp) turns per-split softmax results into
+- The split merge's arithmetic (`merge_split_rows`, plain jnp, shared with the prefill kernel) turns per-split softmax results into
   the full softmax, empty splits included.
 - `decode_only=True` on the Triton path (interpreted): decode rows right, padding rows zero.
 - Options are validated with clear errors.
@@ -24,7 +24,7 @@ from jaxengine.pallas_kernels import ragged_paged_attention_mgpu_decode as dec
 from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
     DecodeTiling, Tiling, ragged_paged_attention_gpu)
-from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import split_steps
+from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import merge_split_rows, split_steps
 from tests.kernels.batch_factory import make_batch
 
 
@@ -112,8 +112,8 @@ def test_split_merge_gives_the_full_softmax(splits):
         parts.append((m + np.log2(pr.sum(1)), pr @ v[k0:k1] / pr.sum(1)[:, None]))
     assert any(np.isinf(lse).all() for lse, _ in parts) == (splits > n_steps)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    got = dec._merge_rows(f32(parts[0][0]), f32(parts[0][1]),
-                          [(f32(lse), f32(o)) for lse, o in parts[1:]])
+    got = merge_split_rows(f32(parts[0][0]), f32(parts[0][1]),
+                           [(f32(lse), f32(o)) for lse, o in parts[1:]])
     p = np.exp(s - s.max(1, keepdims=True))
     want = (p / p.sum(1, keepdims=True)) @ v
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
