@@ -285,8 +285,11 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_
     cta = lax.axis_index("ctas")  # the cluster (one CTA without splits)
     split = lax.axis_index("split") if splits > 1 else jnp.int32(0)
     wg = lax.axis_index("wg")
-    ((qo_smem2, q_stage2, k_smem, v_smem, lse_smem2, zero_smem), (k_bars, v_bars, q_bars),
-     (k_free, v_free), sched, merge_bars) = scoped
+    ((qo_smem2, stage0, stage1, k_smem, v_smem, lse0, lse1, zero_smem),
+     (k_bars, v_bars, q_bars), (k_free, v_free), sched, merge_bars) = scoped
+    # Each compute warpgroup's staging buffer and log-sum-exps are buffers of their own (not
+    # slices of one): Mosaic GPU reads a peer CTA's buffer across the cluster only at offset 0.
+    stage_bufs, lse_bufs = (stage0, stage1), (lse0, lse1)
 
     # Work item j of this cluster: item cta + j * n_groups of the heaviest-first list of
     # (tile, KV head) pairs, this CTA's split of its KV steps. Every warpgroup walks the same
@@ -314,8 +317,11 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         qo_smem = qo_smem2.at[wg]
-        q_stage = q_stage2.at[wg]
-        lse_smem = lse_smem2.at[wg]
+
+        def per_wg(fn):
+            """fn(w) with this warpgroup's static index w (its own buffers)."""
+            for w in range(_WGS):
+                pl.when(wg == w)(lambda w=w: fn(w))
 
         scale = sm_scale * _LOG2E
         if zero_padding:
@@ -351,11 +357,14 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_
             # Q rows start anywhere in the token array, so they come by TMA into an untiled
             # buffer (a tiled one needs tile-aligned source offsets), then through registers
             # into the swizzled buffer the tensor cores read.
-            for jj in range(g):
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_t0, tq), kh * g + jj],
-                                        q_stage.at[pl.ds(jj * tq, tq)], q_bars.at[wg])
-            plgpu.barrier_wait(q_bars.at[wg])
-            qo_smem[...] = _load(q_stage, plgpu.Layout.WGMMA)
+            def load_q(w: int):
+                for jj in range(g):
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_t0, tq), kh * g + jj],
+                                            stage_bufs[w].at[pl.ds(jj * tq, tq)], q_bars.at[w])
+                plgpu.barrier_wait(q_bars.at[w])
+                qo_smem[...] = _load(stage_bufs[w], plgpu.Layout.WGMMA)
+
+            per_wg(load_q)
             plgpu.commit_smem()
 
             m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32),
@@ -431,41 +440,43 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_
 
             # The output goes through the untiled staging buffer, so that any row can start a
             # TMA store: per query head, the wg_valid live tokens in power-of-two chunks.
-            def store_rows(val):
-                q_stage[...] = val.astype(dtype)
+            def store_rows(w: int, val):
+                stage = stage_bufs[w]
+                stage[...] = val.astype(dtype)
                 plgpu.commit_smem()
                 for jj in range(g):
                     for b, start, present in pow2_chunks(wg_valid, tq):
                         @pl.when(present)
                         def _(b=b, start=start, jj=jj):
                             plgpu.copy_smem_to_gmem(
-                                q_stage.at[pl.ds(jj * tq + start, b)],
+                                stage.at[pl.ds(jj * tq + start, b)],
                                 out_ref.at[pl.ds(wg_t0 + start, b), kh * g + jj])
 
             if splits == 1:
-                store_rows(o)
+                per_wg(lambda w: store_rows(w, o))
             else:
                 lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
 
-                @pl.when(split > 0)
-                def _publish():
+                def publish(w: int):
                     # Rows and log-sum-exps stay in this CTA's shared memory for CTA 0.
-                    q_stage[...] = o.astype(dtype)
-                    lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+                    stage_bufs[w][...] = o.astype(dtype)
+                    lse_bufs[w][...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
                     plgpu.commit_smem()
 
+                pl.when(split > 0)(lambda: per_wg(publish))
                 plgpu.barrier_arrive(merge_bars.at[0])
                 plgpu.barrier_wait(merge_bars.at[0])
 
-                @pl.when(split == 0)
-                def _merge():
+                def merge(w: int):
                     def peer(ref, c):
                         return _load(plgpu.cluster_ref(ref, {"split": c}), plgpu.Layout.WGMMA)
 
-                    others = [(peer(lse_smem2.at[wg], c).max(axis=1),
-                               peer(q_stage2.at[wg], c).astype(jnp.float32))
+                    others = [(peer(lse_bufs[w], c).max(axis=1),
+                               peer(stage_bufs[w], c).astype(jnp.float32))
                               for c in range(1, splits)]
-                    store_rows(merge_split_rows(lse, o, others))
+                    store_rows(w, merge_split_rows(lse, o, others))
+
+                pl.when(split == 0)(lambda: per_wg(merge))
 
                 # The other CTAs keep their buffers until CTA 0 has read them.
                 plgpu.barrier_arrive(merge_bars.at[1])
@@ -516,10 +527,12 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
 
     def entry(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_ref):
         smem = (plgpu.SMEM((_WGS, _ROWS, h), dtype, transforms=transforms),
-                plgpu.SMEM((_WGS, _ROWS, h), dtype),
+                plgpu.SMEM((_ROWS, h), dtype),  # staging, one per compute warpgroup
+                plgpu.SMEM((_ROWS, h), dtype),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
-                plgpu.SMEM((_WGS, _ROWS, _LSE_COLS), jnp.float32),
+                plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),  # log-sum-exps, likewise
+                plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),
                 plgpu.SMEM((8, h), dtype))
         ready = (plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
