@@ -52,6 +52,7 @@ _ROWS = 64  # matmul rows per compute warpgroup (the wgmma M)
 _WGS = 2    # compute warpgroups per CTA
 _MAX_SPLITS = 4
 _MIN_SPLIT_ROWS = 128  # token rows from which kv_splits=None may split
+_MIN_STEPS_PER_SPLIT = 2  # a tile is cut into KV splits only from this many steps per split
 _LSE_COLS = 8  # a row's log-sum-exp is kept as an [64, 8] tile (the smallest WGMMA tile)
 
 
@@ -220,16 +221,39 @@ def split_steps(tile_steps, split, splits: int):
     return _cdiv(split * tile_steps, splits), _cdiv((split + 1) * tile_steps, splits)
 
 
+def split_range(tile_steps, split, splits: int):
+    """The KV steps [lo, hi) a split CTA takes of its tile, decided at run time: a tile of
+    fewer than _MIN_STEPS_PER_SPLIT steps per split is not cut (each split would pay the Q
+    load, the pipeline fill and the merge for a step or two), split 0 takes it whole and the
+    others get nothing; else `split_steps`. Ints or traced scalars."""
+    lo, hi = split_steps(tile_steps, split, splits)
+    if splits == 1:
+        return lo, hi
+    whole = tile_steps < _MIN_STEPS_PER_SPLIT * splits
+    return (jnp.where(whole, 0, lo),
+            jnp.where(whole, jnp.where(split == 0, tile_steps, 0), hi))
+
+
 @dataclasses.dataclass(frozen=True)
 class TileLayout:
-    """The prefill tiles of one call (device arrays, built per call).
+    """The prefill tiles of one call (device arrays, built per call), heaviest first.
 
-    table [NT, 8] int32: per tile (heaviest first) seq (-1 = no work), t0, q_end, first_pos,
-      kv_len; count [1] int32: live tiles (the first rows of the table).
+    Per tile, [NT] int32 each: seq (-1 = no work), t0 (first token row), q_end (the sequence's
+    end row), first_pos (KV position of t0), kv_len; count [1] int32: live tiles (the first
+    entries). Separate columns: the sort that orders them carries them, no gather follows.
     """
 
-    table: jax.Array
+    seq: jax.Array
+    t0: jax.Array
+    q_end: jax.Array
+    first_pos: jax.Array
+    kv_len: jax.Array
     count: jax.Array
+
+    @property
+    def table(self) -> jax.Array:
+        """[NT, 5]: the columns side by side (for inspection and tests)."""
+        return jnp.stack([self.seq, self.t0, self.q_end, self.first_pos, self.kv_len], axis=1)
 
 
 def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k: int
@@ -252,12 +276,13 @@ def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k
     t0 = q_start[seq] + (i - first_tile[seq]) * tt
     kv_len = kv_lens[seq]
     first_pos = kv_len - q_len[seq] + (t0 - q_start[seq])
-    # Heaviest first: the tiles that reach furthest into the KV start first.
-    order = jnp.argsort(jnp.where(live, -first_pos, jnp.iinfo(jnp.int32).max), stable=True)
-    zero = jnp.zeros_like(i)
-    table = jnp.stack([jnp.where(live, seq, -1), t0, q_start[seq] + q_len[seq], first_pos,
-                       kv_len, zero, zero, zero], axis=1)[order].astype(jnp.int32)
-    return TileLayout(table=table, count=jnp.minimum(ends[-1:], nt).astype(jnp.int32))
+    # Heaviest first: the tiles that reach furthest into the KV start first (one stable sort
+    # carrying every column).
+    key = jnp.where(live, -first_pos, jnp.iinfo(jnp.int32).max)
+    cols = [c.astype(jnp.int32) for c in (jnp.where(live, seq, -1), t0,
+                                          q_start[seq] + q_len[seq], first_pos, kv_len)]
+    _, *cols = lax.sort((key, *cols), num_keys=1, is_stable=True)
+    return TileLayout(*cols, count=jnp.minimum(ends[-1:], nt).astype(jnp.int32))
 
 
 def merge_split_rows(lse0, o0, others):
@@ -277,7 +302,8 @@ def merge_split_rows(lse0, o0, others):
     return num / lax.broadcast_in_dim(den, num.shape, [0])
 
 
-def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_ref, scoped, *,
+def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cnt_ref, qsl_ref,
+            ns_ref, out_ref, scoped, *,
             g: int, p: int, m: int, h: int, t: int, s: int, k_heads: int, n_groups: int,
             splits: int, bkv: int, stages: int, sm_scale: float, dtype, zero_padding: bool):
     tq = _ROWS // g
@@ -301,12 +327,12 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_
         it = cta + j * n_groups
         tile = it // k_heads
         kh = it - tile * k_heads
-        seq = tab_ref[tile, 0]
-        t0 = tab_ref[tile, 1]
-        n_valid = jnp.minimum(tab_ref[tile, 2] - t0, _WGS * tq)  # live tokens of the tile
-        first_pos = tab_ref[tile, 3]
+        seq = seq_ref[tile]
+        t0 = t0_ref[tile]
+        n_valid = jnp.minimum(qend_ref[tile] - t0, _WGS * tq)  # live tokens of the tile
+        first_pos = fpos_ref[tile]
         # KV steps the tile needs (up to its last live token's position); this split's share.
-        lo, hi = split_steps(_cdiv(first_pos + n_valid, bkv), split, splits)
+        lo, hi = split_range(_cdiv(first_pos + n_valid, bkv), split, splits)
         return kh, seq, t0, n_valid, first_pos, lo, hi
 
     def schedule_barrier():
@@ -525,7 +551,8 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
     dtype = q.dtype
     transforms = mma_transforms(h, dtype)
 
-    def entry(q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_ref):
+    def entry(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cnt_ref,
+              qsl_ref, ns_ref, out_ref):
         smem = (plgpu.SMEM((_WGS, _ROWS, h), dtype, transforms=transforms),
                 plgpu.SMEM((_ROWS, h), dtype),  # staging, one per compute warpgroup
                 plgpu.SMEM((_ROWS, h), dtype),
@@ -543,7 +570,8 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
                                       num_barriers=2) if splits > 1 else None)
         pl.run_scoped(
             lambda *scoped: _kernel(
-                q_ref, k_ref, v_ref, bt_ref, tab_ref, cnt_ref, qsl_ref, ns_ref, out_ref,
+                q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cnt_ref,
+                qsl_ref, ns_ref, out_ref,
                 scoped if splits > 1 else (*scoped, None), g=g, p=p, m=m, h=h, t=t, s=s,
                 k_heads=k, n_groups=n_groups, splits=splits, bkv=bkv, stages=stages,
                 sm_scale=sm_scale, dtype=dtype, zero_padding=out is None),
@@ -558,8 +586,8 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
                         num_threads=_WGS + 1, thread_name="wg"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         name="rpa_prefill_mosaic")
-    args = (q, k_cache, v_cache, block_tables, layout.table, layout.count, query_start_loc,
-            num_seqs)
+    args = (q, k_cache, v_cache, block_tables, layout.seq, layout.t0, layout.q_end,
+            layout.first_pos, layout.count, query_start_loc, num_seqs)
     if out is None:
         return call(*args)
     # `pl.kernel` over a Mosaic GPU mesh: a Ref argument is read and written in place.

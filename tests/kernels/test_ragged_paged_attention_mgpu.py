@@ -102,7 +102,8 @@ def _emulate_split_merge(b, layout, out, *, g: int, bkv: int, splits: int, sm_sc
                 qpos = first_pos + w * tq + rows
                 parts = []
                 for split in range(splits):
-                    lo, hi = mgpu.split_steps(-(-(first_pos + n_valid) // bkv), split, splits)
+                    lo, hi = (int(x) for x in mgpu.split_range(
+                        -(-(first_pos + n_valid) // bkv), split, splits))
                     keys = (pos[None] >= lo * bkv) & (pos[None] < hi * bkv) & (
                         pos[None] <= qpos[:, None])
                     o = np.full((64, h), np.nan)
@@ -165,6 +166,12 @@ def test_split_steps_and_grid_sizes():
             ranges = [mgpu.split_steps(steps, sp, splits) for sp in range(splits)]
             assert [r for lo, hi in ranges for r in range(lo, hi)] == list(range(steps))
             assert steps == 0 or ranges[0][1] > 0  # split 0 has a step
+            # What a split CTA takes: the same cover; short tiles whole in split 0.
+            taken = [tuple(int(x) for x in mgpu.split_range(steps, sp, splits))
+                     for sp in range(splits)]
+            assert [r for lo, hi in taken for r in range(lo, hi)] == list(range(steps))
+            if splits > 1 and steps < 2 * splits:
+                assert taken[0] == (0, steps)
     tiling = mgpu.MosaicTiling()
     # 256 rows, G = 4 (32-token tiles), 8 KV heads: 64 items fill half of 132 SMs -> 2 splits.
     assert mgpu.kv_splits(256, 8, 4, tiling) == 2
