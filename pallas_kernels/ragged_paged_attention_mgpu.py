@@ -221,15 +221,21 @@ def split_steps(tile_steps, split, splits: int):
     return _cdiv(split * tile_steps, splits), _cdiv((split + 1) * tile_steps, splits)
 
 
+def uncut(tile_steps, splits: int):
+    """Whether a tile of `tile_steps` KV steps is left whole to split 0 (fewer than
+    _MIN_STEPS_PER_SPLIT steps per split: each split would pay the Q load, the pipeline fill
+    and the merge for a step or two). Ints or traced scalars."""
+    return tile_steps < _MIN_STEPS_PER_SPLIT * splits
+
+
 def split_range(tile_steps, split, splits: int):
-    """The KV steps [lo, hi) a split CTA takes of its tile, decided at run time: a tile of
-    fewer than _MIN_STEPS_PER_SPLIT steps per split is not cut (each split would pay the Q
-    load, the pipeline fill and the merge for a step or two), split 0 takes it whole and the
-    others get nothing; else `split_steps`. Ints or traced scalars."""
+    """The KV steps [lo, hi) a split CTA takes of its tile, decided at run time: an `uncut`
+    tile goes whole to split 0 (the others get nothing and it is stored without a merge),
+    else `split_steps`. Ints or traced scalars."""
     lo, hi = split_steps(tile_steps, split, splits)
     if splits == 1:
         return lo, hi
-    whole = tile_steps < _MIN_STEPS_PER_SPLIT * splits
+    whole = uncut(tile_steps, splits)
     return (jnp.where(whole, 0, lo),
             jnp.where(whole, jnp.where(split == 0, tile_steps, 0), hi))
 
@@ -239,21 +245,21 @@ class TileLayout:
     """The prefill tiles of one call (device arrays, built per call), heaviest first.
 
     Per tile, [NT] int32 each: seq (-1 = no work), t0 (first token row), q_end (the sequence's
-    end row), first_pos (KV position of t0), kv_len; count [1] int32: live tiles (the first
-    entries). Separate columns: the sort that orders them carries them, no gather follows.
+    end row), first_pos (KV position of t0); count [1] int32: live tiles (the first entries).
+    Separate columns, the ones the kernel reads: the sort that orders them carries them, so no
+    gather follows it.
     """
 
     seq: jax.Array
     t0: jax.Array
     q_end: jax.Array
     first_pos: jax.Array
-    kv_len: jax.Array
     count: jax.Array
 
     @property
     def table(self) -> jax.Array:
-        """[NT, 5]: the columns side by side (for inspection and tests)."""
-        return jnp.stack([self.seq, self.t0, self.q_end, self.first_pos, self.kv_len], axis=1)
+        """[NT, 4]: the columns side by side (for inspection and tests)."""
+        return jnp.stack([self.seq, self.t0, self.q_end, self.first_pos], axis=1)
 
 
 def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k: int
@@ -274,13 +280,12 @@ def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k
     seq = jnp.minimum(jnp.sum((ends[None, :] <= i[:, None]).astype(jnp.int32), axis=1), s - 1)
     live = i < ends[-1]
     t0 = q_start[seq] + (i - first_tile[seq]) * tt
-    kv_len = kv_lens[seq]
-    first_pos = kv_len - q_len[seq] + (t0 - q_start[seq])
+    first_pos = kv_lens[seq] - q_len[seq] + (t0 - q_start[seq])
     # Heaviest first: the tiles that reach furthest into the KV start first (one stable sort
     # carrying every column).
     key = jnp.where(live, -first_pos, jnp.iinfo(jnp.int32).max)
     cols = [c.astype(jnp.int32) for c in (jnp.where(live, seq, -1), t0,
-                                          q_start[seq] + q_len[seq], first_pos, kv_len)]
+                                          q_start[seq] + q_len[seq], first_pos)]
     _, *cols = lax.sort((key, *cols), num_keys=1, is_stable=True)
     return TileLayout(*cols, count=jnp.minimum(ends[-1:], nt).astype(jnp.int32))
 
@@ -332,8 +337,9 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
         n_valid = jnp.minimum(qend_ref[tile] - t0, _WGS * tq)  # live tokens of the tile
         first_pos = fpos_ref[tile]
         # KV steps the tile needs (up to its last live token's position); this split's share.
-        lo, hi = split_range(_cdiv(first_pos + n_valid, bkv), split, splits)
-        return kh, seq, t0, n_valid, first_pos, lo, hi
+        steps = _cdiv(first_pos + n_valid, bkv)
+        lo, hi = split_range(steps, split, splits)
+        return kh, seq, t0, n_valid, first_pos, lo, hi, uncut(steps, splits)
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched)
@@ -368,7 +374,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                                                            pl.ds(kh * g, g)])
 
         def tile_body(j, base):
-            kh, _, t0, n_valid, first_pos, lo, hi = item(j)
+            kh, _, t0, n_valid, first_pos, lo, hi, whole = item(j)
             wg_t0 = t0 + wg * tq
             wg_first = first_pos + wg * tq
             wg_valid = jnp.clip(n_valid - wg * tq, 0, tq)
@@ -478,9 +484,9 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                                 stage.at[pl.ds(jj * tq + start, b)],
                                 out_ref.at[pl.ds(wg_t0 + start, b), kh * g + jj])
 
-            if splits == 1:
-                per_wg(lambda w: store_rows(w, o))
-            else:
+            def merge_splits():
+                """CTA 0 stores the item's rows merged from every split CTA's (the whole
+                cluster takes this path for the item, or none of it does)."""
                 lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
 
                 def publish(w: int):
@@ -503,10 +509,16 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                     store_rows(w, merge_split_rows(lse, o, others))
 
                 pl.when(split == 0)(lambda: per_wg(merge))
-
                 # The other CTAs keep their buffers until CTA 0 has read them.
                 plgpu.barrier_arrive(merge_bars.at[1])
                 plgpu.barrier_wait(merge_bars.at[1])
+
+            if splits == 1:
+                per_wg(lambda w: store_rows(w, o))
+            else:
+                # A tile split 0 took whole: its rows go out as they are, no merge.
+                pl.when(whole & (split == 0))(lambda: per_wg(lambda w: store_rows(w, o)))
+                pl.when(jnp.logical_not(whole))(merge_splits)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next item
             return base + n_item
 
@@ -518,7 +530,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
         plgpu.set_max_registers(40, action="decrease")
 
         def tile_body(j, base):
-            kh, seq, _, _, _, lo, hi = item(j)
+            kh, seq, _, _, _, lo, hi, _ = item(j)
 
             @pl.loop(lo, hi)
             def _(step):

@@ -90,8 +90,9 @@ def _emulate_split_merge(b, layout, out, *, g: int, bkv: int, splits: int, sm_sc
     tq = 64 // g
     table = np.asarray(layout.table)
     count = int(np.asarray(layout.count)[0])
-    for seq, t0, q_end, first_pos, kv_len in table[:count, :5]:
-        pos = np.arange(kv_len)
+    kv_lens = np.asarray(b.kv_lens)
+    for seq, t0, q_end, first_pos in table[:count]:
+        pos = np.arange(kv_lens[seq])
         slots = bt[seq, pos // p]
         n_valid = min(q_end - t0, 2 * tq)
         for kh in range(k_heads):
