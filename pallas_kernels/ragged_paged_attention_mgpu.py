@@ -221,21 +221,15 @@ def split_steps(tile_steps, split, splits: int):
     return _cdiv(split * tile_steps, splits), _cdiv((split + 1) * tile_steps, splits)
 
 
-def uncut(tile_steps, splits: int):
-    """Whether a tile of `tile_steps` KV steps is left whole to split 0 (fewer than
-    _MIN_STEPS_PER_SPLIT steps per split: each split would pay the Q load, the pipeline fill
-    and the merge for a step or two). Ints or traced scalars."""
-    return tile_steps < _MIN_STEPS_PER_SPLIT * splits
-
-
 def split_range(tile_steps, split, splits: int):
-    """The KV steps [lo, hi) a split CTA takes of its tile, decided at run time: an `uncut`
-    tile goes whole to split 0 (the others get nothing and it is stored without a merge),
-    else `split_steps`. Ints or traced scalars."""
+    """The KV steps [lo, hi) a split CTA takes of its tile, decided at run time: a tile of
+    fewer than _MIN_STEPS_PER_SPLIT steps per split is not cut (each split would pay the Q
+    load and the pipeline fill for a step or two): split 0 takes it whole, the others get
+    nothing (the merge gives them weight 0); else `split_steps`. Ints or traced scalars."""
     lo, hi = split_steps(tile_steps, split, splits)
     if splits == 1:
         return lo, hi
-    whole = uncut(tile_steps, splits)
+    whole = tile_steps < _MIN_STEPS_PER_SPLIT * splits
     return (jnp.where(whole, 0, lo),
             jnp.where(whole, jnp.where(split == 0, tile_steps, 0), hi))
 
@@ -337,9 +331,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
         n_valid = jnp.minimum(qend_ref[tile] - t0, _WGS * tq)  # live tokens of the tile
         first_pos = fpos_ref[tile]
         # KV steps the tile needs (up to its last live token's position); this split's share.
-        steps = _cdiv(first_pos + n_valid, bkv)
-        lo, hi = split_range(steps, split, splits)
-        return kh, seq, t0, n_valid, first_pos, lo, hi, uncut(steps, splits)
+        lo, hi = split_range(_cdiv(first_pos + n_valid, bkv), split, splits)
+        return kh, seq, t0, n_valid, first_pos, lo, hi
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched)
@@ -374,7 +367,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                                                            pl.ds(kh * g, g)])
 
         def tile_body(j, base):
-            kh, _, t0, n_valid, first_pos, lo, hi, whole = item(j)
+            kh, _, t0, n_valid, first_pos, lo, hi = item(j)
             wg_t0 = t0 + wg * tq
             wg_first = first_pos + wg * tq
             wg_valid = jnp.clip(n_valid - wg * tq, 0, tq)
@@ -485,8 +478,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                                 out_ref.at[pl.ds(wg_t0 + start, b), kh * g + jj])
 
             def merge_splits():
-                """CTA 0 stores the item's rows merged from every split CTA's (the whole
-                cluster takes this path for the item, or none of it does)."""
+                """CTA 0 stores the item's rows merged from every split CTA's."""
                 lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
 
                 def publish(w: int):
@@ -513,12 +505,12 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                 plgpu.barrier_arrive(merge_bars.at[1])
                 plgpu.barrier_wait(merge_bars.at[1])
 
+            # (Storing a tile that split 0 took whole without the merge saved 1.5 us at 256@0
+            # but made split tiles' kernels 11% slower on the H100: every item merges.)
             if splits == 1:
                 per_wg(lambda w: store_rows(w, o))
             else:
-                # A tile split 0 took whole: its rows go out as they are, no merge.
-                pl.when(whole & (split == 0))(lambda: per_wg(lambda w: store_rows(w, o)))
-                pl.when(jnp.logical_not(whole))(merge_splits)
+                merge_splits()
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next item
             return base + n_item
 
@@ -530,7 +522,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
         plgpu.set_max_registers(40, action="decrease")
 
         def tile_body(j, base):
-            kh, seq, _, _, _, lo, hi, _ = item(j)
+            kh, seq, _, _, _, lo, hi = item(j)
 
             @pl.loop(lo, hi)
             def _(step):
