@@ -114,6 +114,23 @@ def test_prefill_only_multi_tile_and_decode_only():
     _check(b, sm_scale=0.125)
 
 
+@pytest.mark.parametrize("flag,q_lens,pad_tokens", [("decode_only", [1, 1, 1], 5),
+                                                    ("prefill_only", [5, 40, 17], 6)])
+def test_one_kind_steps_skip_the_other_kernel(flag, q_lens, pad_tokens):
+    """decode_only / prefill_only: a step of one kind launches one kernel; its rows match the
+    reference and the padding rows are zero (their queries are NaN, so they must not be read)."""
+    rng = np.random.default_rng(3)
+    b = make_batch(rng, q_lens=q_lens, ctx_lens=[0, 37, 100], num_heads=4, num_kv_heads=2,
+                   head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=2,
+                   pad_tokens=pad_tokens)
+    live = sum(q_lens)
+    args = (b.q.at[live:].set(jnp.nan), *b.args()[1:])
+    got = ragged_paged_attention_gpu(*args, sm_scale=0.25, interpret=True, **{flag: True})
+    ref = ragged_paged_attention_reference(*args, sm_scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    assert (np.asarray(got)[live:] == 0).all()
+
+
 def test_no_live_sequences_gives_zeros():
     rng = np.random.default_rng(3)
     b = make_batch(rng, q_lens=[4], ctx_lens=[3], num_heads=4, num_kv_heads=2, head_dim=64,
@@ -167,6 +184,9 @@ def test_bad_inputs_raise_value_error():
         ragged_paged_attention_gpu(*a, sm_scale=0.1, soft_cap=-1.0, interpret=True)
     with pytest.raises(ValueError, match="Tiling.prefill_rows"):
         Tiling(prefill_rows=24)
+    with pytest.raises(ValueError, match="decode_only and prefill_only cannot both be set"):
+        ragged_paged_attention_gpu(*a, sm_scale=0.1, interpret=True, decode_only=True,
+                                   prefill_only=True)
 
 
 def test_backend_off_gpu_is_none():

@@ -227,23 +227,6 @@ def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, num_ctas, splits, prefill_on
         assert "output_operand_alias" in text.split("mosaic_gpu", 1)[1]
 
 
-def test_prefill_only_triton_interpreted():
-    """prefill_only=True on the Triton path: no decode kernel; prefill rows right, padding
-    rows zero."""
-    rng = np.random.default_rng(4)
-    b = make_batch(rng, q_lens=[5, 40, 17], ctx_lens=[0, 37, 100], num_heads=4, num_kv_heads=2,
-                   head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=2, pad_tokens=6)
-    q = b.q.at[62:].set(jnp.nan)  # padding tokens' queries must not reach their rows
-    args = (q, *b.args()[1:])
-    got = ragged_paged_attention_gpu(*args, sm_scale=0.25, interpret=True, prefill_only=True)
-    ref = ragged_paged_attention_reference(*args, sm_scale=0.25)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
-    assert (np.asarray(got)[62:] == 0).all()
-    with pytest.raises(ValueError, match="decode_only and prefill_only cannot both be set"):
-        ragged_paged_attention_gpu(*args, sm_scale=0.25, interpret=True, prefill_only=True,
-                                   decode_only=True)
-
-
 def test_smem_budget_decides_support():
     tiling = mgpu.MosaicTiling()
     assert mgpu.supported(jnp.bfloat16, 128, 4, 16, None, None, tiling)

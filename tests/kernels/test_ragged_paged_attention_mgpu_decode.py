@@ -7,7 +7,6 @@
   memory budget, and the KV ranges of the splits (every step exactly once, split 0 never empty).
 - The split merge's arithmetic (`merge_split_rows`, plain jnp, shared with the prefill kernel) turns per-split softmax results into
   the full softmax, empty splits included.
-- `decode_only=True` on the Triton path (interpreted): decode rows right, padding rows zero.
 - Options are validated with clear errors.
 The kernel body runs on the H100 (benchmarks/kernels/bench_paged_attention.py --mosaic-decode:
 correctness cases and timings in benchmarks/results/kernels_h100_mosaic_decode.*).
@@ -21,7 +20,6 @@ import numpy as np
 import pytest
 
 from jaxengine.pallas_kernels import ragged_paged_attention_mgpu_decode as dec
-from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
     DecodeTiling, Tiling, ragged_paged_attention_gpu)
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import merge_split_rows, split_steps
@@ -117,18 +115,6 @@ def test_split_merge_gives_the_full_softmax(splits):
     p = np.exp(s - s.max(1, keepdims=True))
     want = (p / p.sum(1, keepdims=True)) @ v
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
-
-
-def test_decode_only_triton_interpreted():
-    rng = np.random.default_rng(3)
-    b = make_batch(rng, q_lens=[1, 1, 1], ctx_lens=[0, 37, 100], num_heads=4, num_kv_heads=2,
-                   head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=2, pad_tokens=5)
-    q = b.q.at[3:].set(jnp.nan)  # padding tokens' queries must not reach their rows
-    args = (q, *b.args()[1:])
-    got = ragged_paged_attention_gpu(*args, sm_scale=0.25, interpret=True, decode_only=True)
-    ref = ragged_paged_attention_reference(*args, sm_scale=0.25)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
-    assert (np.asarray(got)[3:] == 0).all()
 
 
 def test_decode_option_errors():
