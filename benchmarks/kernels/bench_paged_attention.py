@@ -690,6 +690,12 @@ def padding_rows(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
     return rows
 
 
+def _passes(res: dict, key: str, label: str) -> str:
+    """One correctness pass as a line: each case's name and ok / FAIL."""
+    return f"{label}: " + ", ".join(f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
+                                    for r in res.get(key, []))
+
+
 def table(res: dict) -> str:
     c = res["ceilings"]
     lines = [f"device: {res['facts'].get('nvidia_smi', '?')}",
@@ -697,22 +703,16 @@ def table(res: dict) -> str:
              f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s; "
              f"bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s; "
              f"timing: {'CUPTI kernel time' if res.get('cupti_ok') else 'wall'}",
-             "correctness: " + ", ".join(f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
-                                         for r in res.get("correctness", [])),
-             "correctness (prefill=auto, Mosaic where it applies): " + ", ".join(
-                 f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
-                 for r in res.get("correctness_mosaic", [])),
-             "correctness (prefill=auto, prefill_only): " + ", ".join(
-                 f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
-                 for r in res.get("correctness_mosaic_prefill_only", [])),
+             _passes(res, "correctness", "correctness"),
+             _passes(res, "correctness_mosaic",
+                     "correctness (prefill=auto, Mosaic where it applies)"),
+             _passes(res, "correctness_mosaic_prefill_only",
+                     "correctness (prefill=auto, prefill_only)"),
              f"tiling: {res['sweep'].get('chosen', {}).get('decode')} / "
              f"{res['sweep'].get('chosen', {}).get('prefill')}",
-             "correctness (decode=auto, Mosaic where it applies): " + ", ".join(
-                 f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
-                 for r in res.get("correctness_mosaic_decode", [])),
-             "correctness (decode=auto, prefill=auto): " + ", ".join(
-                 f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
-                 for r in res.get("correctness_mosaic_both", [])),
+             _passes(res, "correctness_mosaic_decode",
+                     "correctness (decode=auto, Mosaic where it applies)"),
+             _passes(res, "correctness_mosaic_both", "correctness (decode=auto, prefill=auto)"),
              "decode  batch x ctx | ours us | %copyBW | bundled us | x bundled | ref us | x ref"
              " | mosaic decode us | %copyBW | x bundled | err"]
     for r in res.get("decode", []):

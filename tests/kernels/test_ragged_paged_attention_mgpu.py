@@ -235,16 +235,22 @@ def test_smem_budget_decides_support():
                               mgpu.MosaicTiling(block_kv=256))  # 320 KiB
 
 
-def test_prefill_option_errors():
+@pytest.mark.parametrize("rows", ["prefill", "decode"])
+def test_kernel_choice_errors(rows):
+    """prefill= and decode= take triton / mosaic / auto; "mosaic" where it cannot serve the
+    call (soft cap; the interpreter) is a ValueError naming the option."""
     rng = np.random.default_rng(0)
     b = make_batch(rng, q_lens=[1, 9], ctx_lens=[3, 4], num_heads=8, num_kv_heads=2,
                    head_dim=64, block_size=16, dtype=jnp.bfloat16, pad_tokens=6)
-    with pytest.raises(ValueError, match="prefill must be 'triton', 'mosaic' or 'auto'"):
-        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, prefill="cuda")
-    with pytest.raises(ValueError, match="prefill='mosaic' cannot serve this call"):
-        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, soft_cap=30.0, prefill="mosaic")
-    with pytest.raises(ValueError, match="prefill='mosaic' cannot serve this call"):
-        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, prefill="mosaic", interpret=True)
+    with pytest.raises(ValueError, match=f"{rows} must be 'triton', 'mosaic' or 'auto'"):
+        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, **{rows: "cuda"})
+    with pytest.raises(ValueError, match=f"{rows}='mosaic' cannot serve this call"):
+        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, soft_cap=30.0, **{rows: "mosaic"})
+    with pytest.raises(ValueError, match=f"{rows}='mosaic' cannot serve this call"):
+        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, interpret=True, **{rows: "mosaic"})
+
+
+def test_prefill_option_errors():
     with pytest.raises(ValueError, match="block_kv must be a multiple of 64"):
         mgpu.MosaicTiling(block_kv=96)
     assert EngineConfig(attention_backend="pallas-mosaic").attention_backend == "pallas-mosaic"
