@@ -5,7 +5,8 @@ G = N // K, H head dim, B blocks, P block size, M blocks per sequence.
 
 FlashAttention-3 structure: CTAs walk the (query tile, KV head) work items, heaviest first
 (by default one CTA per item, launched in that order; `MosaicTiling.num_ctas` caps the grid and
-makes the CTAs persistent), with three warpgroups each:
+makes the CTAs persistent, taking items in snake order: `snake_item`), with three warpgroups
+each:
 - two compute warpgroups, each owning 64 matmul rows = TQ = 64 // G tokens x the G query heads
   of the KV head (GQA packing: row g * TQ + t is head g, token t), so one K/V page serves all
   G heads; they alternate tensor-core work (Q.K^T, then P.V) through a schedule barrier so that
@@ -67,7 +68,7 @@ class MosaicTiling:
       `sm_count` CTAs when 128+ token rows hold few tiles (up to 4), else 1.
     num_ctas: CTAs walking the work items. None: one per item (one cluster per item with
       splits) up to the items of the token rows' tiles plus `sm_count` CTAs (more items than
-      that, from many short sequences, are taken round-robin); a number: that many persistent
+      that, from many short sequences, are taken in snake order); a number: that many persistent
       CTAs.
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
     """
@@ -145,13 +146,15 @@ def load_kv_step(k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_free, v_free, *
                                 v_bars.at[slot])
 
 
-def softmax_step(s, acc, m_i, l_i, dtype):
-    """Online softmax over one step's scaled base-2 logits s [64, BKV] (masked keys -inf):
-    returns the rescaled accumulator, the new running max and sum, and the probabilities in
-    `dtype` for the P.V product."""
-    m_new = jnp.maximum(m_i, s.max(axis=1))
+def softmax_step(s, scale, acc, m_i, l_i, dtype):
+    """Online softmax over one step's raw scores s [64, BKV] (masked keys -inf), `scale` =
+    softmax scale x log2(e): returns the rescaled accumulator, the new running max and sum, and
+    the probabilities in `dtype` for the P.V product. The running max is kept in scaled base-2
+    units, so each probability is exp2 of one fused multiply-add (s * scale - m), not of a
+    scaled copy of s."""
+    m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
     alpha = jnp.exp2(m_i - m_new)
-    pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    pr = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     l_i = l_i * alpha + pr.sum(axis=1)
     return acc, m_new, l_i, pr.astype(dtype)
@@ -209,7 +212,7 @@ def grid_clusters(t: int, s: int, k: int, group: int, splits: int,
     item bound counts one partial tile per possible prefill sequence; launching that many
     (1,088 CTAs for 256 rows x 256 slots) costs microseconds of empty CTAs, so by default the
     grid stops at the items of the rows' own tiles plus one CTA per SM, and clusters then take
-    items round-robin."""
+    items in snake order."""
     bound = k * num_tiles(t, s, group)
     if tiling.num_ctas is not None:
         return max(1, min(bound, tiling.num_ctas // splits))
@@ -233,6 +236,20 @@ def split_range(tile_steps, split, splits: int):
     whole = tile_steps < _MIN_STEPS_PER_SPLIT * splits
     return (jnp.where(whole, 0, lo),
             jnp.where(whole, jnp.where(split == 0, tile_steps, 0), hi))
+
+
+def snake_item(c, j, walkers: int):
+    """The heaviest-first list index of the j-th work item of walker c (of `walkers`): rounds
+    alternate direction (0, 1, .., W-1, then W-1, .., 0), so a walker that took a heavy item in
+    one round takes a light one in the next. Ints or traced scalars."""
+    return j * walkers + jnp.where(j % 2 == 0, c, walkers - 1 - c)
+
+
+def snake_count(c, n_items, walkers: int):
+    """How many of `n_items` items walker c takes under `snake_item`."""
+    rounds = n_items // walkers
+    last = jnp.where(rounds % 2 == 0, c, walkers - 1 - c)
+    return rounds + (last < n_items - rounds * walkers).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,14 +334,14 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
     # slices of one): Mosaic GPU reads a peer CTA's buffer across the cluster only at offset 0.
     stage_bufs, lse_bufs = (stage0, stage1), (lse0, lse1)
 
-    # Work item j of this cluster: item cta + j * n_groups of the heaviest-first list of
+    # Work item j of this cluster: item snake_item(cta, j) of the heaviest-first list of
     # (tile, KV head) pairs, this CTA's split of its KV steps. Every warpgroup walks the same
     # items and the K/V step counter (which picks the pipeline slot) runs on across them.
     n_items = cnt_ref[0] * k_heads
-    my_items = jnp.maximum(n_items - cta + n_groups - 1, 0) // n_groups
+    my_items = snake_count(cta, n_items, n_groups)
 
     def item(j):
-        it = cta + j * n_groups
+        it = snake_item(cta, j, n_groups)
         tile = it // k_heads
         kh = it - tile * k_heads
         seq = seq_ref[tile]
@@ -416,7 +433,6 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
 
                 s = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = s * scale
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 0,
                                                   layout=plgpu.Layout.WGMMA)
@@ -424,7 +440,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                                                   layout=plgpu.Layout.WGMMA)
                     qpos = wg_first + lax.rem(rows, tq)
                     s = jnp.where((lo + i) * bkv + cols <= qpos, s, -jnp.inf)
-                acc, m_new, l_i, p16 = softmax_step(s, acc, m_i, l_i, dtype)
+                acc, m_new, l_i, p16 = softmax_step(s, scale, acc, m_i, l_i, dtype)
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 plgpu.barrier_arrive(sched)  # softmax done
                 plgpu.barrier_wait(v_bars.at[slot])

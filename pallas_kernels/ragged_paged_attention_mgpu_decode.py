@@ -185,12 +185,11 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
 
                     sc = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[st])
-                    sc = sc * scale
                     if masked:
                         cols = plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 1,
                                                       layout=plgpu.Layout.WGMMA)
                         sc = jnp.where((lo + i) * bkv + cols < kv_len, sc, -jnp.inf)
-                    acc, m_new, l_i, p16 = softmax_step(sc, acc, m_i, l_i, dtype)
+                    acc, m_new, l_i, p16 = softmax_step(sc, scale, acc, m_i, l_i, dtype)
                     plgpu.barrier_wait(v_bars.at[st])
 
                     def compute_pv(acc_ref):
