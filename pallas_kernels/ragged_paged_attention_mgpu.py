@@ -3,10 +3,10 @@
 Same legend as ragged_paged_attention.py: T tokens, S slots, N query heads, K KV heads,
 G = N // K, H head dim, B blocks, P block size, M blocks per sequence.
 
-FlashAttention-3 structure: CTAs walk the (query tile, KV head) work items, heaviest first
-(by default one CTA per item, launched in that order; `MosaicTiling.num_ctas` caps the grid and
-makes the CTAs persistent, taking items in snake order: `snake_item`), with three warpgroups
-each:
+FlashAttention-3 structure: persistent CTAs (one per SM) walk the (query tile, KV head) work
+items, listed heaviest first and dealt in snake order (`snake_item`: a CTA that took a heavy item
+in one round takes a light one in the next; `MosaicTiling.persistent=False` launches one CTA per
+item instead), with three warpgroups each:
 - two compute warpgroups, each owning 64 matmul rows = TQ = 64 // G tokens x the G query heads
   of the KV head (GQA packing: row g * TQ + t is head g, token t), so one K/V page serves all
   G heads; they alternate tensor-core work (Q.K^T, then P.V) through a schedule barrier so that
@@ -66,16 +66,19 @@ class MosaicTiling:
     kv_splits: KV ranges each tile's keys are cut into, one CTA each (a cluster per item),
       merged inside the kernel (flash-decoding for prefill tiles). None: as many as fill
       `sm_count` CTAs when 128+ token rows hold few tiles (up to 4), else 1.
-    num_ctas: CTAs walking the work items. None: one per item (one cluster per item with
-      splits) up to the items of the token rows' tiles plus `sm_count` CTAs (more items than
-      that, from many short sequences, are taken in snake order); a number: that many persistent
-      CTAs.
+    persistent: True: one CTA per SM (`sm_count`, in clusters of the split count), each
+      walking its items in snake order with the K/V pipeline running on across them. False: one
+      CTA per item (one cluster per item with splits) up to the items of the token rows' tiles
+      plus `sm_count` CTAs (more items than that, from many short sequences, are taken in snake
+      order), launched heaviest first for the hardware to dispatch.
+    num_ctas: a number of persistent CTAs instead of `sm_count` (None: by `persistent`).
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
     """
 
     block_kv: int = 128
     stages: int = 2
     kv_splits: int | None = None
+    persistent: bool = True
     num_ctas: int | None = None
     sm_count: int = 132
 
@@ -208,14 +211,15 @@ def kv_splits(t: int, k: int, group: int, tiling: MosaicTiling) -> int:
 
 def grid_clusters(t: int, s: int, k: int, group: int, splits: int,
                   tiling: MosaicTiling) -> int:
-    """Clusters of `splits` CTAs launched (static), each walking (tile, KV head) items. The
-    item bound counts one partial tile per possible prefill sequence; launching that many
-    (1,088 CTAs for 256 rows x 256 slots) costs microseconds of empty CTAs, so by default the
-    grid stops at the items of the rows' own tiles plus one CTA per SM, and clusters then take
-    items in snake order."""
+    """Clusters of `splits` CTAs launched (static), each walking (tile, KV head) items in snake
+    order. Persistent (the default): one CTA per SM. Otherwise one cluster per item, but the
+    item bound counts one partial tile per possible prefill sequence and launching that many
+    (1,088 CTAs for 256 rows x 256 slots) costs microseconds of empty CTAs, so the grid stops
+    at the items of the rows' own tiles plus one CTA per SM."""
     bound = k * num_tiles(t, s, group)
-    if tiling.num_ctas is not None:
-        return max(1, min(bound, tiling.num_ctas // splits))
+    if tiling.num_ctas is not None or tiling.persistent:
+        ctas = tiling.sm_count if tiling.num_ctas is None else tiling.num_ctas
+        return max(1, min(bound, ctas // splits))
     return min(bound, k * _cdiv(t, tile_tokens(group)) + max(1, tiling.sm_count // splits))
 
 
@@ -293,13 +297,33 @@ def tile_layout(query_start_loc, kv_lens, num_seqs, *, t: int, s: int, n: int, k
     live = i < ends[-1]
     t0 = q_start[seq] + (i - first_tile[seq]) * tt
     first_pos = kv_lens[seq] - q_len[seq] + (t0 - q_start[seq])
-    # Heaviest first: the tiles that reach furthest into the KV start first (one stable sort
-    # carrying every column).
+    # Heaviest first: the tiles that reach furthest into the KV start first (stable).
     key = jnp.where(live, -first_pos, jnp.iinfo(jnp.int32).max)
     cols = [c.astype(jnp.int32) for c in (jnp.where(live, seq, -1), t0,
                                           q_start[seq] + q_len[seq], first_pos)]
-    _, *cols = lax.sort((key, *cols), num_keys=1, is_stable=True)
+    if nt <= _RANK_MAX_TILES:
+        cols = _rank_order(key, cols)
+    else:
+        _, *cols = lax.sort((key, *cols), num_keys=1, is_stable=True)
     return TileLayout(*cols, count=jnp.minimum(ends[-1:], nt).astype(jnp.int32))
+
+
+_RANK_MAX_TILES = 1024  # tile tables up to this long are ordered by ranks, longer ones sorted
+
+
+def _rank_order(key, cols):
+    """`cols` reordered by ascending `key`, ties in index order (a stable sort), as two
+    [NT, NT] comparisons XLA fuses into reductions: each entry's rank (how many entries go
+    before it), then per output place the one entry of that rank. On the GPU this is two small
+    fusions where the sort was a sort kernel and its launches (2.2-2.9 us at 512-1024 rows on
+    the H100)."""
+    nt = key.shape[0]
+    i = jnp.arange(nt, dtype=jnp.int32)
+    kj, ki = key[None, :], key[:, None]
+    before = (kj < ki) | ((kj == ki) & (i[None, :] < i[:, None]))
+    rank = jnp.sum(before.astype(jnp.int32), axis=1)
+    at = rank[None, :] == i[:, None]  # [place, entry]
+    return [jnp.sum(jnp.where(at, c[None, :], 0), axis=1) for c in cols]
 
 
 def merge_split_rows(lse0, o0, others):
@@ -397,15 +421,29 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
             n_mine = jnp.clip(wg_steps, lo, hi) - lo
             n_full = jnp.clip(full, lo, hi) - lo
 
-            # Q rows start anywhere in the token array, so they come by TMA into an untiled
-            # buffer (a tiled one needs tile-aligned source offsets), then through registers
-            # into the swizzled buffer the tensor cores read.
+            # Q rows start anywhere in the token array. Rows starting at a multiple of 8 (the
+            # swizzled buffer's tile) come by TMA straight into the buffer the tensor cores
+            # read; others into an untiled buffer (a tiled one needs tile-aligned source
+            # offsets), then through registers.
             def load_q(w: int):
-                for jj in range(g):
-                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_t0, tq), kh * g + jj],
-                                            stage_bufs[w].at[pl.ds(jj * tq, tq)], q_bars.at[w])
-                plgpu.barrier_wait(q_bars.at[w])
-                qo_smem[...] = _load(stage_bufs[w], plgpu.Layout.WGMMA)
+                aligned = lax.rem(wg_t0, 8) == 0
+
+                @pl.when(aligned)
+                def _():
+                    for jj in range(g):
+                        plgpu.copy_gmem_to_smem(
+                            q_ref.at[pl.ds(pl.multiple_of(wg_t0, 8), tq), kh * g + jj],
+                            qo_smem.at[pl.ds(jj * tq, tq)], q_bars.at[w])
+                    plgpu.barrier_wait(q_bars.at[w])
+
+                @pl.when(~aligned)
+                def _():
+                    for jj in range(g):
+                        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_t0, tq), kh * g + jj],
+                                                stage_bufs[w].at[pl.ds(jj * tq, tq)],
+                                                q_bars.at[w])
+                    plgpu.barrier_wait(q_bars.at[w])
+                    qo_smem[...] = _load(stage_bufs[w], plgpu.Layout.WGMMA)
 
             per_wg(load_q)
             plgpu.commit_smem()

@@ -72,10 +72,13 @@ SM_SCALE = HEAD_DIM ** -0.5
 L2_ROTATION_BYTES = 256 << 20  # aim for this much distinct KV per timed chain
 
 
-def _num_ctas(name: str) -> int | None:
-    """MosaicTiling.num_ctas for a --mosaic-ctas name: all (one CTA per work item) or sm
-    (persistent, one per streaming multiprocessor)."""
-    return getattr(jax.devices()[0], "core_count", None) or 132 if name == "sm" else None
+def _cta_mode(name: str) -> dict:
+    """MosaicTiling fields for a --mosaic-ctas name: sm (persistent, one CTA per streaming
+    multiprocessor: the default) or all (one CTA per work item)."""
+    if name not in ("sm", "all"):
+        raise ValueError(f"--mosaic-ctas takes sm or all, got {name!r}")
+    return {"persistent": name == "sm",
+            "sm_count": getattr(jax.devices()[0], "core_count", None) or 132}
 
 
 def log(*a) -> None:
@@ -612,7 +615,7 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
                 for bkv in runner.args.mosaic_block_kv:
                     for ctas in runner.args.mosaic_ctas:
                         for sp in runner.args.mosaic_splits:
-                            mt = MosaicTiling(block_kv=bkv, num_ctas=_num_ctas(ctas),
+                            mt = MosaicTiling(block_kv=bkv, **_cta_mode(ctas),
                                               kv_splits=None if sp == "auto" else int(sp))
                             key = (bkv, ctas, sp)
                             tilings[key] = dataclasses.replace(tiling, mosaic=mt)
@@ -793,9 +796,9 @@ def main() -> None:
     ap.add_argument("--decode-filter", default="",
                     help="only decode-grid rows whose '<batch>x<ctx>' is in this "
                          "comma-separated list")
-    ap.add_argument("--mosaic-ctas", type=lambda x: x.split(","), default=["all"],
-                    help="Mosaic CTA counts to try: sm (one per SM, persistent), all (one per "
-                         "work item)")
+    ap.add_argument("--mosaic-ctas", type=lambda x: x.split(","), default=["sm"],
+                    help="Mosaic prefill grids to try: sm (one persistent CTA per SM, the "
+                         "default), all (one CTA per work item)")
     ap.add_argument("--mosaic-splits", type=lambda x: x.split(","), default=["auto"],
                     help="Mosaic KV splits per tile to time: auto (MosaicTiling default) or "
                          "numbers, e.g. 1,auto")

@@ -151,14 +151,23 @@ def test_kv_split_rows_merge_to_the_reference(n, k, splits, q_lens, ctx_lens):
 def test_one_tile_table_per_program_however_many_layers():
     """Every layer traces its own tile table from the same step metadata; XLA keeps one (inlining
     plus CSE), so the table costs one step, not one per layer. Checked on the CPU pipeline."""
-    def layers(qsl, kv_lens, num_seqs, x):
-        for _ in range(4):
-            layout = mgpu.tile_layout(qsl, kv_lens, num_seqs, t=256, s=16, n=32, k=8)
-            x = jnp.sin(x + layout.table.sum() + layout.count[0])  # a layer between the calls
-        return x
-    args = (np.arange(17, dtype=np.int32) * 4, np.full(16, 100, np.int32), np.array([16], np.int32), np.float32(0))
-    hlo = jax.jit(layers).lower(*args).compile().as_text()
-    assert hlo.count(" sort(") == 1
+    def program(n_layers):
+        def layers(qsl, kv_lens, num_seqs, x):
+            for _ in range(n_layers):
+                layout = mgpu.tile_layout(qsl, kv_lens, num_seqs, t=256, s=16, n=32, k=8)
+                x = jnp.sin(x + layout.table.sum() + layout.count[0])  # a layer between
+            return x
+        return layers
+
+    args = (np.arange(17, dtype=np.int32) * 4, np.full(16, 100, np.int32),
+            np.array([16], np.int32), np.float32(0))
+
+    def table_ops(n_layers):  # the reductions (ranks, cumsum, ordering) and any sort
+        hlo = jax.jit(program(n_layers)).lower(*args).compile().as_text()
+        return hlo.count(" reduce(") + hlo.count(" sort(")
+
+    assert table_ops(1) > 0
+    assert table_ops(4) == table_ops(1)
 
 
 def test_split_steps_and_grid_sizes():
@@ -181,12 +190,16 @@ def test_split_steps_and_grid_sizes():
     assert mgpu.kv_splits(64, 8, 4, tiling) == 1  # decode-sized buckets: no merge launch
     assert mgpu.kv_splits(256, 8, 4, mgpu.MosaicTiling(kv_splits=1)) == 1
     # 256 slots: the item bound counts 128 partial tiles; the grid stops at 8 x 8 + 132.
-    assert mgpu.grid_clusters(256, 256, 8, 4, 1, tiling) == 8 * 8 + 132
-    assert mgpu.grid_clusters(256, 1, 8, 4, 1, tiling) == 8 * 9
-    assert mgpu.grid_clusters(256, 256, 8, 4, 1, mgpu.MosaicTiling(num_ctas=132)) == 132
-    # With 2 splits: clusters of 2 CTAs, one per item, plus one CTA per SM.
-    assert mgpu.grid_clusters(256, 256, 8, 4, 2, tiling) == 8 * 8 + 66
-    assert mgpu.grid_clusters(256, 256, 8, 4, 4, mgpu.MosaicTiling(num_ctas=132)) == 33
+    # Persistent (the default): one CTA per SM, fewer when the item bound is smaller.
+    assert mgpu.grid_clusters(256, 256, 8, 4, 1, tiling) == 132
+    assert mgpu.grid_clusters(64, 1, 8, 4, 1, tiling) == 8 * 3  # 2 tiles + 1 partial
+    assert mgpu.grid_clusters(256, 256, 8, 4, 2, tiling) == 66  # clusters of 2 CTAs
+    assert mgpu.grid_clusters(256, 256, 8, 4, 4, mgpu.MosaicTiling(num_ctas=64)) == 16
+    # One CTA per item: the rows' own items plus one CTA (or cluster) per SM.
+    per_item = mgpu.MosaicTiling(persistent=False)
+    assert mgpu.grid_clusters(256, 256, 8, 4, 1, per_item) == 8 * 8 + 132
+    assert mgpu.grid_clusters(256, 1, 8, 4, 1, per_item) == 8 * 9
+    assert mgpu.grid_clusters(256, 256, 8, 4, 2, per_item) == 8 * 8 + 66
     with pytest.raises(ValueError, match="kv_splits must be in"):
         mgpu.MosaicTiling(kv_splits=5)
 
@@ -238,20 +251,21 @@ def test_pow2_chunks_partition_the_rows(n):
     assert rows == list(range(n))
 
 
-@pytest.mark.parametrize("n,k,h,p,num_ctas,splits,prefill_only", [
-    (32, 8, 128, 16, None, 1, False),
-    (32, 8, 128, 16, None, 2, False),
-    (16, 2, 64, 32, 3, 3, False),
-    (32, 8, 128, 16, None, 1, True),
-    (32, 8, 128, 16, None, 2, True),
+@pytest.mark.parametrize("n,k,h,p,grid,splits,prefill_only", [
+    (32, 8, 128, 16, {}, 1, False),
+    (32, 8, 128, 16, {}, 2, False),
+    (16, 2, 64, 32, {"num_ctas": 3}, 3, False),
+    (32, 8, 128, 16, {"persistent": False}, 1, False),
+    (32, 8, 128, 16, {}, 1, True),
+    (32, 8, 128, 16, {"persistent": False}, 2, True),
 ])
-def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, num_ctas, splits, prefill_only):
+def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, grid, splits, prefill_only):
     t, s, m, blocks = 64, 4, 16, 64
     sd = jax.ShapeDtypeStruct
     args = (sd((t, n, h), jnp.bfloat16), sd((blocks, k, p, h), jnp.bfloat16),
             sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
             sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
-    tiling = Tiling(mosaic=mgpu.MosaicTiling(num_ctas=num_ctas, kv_splits=splits))
+    tiling = Tiling(mosaic=mgpu.MosaicTiling(kv_splits=splits, **grid))
     lowered = ragged_paged_attention_gpu.trace(
         *args, sm_scale=h ** -0.5, prefill="mosaic", tiling=tiling,
         prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
