@@ -425,27 +425,24 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
             # swizzled buffer's tile) come by TMA straight into the buffer the tensor cores
             # read; others into an untiled buffer (a tiled one needs tile-aligned source
             # offsets), then through registers.
-            def load_q(w: int):
-                aligned = lax.rem(wg_t0, 8) == 0
+            aligned = lax.rem(wg_t0, 8) == 0
 
-                @pl.when(aligned)
-                def _():
-                    for jj in range(g):
-                        plgpu.copy_gmem_to_smem(
-                            q_ref.at[pl.ds(pl.multiple_of(wg_t0, 8), tq), kh * g + jj],
-                            qo_smem.at[pl.ds(jj * tq, tq)], q_bars.at[w])
-                    plgpu.barrier_wait(q_bars.at[w])
+            @pl.when(aligned)
+            def _():
+                for jj in range(g):
+                    plgpu.copy_gmem_to_smem(
+                        q_ref.at[pl.ds(pl.multiple_of(wg_t0, 8), tq), kh * g + jj],
+                        qo_smem.at[pl.ds(jj * tq, tq)], q_bars.at[wg])
+                plgpu.barrier_wait(q_bars.at[wg])
 
-                @pl.when(~aligned)
-                def _():
-                    for jj in range(g):
-                        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_t0, tq), kh * g + jj],
-                                                stage_bufs[w].at[pl.ds(jj * tq, tq)],
-                                                q_bars.at[w])
-                    plgpu.barrier_wait(q_bars.at[w])
-                    qo_smem[...] = _load(stage_bufs[w], plgpu.Layout.WGMMA)
+            def load_q_staged(w: int):
+                for jj in range(g):
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_t0, tq), kh * g + jj],
+                                            stage_bufs[w].at[pl.ds(jj * tq, tq)], q_bars.at[w])
+                plgpu.barrier_wait(q_bars.at[w])
+                qo_smem[...] = _load(stage_bufs[w], plgpu.Layout.WGMMA)
 
-            per_wg(load_q)
+            pl.when(~aligned)(lambda: per_wg(load_q_staged))
             plgpu.commit_smem()
 
             m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32),
