@@ -262,8 +262,8 @@ class TileLayout:
 
     Per tile, [NT] int32 each: seq (-1 = no work), t0 (first token row), q_end (the sequence's
     end row), first_pos (KV position of t0); count [1] int32: live tiles (the first entries).
-    Separate columns, the ones the kernel reads: the sort that orders them carries them, so no
-    gather follows it.
+    Separate columns, the ones the kernel reads, each put in order by the same ranks (or the
+    same sort, for long tables).
     """
 
     seq: jax.Array
