@@ -76,6 +76,24 @@ def test_tile_layout_covers_every_prefill_row_once(n, k, q_lens, ctx_lens, pad_s
     assert (np.diff(table[live, 3]) <= 0).all()  # heaviest (furthest-reaching) tiles first
 
 
+def test_rank_order_is_the_stable_sort(monkeypatch):
+    """The tile table's two orderings (ranks up to _RANK_MAX_TILES tiles, a sort beyond) agree,
+    ties (tiles reaching equally far) in sequence order."""
+    rng = np.random.default_rng(5)
+    key = jnp.asarray(rng.integers(-6, 6, 300).astype(np.int32))
+    cols = [jnp.arange(300, dtype=jnp.int32), jnp.asarray(rng.integers(0, 99, 300), jnp.int32)]
+    _, *want = jax.lax.sort((key, *cols), num_keys=1, is_stable=True)
+    for got, w in zip(mgpu._rank_order(key, cols), want):
+        np.testing.assert_array_equal(got, w)
+    b = make_batch(rng, q_lens=[1, 37, 300, 1, 64, 2], ctx_lens=[9, 0, 500, 40, 64, 1],
+                   num_heads=32, num_kv_heads=8, head_dim=16, block_size=16, dtype=jnp.float32)
+    args = (b.query_start_loc, b.kv_lens, b.num_seqs)
+    kw = dict(t=b.q.shape[0], s=b.block_tables.shape[0], n=32, k=8)
+    ranked = mgpu.tile_layout(*args, **kw)
+    monkeypatch.setattr(mgpu, "_RANK_MAX_TILES", 0)
+    np.testing.assert_array_equal(mgpu.tile_layout(*args, **kw).table, ranked.table)
+
+
 def _emulate_split_merge(b, layout, out, *, g: int, bkv: int, splits: int, sm_scale: float):
     """What the kernel writes with KV splits: for each live tile, KV head and warpgroup, each
     split CTA's 64 rows (row jj * TQ + r: head jj, token r) over its share of the keys,
