@@ -73,6 +73,9 @@ class MosaicTiling:
       order), launched heaviest first for the hardware to dispatch.
     num_ctas: a number of persistent CTAs instead of `sm_count` (None: by `persistent`).
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
+    profile_dir: diagnostics: a directory where each call writes a Chrome trace of every
+      warpgroup's phases (Mosaic GPU's in-kernel profiler; `kernel_phases` reads them). Empty:
+      off, and the kernel is unchanged.
     """
 
     block_kv: int = 128
@@ -81,6 +84,7 @@ class MosaicTiling:
     persistent: bool = True
     num_ctas: int | None = None
     sm_count: int = 132
+    profile_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.num_ctas is not None and self.num_ctas < 1:
@@ -122,6 +126,18 @@ def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, windo
     """Whether this kernel can serve a call with these static properties."""
     return in_scope(dtype, head_dim, group, block_size, soft_cap, window, tiling.block_kv,
                     smem_bytes(head_dim, jnp.dtype(dtype).itemsize, tiling))
+
+
+_PROFILE_RANGES = 128  # phases recorded per warpgroup and call when profiling
+
+
+def compiler_params(profile_dir: str, ranges: int = _PROFILE_RANGES) -> plgpu.CompilerParams:
+    """The Mosaic kernels' compiler parameters: approximate exp2 and, with a profile directory,
+    Mosaic GPU's in-kernel profiler recording up to `ranges` named phases (`jax.named_scope` in
+    the kernel body) per warpgroup, one trace file per call."""
+    if not profile_dir:
+        return plgpu.CompilerParams(approx_math=True)
+    return plgpu.CompilerParams(approx_math=True, profile_space=ranges, profile_dir=profile_dir)
 
 
 def mma_transforms(head_dim: int, dtype) -> tuple:
@@ -395,18 +411,19 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
             # No decode kernel ran before (a prefill-only call into a fresh buffer): padding
             # rows (tokens from query_start_loc[num_seqs] on) get zeros, cluster c taking
             # tokens c, c + n_groups, ... (split 0's first warpgroup, G heads per store).
-            @pl.when((wg == 0) & (split == 0))
-            def _():
-                zero_smem[...] = jnp.zeros((8, h), dtype)
-                plgpu.commit_smem()
-                pad0 = qsl_ref[jnp.minimum(ns_ref[0], s)]
+            with jax.named_scope("zero_padding"):
+                @pl.when((wg == 0) & (split == 0))
+                def _():
+                    zero_smem[...] = jnp.zeros((8, h), dtype)
+                    plgpu.commit_smem()
+                    pad0 = qsl_ref[jnp.minimum(ns_ref[0], s)]
 
-                @pl.loop(0, _cdiv(jnp.maximum(t - pad0 - cta, 0), n_groups))
-                def _(i):
-                    for kh in range(k_heads):
-                        plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, g)],
-                                                out_ref.at[pad0 + cta + i * n_groups,
-                                                           pl.ds(kh * g, g)])
+                    @pl.loop(0, _cdiv(jnp.maximum(t - pad0 - cta, 0), n_groups))
+                    def _(i):
+                        for kh in range(k_heads):
+                            plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, g)],
+                                                    out_ref.at[pad0 + cta + i * n_groups,
+                                                               pl.ds(kh * g, g)])
 
         def tile_body(j, base):
             kh, _, t0, n_valid, first_pos, lo, hi = item(j)
@@ -425,25 +442,26 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
             # swizzled buffer's tile) come by TMA straight into the buffer the tensor cores
             # read; others into an untiled buffer (a tiled one needs tile-aligned source
             # offsets), then through registers.
-            aligned = lax.rem(wg_t0, 8) == 0
+            with jax.named_scope("q_load"):
+                aligned = lax.rem(wg_t0, 8) == 0
 
-            @pl.when(aligned)
-            def _():
-                for jj in range(g):
-                    plgpu.copy_gmem_to_smem(
-                        q_ref.at[pl.ds(pl.multiple_of(wg_t0, 8), tq), kh * g + jj],
-                        qo_smem.at[pl.ds(jj * tq, tq)], q_bars.at[wg])
-                plgpu.barrier_wait(q_bars.at[wg])
+                @pl.when(aligned)
+                def _():
+                    for jj in range(g):
+                        plgpu.copy_gmem_to_smem(
+                            q_ref.at[pl.ds(pl.multiple_of(wg_t0, 8), tq), kh * g + jj],
+                            qo_smem.at[pl.ds(jj * tq, tq)], q_bars.at[wg])
+                    plgpu.barrier_wait(q_bars.at[wg])
 
-            def load_q_staged(w: int):
-                for jj in range(g):
-                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_t0, tq), kh * g + jj],
-                                            stage_bufs[w].at[pl.ds(jj * tq, tq)], q_bars.at[w])
-                plgpu.barrier_wait(q_bars.at[w])
-                qo_smem[...] = _load(stage_bufs[w], plgpu.Layout.WGMMA)
+                def load_q_staged(w: int):
+                    for jj in range(g):
+                        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_t0, tq), kh * g + jj],
+                                                stage_bufs[w].at[pl.ds(jj * tq, tq)], q_bars.at[w])
+                    plgpu.barrier_wait(q_bars.at[w])
+                    qo_smem[...] = _load(stage_bufs[w], plgpu.Layout.WGMMA)
 
-            pl.when(~aligned)(lambda: per_wg(load_q_staged))
-            plgpu.commit_smem()
+                pl.when(~aligned)(lambda: per_wg(load_q_staged))
+                plgpu.commit_smem()
 
             m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32),
                                     plgpu.Layout.WGMMA.reduce(1))
@@ -451,11 +469,12 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                                     plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-            @pl.when(n_mine > 0)
-            def _():
-                plgpu.barrier_wait(k_bars.at[lax.rem(base, stages)])
+            with jax.named_scope("first_k_wait"):
+                @pl.when(n_mine > 0)
+                def _():
+                    plgpu.barrier_wait(k_bars.at[lax.rem(base, stages)])
 
-            pl.when(wg == 1)(schedule_barrier)
+                pl.when(wg == 1)(schedule_barrier)
 
             def kv_step(i, carry, masked: bool):
                 acc, m_i, l_i = carry
@@ -493,77 +512,79 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, n_full, lambda i, c: kv_step(i, c, False), carry)
-            carry = lax.fori_loop(n_full, n_mine, lambda i, c: kv_step(i, c, True), carry)
-            acc, m_i, l_i = carry
+            with jax.named_scope("kv_loop"):
+                carry = (acc, m_i, l_i)
+                carry = lax.fori_loop(0, n_full, lambda i, c: kv_step(i, c, False), carry)
+                carry = lax.fori_loop(n_full, n_mine, lambda i, c: kv_step(i, c, True), carry)
+                acc, m_i, l_i = carry
 
-            @pl.loop(n_mine, n_item)
-            def _drain(i):
-                # The other warpgroup needs these steps: take the buffers' arrivals (so every
-                # barrier's phase stays in step for the next item), release them, and keep the
-                # schedule barrier's count in step.
-                slot = lax.rem(base + i, stages)
-                plgpu.barrier_wait(k_bars.at[slot])
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_wait(v_bars.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
-                schedule_barrier()
-                schedule_barrier()
+                @pl.loop(n_mine, n_item)
+                def _drain(i):
+                    # The other warpgroup needs these steps: take the buffers' arrivals (so
+                    # every barrier's phase stays in step for the next item), release them, and
+                    # keep the schedule barrier's count in step.
+                    slot = lax.rem(base + i, stages)
+                    plgpu.barrier_wait(k_bars.at[slot])
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    schedule_barrier()
+                    schedule_barrier()
 
-            pl.when(wg == 0)(schedule_barrier)
-            l_safe = jnp.maximum(l_i, 1e-30)
-            o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])  # 0 for an empty split
+            with jax.named_scope("epilogue"):
+                pl.when(wg == 0)(schedule_barrier)
+                l_safe = jnp.maximum(l_i, 1e-30)
+                o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])  # 0 for an empty split
 
-            # The output goes through the untiled staging buffer, so that any row can start a
-            # TMA store: per query head, the wg_valid live tokens in power-of-two chunks.
-            def store_rows(w: int, val):
-                stage = stage_bufs[w]
-                stage[...] = val.astype(dtype)
-                plgpu.commit_smem()
-                for jj in range(g):
-                    for b, start, present in pow2_chunks(wg_valid, tq):
-                        @pl.when(present)
-                        def _(b=b, start=start, jj=jj):
-                            plgpu.copy_smem_to_gmem(
-                                stage.at[pl.ds(jj * tq + start, b)],
-                                out_ref.at[pl.ds(wg_t0 + start, b), kh * g + jj])
-
-            def merge_splits():
-                """CTA 0 stores the item's rows merged from every split CTA's."""
-                lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
-
-                def publish(w: int):
-                    # Rows and log-sum-exps stay in this CTA's shared memory for CTA 0.
-                    stage_bufs[w][...] = o.astype(dtype)
-                    lse_bufs[w][...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+                # The output goes through the untiled staging buffer, so that any row can start a
+                # TMA store: per query head, the wg_valid live tokens in power-of-two chunks.
+                def store_rows(w: int, val):
+                    stage = stage_bufs[w]
+                    stage[...] = val.astype(dtype)
                     plgpu.commit_smem()
+                    for jj in range(g):
+                        for b, start, present in pow2_chunks(wg_valid, tq):
+                            @pl.when(present)
+                            def _(b=b, start=start, jj=jj):
+                                plgpu.copy_smem_to_gmem(
+                                    stage.at[pl.ds(jj * tq + start, b)],
+                                    out_ref.at[pl.ds(wg_t0 + start, b), kh * g + jj])
 
-                pl.when(split > 0)(lambda: per_wg(publish))
-                plgpu.barrier_arrive(merge_bars.at[0])
-                plgpu.barrier_wait(merge_bars.at[0])
+                def merge_splits():
+                    """CTA 0 stores the item's rows merged from every split CTA's."""
+                    lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
 
-                def merge(w: int):
-                    def peer(ref, c):
-                        return _load(plgpu.cluster_ref(ref, {"split": c}), plgpu.Layout.WGMMA)
+                    def publish(w: int):
+                        # Rows and log-sum-exps stay in this CTA's shared memory for CTA 0.
+                        stage_bufs[w][...] = o.astype(dtype)
+                        lse_bufs[w][...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+                        plgpu.commit_smem()
 
-                    others = [(peer(lse_bufs[w], c).max(axis=1),
-                               peer(stage_bufs[w], c).astype(jnp.float32))
-                              for c in range(1, splits)]
-                    store_rows(w, merge_split_rows(lse, o, others))
+                    pl.when(split > 0)(lambda: per_wg(publish))
+                    plgpu.barrier_arrive(merge_bars.at[0])
+                    plgpu.barrier_wait(merge_bars.at[0])
 
-                pl.when(split == 0)(lambda: per_wg(merge))
-                # The other CTAs keep their buffers until CTA 0 has read them.
-                plgpu.barrier_arrive(merge_bars.at[1])
-                plgpu.barrier_wait(merge_bars.at[1])
+                    def merge(w: int):
+                        def peer(ref, c):
+                            return _load(plgpu.cluster_ref(ref, {"split": c}), plgpu.Layout.WGMMA)
 
-            # (Storing a tile that split 0 took whole without the merge saved 1.5 us at 256@0
-            # but made split tiles' kernels 11% slower on the H100: every item merges.)
-            if splits == 1:
-                per_wg(lambda w: store_rows(w, o))
-            else:
-                merge_splits()
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next item
+                        others = [(peer(lse_bufs[w], c).max(axis=1),
+                                   peer(stage_bufs[w], c).astype(jnp.float32))
+                                  for c in range(1, splits)]
+                        store_rows(w, merge_split_rows(lse, o, others))
+
+                    pl.when(split == 0)(lambda: per_wg(merge))
+                    # The other CTAs keep their buffers until CTA 0 has read them.
+                    plgpu.barrier_arrive(merge_bars.at[1])
+                    plgpu.barrier_wait(merge_bars.at[1])
+
+                # (Storing a tile that split 0 took whole without the merge saved 1.5 us at 256@0
+                # but made split tiles' kernels 11% slower on the H100: every item merges.)
+                if splits == 1:
+                    per_wg(lambda w: store_rows(w, o))
+                else:
+                    merge_splits()
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next item
             return base + n_item
 
         lax.fori_loop(0, my_items, tile_body, jnp.int32(0))
@@ -576,13 +597,15 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
         def tile_body(j, base):
             kh, seq, _, _, _, lo, hi = item(j)
 
-            @pl.loop(lo, hi)
-            def _(step):
-                n = base + step - lo
-                slot = lax.rem(n, stages)
-                blks = [bt_ref[seq, jnp.minimum(step * pages + jj, m - 1)] for jj in range(pages)]
-                load_kv_step(k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_free, v_free,
-                             blks=blks, kh=kh, n=n, slot=slot, p=p, stages=stages)
+            with jax.named_scope("kv_issue"):
+                @pl.loop(lo, hi)
+                def _(step):
+                    n = base + step - lo
+                    slot = lax.rem(n, stages)
+                    blks = [bt_ref[seq, jnp.minimum(step * pages + jj, m - 1)]
+                            for jj in range(pages)]
+                    load_kv_step(k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_free, v_free,
+                                 blks=blks, kh=kh, n=n, slot=slot, p=p, stages=stages)
 
             return base + hi - lo
 
@@ -640,7 +663,7 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
                         cluster=(splits,) if splits > 1 else (),
                         cluster_names=("split",) if splits > 1 else (),
                         num_threads=_WGS + 1, thread_name="wg"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(tiling.profile_dir),
         name="rpa_prefill_mosaic")
     args = (q, k_cache, v_cache, block_tables, layout.seq, layout.t0, layout.q_end,
             layout.first_pos, layout.count, query_start_loc, num_seqs)

@@ -35,10 +35,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
-    _LOG2E, _LSE_COLS, _ROWS, _cdiv, _load, in_scope, load_kv_step, merge_split_rows,
-    mma_transforms, softmax_step, split_steps)
+    _LOG2E, _LSE_COLS, _ROWS, _cdiv, _load, compiler_params, in_scope, load_kv_step,
+    merge_split_rows, mma_transforms, softmax_step, split_steps)
 
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
+_PROFILE_RANGES = 32  # phases recorded per warpgroup when profiling (its shared memory is tight)
 _BT_WINDOW = 256  # block ids fetched per copy by the memory warpgroup
 
 
@@ -53,6 +54,7 @@ class DecodeTiling:
     rows_per_sm: clusters launched per KV head are capped at rows_per_sm x sm_count /
       (K x splits); each walks several rows (the grid does not grow with the slot count).
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
+    profile_dir: diagnostics, as MosaicTiling.profile_dir (empty: off).
     """
 
     block_kv: int = 128
@@ -60,6 +62,7 @@ class DecodeTiling:
     splits: int | None = None
     rows_per_sm: int = 2
     sm_count: int = 132
+    profile_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or self.block_kv < 64:
@@ -165,13 +168,14 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
 
             @pl.when(live)
             def _():
-                plgpu.copy_gmem_to_smem(q_ref.at[tok, pl.ds(kh * g, g)],
-                                        q_stage.at[pl.ds(0, g)], q_bar)
-                plgpu.barrier_wait(q_bar)
-                # Rows g.. of the tile hold whatever the staging buffer held: each output row
-                # depends on its own query row only, and only rows < g are stored.
-                qo_smem[...] = _load(q_stage, plgpu.Layout.WGMMA)
-                plgpu.commit_smem()
+                with jax.named_scope("q_load"):
+                    plgpu.copy_gmem_to_smem(q_ref.at[tok, pl.ds(kh * g, g)],
+                                            q_stage.at[pl.ds(0, g)], q_bar)
+                    plgpu.barrier_wait(q_bar)
+                    # Rows g.. of the tile hold whatever the staging buffer held: each output row
+                    # depends on its own query row only, and only rows < g are stored.
+                    qo_smem[...] = _load(q_stage, plgpu.Layout.WGMMA)
+                    plgpu.commit_smem()
                 n_full = jnp.clip(kv_len // bkv, lo, hi) - lo  # steps with every key valid
 
                 def kv_step(i, carry, masked: bool):
@@ -204,61 +208,64 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                 l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0, jnp.float32),
                                         plgpu.Layout.WGMMA.reduce(1))
                 acc = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32), plgpu.Layout.WGMMA)
-                carry = lax.fori_loop(0, n_full, lambda i, cr: kv_step(i, cr, False),
-                                      (acc, m_i, l_i))
-                acc, m_i, l_i = lax.fori_loop(n_full, hi - lo,
-                                              lambda i, cr: kv_step(i, cr, True), carry)
-                l_safe = jnp.maximum(l_i, 1e-30)
-                o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])  # 0 for an empty split
+                with jax.named_scope("kv_loop"):
+                    carry = lax.fori_loop(0, n_full, lambda i, cr: kv_step(i, cr, False),
+                                          (acc, m_i, l_i))
+                    acc, m_i, l_i = lax.fori_loop(n_full, hi - lo,
+                                                  lambda i, cr: kv_step(i, cr, True), carry)
+                with jax.named_scope("epilogue"):
+                    l_safe = jnp.maximum(l_i, 1e-30)
+                    o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])  # 0 for an empty split
 
-                def store(val):
-                    q_stage[...] = val.astype(dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(0, g)],
-                                            out_ref.at[tok, pl.ds(kh * g, g)])
-
-                if splits == 1:
-                    store(o)
-                else:
-                    lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
-
-                    @pl.when(c > 0)
-                    def _publish():
-                        part_smem[pl.ds(0, _ROWS)] = o
-                        lse_smem[pl.ds(0, _ROWS)] = lax.broadcast_in_dim(
-                            lse, (_ROWS, _LSE_COLS), [0])
+                    def store(val):
+                        q_stage[...] = val.astype(dtype)
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(part_smem.at[pl.ds(0, g)],
-                                                part_ref.at[slot, kh, c - 1])
-                        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, g)],
-                                                lse_ref.at[slot, kh, c - 1])
-                        plgpu.wait_smem_to_gmem(0)  # written, before CTA 0 is told
+                        plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(0, g)],
+                                                out_ref.at[tok, pl.ds(kh * g, g)])
 
-                    plgpu.barrier_arrive(cluster_bar)
-                    plgpu.barrier_wait(cluster_bar)
+                    if splits == 1:
+                        store(o)
+                    else:
+                        lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
 
-                    @pl.when(c == 0)
-                    def _merge():
-                        # All splits' rows come in one round trip: split cc's G rows land at
-                        # row 8 * (cc - 1) of the merge buffers, read back as the 64-row window
-                        # starting there (its rows >= G are not used).
-                        for cc in range(1, splits):
-                            plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1],
-                                                    part_smem.at[pl.ds(8 * (cc - 1), g)],
-                                                    merge_bar)
-                            plgpu.copy_gmem_to_smem(lse_ref.at[slot, kh, cc - 1],
-                                                    lse_smem.at[pl.ds(8 * (cc - 1), g)],
-                                                    merge_bar)
-                        plgpu.barrier_wait(merge_bar)
-                        merged = merge_split_rows(lse, o, [
-                            (_load(lse_smem.at[pl.ds(8 * (cc - 1), _ROWS)],
-                                   plgpu.Layout.WGMMA).max(axis=1),
-                             _load(part_smem.at[pl.ds(8 * (cc - 1), _ROWS)], plgpu.Layout.WGMMA))
-                            for cc in range(1, splits)])
-                        plgpu.commit_smem()  # read before the next row's copies overwrite
-                        store(merged)
+                        @pl.when(c > 0)
+                        def _publish():
+                            part_smem[pl.ds(0, _ROWS)] = o
+                            lse_smem[pl.ds(0, _ROWS)] = lax.broadcast_in_dim(
+                                lse, (_ROWS, _LSE_COLS), [0])
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(part_smem.at[pl.ds(0, g)],
+                                                    part_ref.at[slot, kh, c - 1])
+                            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, g)],
+                                                    lse_ref.at[slot, kh, c - 1])
+                            plgpu.wait_smem_to_gmem(0)  # written, before CTA 0 is told
 
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next row
+                        plgpu.barrier_arrive(cluster_bar)
+                        plgpu.barrier_wait(cluster_bar)
+
+                        @pl.when(c == 0)
+                        def _merge():
+                            # All splits' rows come in one round trip: split cc's G rows land at
+                            # row 8 * (cc - 1) of the merge buffers, read back as the 64-row window
+                            # starting there (its rows >= G are not used).
+                            for cc in range(1, splits):
+                                plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1],
+                                                        part_smem.at[pl.ds(8 * (cc - 1), g)],
+                                                        merge_bar)
+                                plgpu.copy_gmem_to_smem(lse_ref.at[slot, kh, cc - 1],
+                                                        lse_smem.at[pl.ds(8 * (cc - 1), g)],
+                                                        merge_bar)
+                            plgpu.barrier_wait(merge_bar)
+                            merged = merge_split_rows(lse, o, [
+                                (_load(lse_smem.at[pl.ds(8 * (cc - 1), _ROWS)],
+                                       plgpu.Layout.WGMMA).max(axis=1),
+                                 _load(part_smem.at[pl.ds(8 * (cc - 1), _ROWS)],
+                                       plgpu.Layout.WGMMA))
+                                for cc in range(1, splits)])
+                            plgpu.commit_smem()  # read before the next row's copies overwrite
+                            store(merged)
+
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next row
 
             return base + (hi - lo)
 
@@ -273,26 +280,27 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
         def row_body(j, base):
             slot, _, _, _, lo, hi = row(j)
 
-            @pl.loop(lo, hi)
-            def _(step):
-                n = base + step - lo
-                if window:
-                    @pl.when(lax.rem(step - lo, steps_per_window) == 0)
-                    def _():
-                        # The block ids of the next steps in one copy (ids past the table's
-                        # end read as 0, the null block; their keys are masked).
-                        plgpu.commit_smem()  # earlier scalar reads of the window come first
-                        plgpu.copy_gmem_to_smem(bt_ref.at[slot, pl.ds(step * pages, window)],
-                                                bt_smem.at[pl.ds(0, window)], bt_bar)
-                        plgpu.barrier_wait(bt_bar)
+            with jax.named_scope("kv_issue"):
+                @pl.loop(lo, hi)
+                def _(step):
+                    n = base + step - lo
+                    if window:
+                        @pl.when(lax.rem(step - lo, steps_per_window) == 0)
+                        def _():
+                            # The block ids of the next steps in one copy (ids past the table's
+                            # end read as 0, the null block; their keys are masked).
+                            plgpu.commit_smem()  # earlier scalar reads of the window come first
+                            plgpu.copy_gmem_to_smem(bt_ref.at[slot, pl.ds(step * pages, window)],
+                                                    bt_smem.at[pl.ds(0, window)], bt_bar)
+                            plgpu.barrier_wait(bt_bar)
 
-                    w0 = lax.rem(step - lo, steps_per_window) * pages
-                    blks = [bt_smem[w0 + jj] for jj in range(pages)]
-                else:  # the table's rows are not 16-byte aligned: one scalar read per page
-                    blks = [bt_ref[slot, jnp.minimum(step * pages + jj, m - 1)]
-                            for jj in range(pages)]
-                load_kv_step(k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_free, v_free,
-                             blks=blks, kh=kh, n=n, slot=lax.rem(n, stages), p=p, stages=stages)
+                        w0 = lax.rem(step - lo, steps_per_window) * pages
+                        blks = [bt_smem[w0 + jj] for jj in range(pages)]
+                    else:  # the table's rows are not 16-byte aligned: one scalar read per page
+                        blks = [bt_ref[slot, jnp.minimum(step * pages + jj, m - 1)]
+                                for jj in range(pages)]
+                    load_kv_step(k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_free, v_free,
+                                 blks=blks, kh=kh, n=n, slot=lax.rem(n, stages), p=p, stages=stages)
 
             return base + (hi - lo)
 
@@ -352,7 +360,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                       cluster_names=("split",) if splits > 1 else (),
                       num_threads=2, thread_name="wg")
     res = pl.kernel(entry, out_type=tuple(out_type), mesh=mesh,
-                    compiler_params=plgpu.CompilerParams(approx_math=True),
+                    compiler_params=compiler_params(tiling.profile_dir, _PROFILE_RANGES),
                     name="rpa_decode_mosaic",
                     )(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
     return res[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import glob
 import json
 import math
 import os
@@ -65,6 +66,7 @@ from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (  # noqa: E402
     Tiling,
     ragged_paged_attention_gpu,
 )
+from benchmarks.kernels.mosaic_phases import phases  # noqa: E402
 from tests.kernels.batch_factory import dense_reference, make_batch  # noqa: E402
 
 N_HEADS, N_KV, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -397,6 +399,30 @@ class Runner:
         return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
                 for k, v in t.items()}
 
+    def profile(self, name: str, step, pool, tiling: Tiling, **kw) -> dict:
+        """One call with Mosaic GPU's in-kernel profiler on (--mosaic-profile DIR): its traces go
+        to DIR/name, and the phases of each (mosaic_phases.phases) come back, keyed by file."""
+        out = os.path.join(self.args.mosaic_profile, name)
+        os.makedirs(out, exist_ok=True)
+        tiling = dataclasses.replace(
+            tiling, mosaic=dataclasses.replace(tiling.mosaic, profile_dir=out),
+            mosaic_decode=dataclasses.replace(tiling.mosaic_decode, profile_dir=out))
+        f = chain_ours(1, tiling, self.interpret, **kw)
+        jax.block_until_ready(f(step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
+                                step["qsl"], step["num_seqs"]))
+        jax.effects_barrier()  # the traces are written by a host callback
+        res = {}
+        for path in sorted(glob.glob(os.path.join(out, "*trace.json"))):
+            with open(path) as fh:
+                trace = json.load(fh)
+            # Prefill kernel: 2 compute warpgroups + 1 memory; decode kernel: 1 + 1.
+            tids = {e["tid"] for e in trace["traceEvents"]}
+            wgs, roles = ((3, ["compute", "compute", "memory"]) if any(
+                e["name"] == "first_k_wait" for e in trace["traceEvents"])
+                else (2, ["compute", "memory"]))
+            res[os.path.basename(path)] = dict(phases(trace, wgs, roles), traces=len(tids))
+        return res
+
     def reference(self, step, pool, reps) -> dict:
         f = chain_reference(reps)
         t = self.timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
@@ -548,6 +574,9 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
                     best = min(mosaic or variants, key=lambda k: _ms(variants[k]))
                     row["mosaic_decode_variants"] = variants
                     row["ours_mosaic_decode"] = dict(variants[best], variant=best)
+                    if runner.args.mosaic_profile and best.startswith("mosaic"):
+                        vt, kw = decode_variant(tiling, best)
+                        row["phases"] = runner.profile(f"decode_{b}x{ctx}", step, pool, vt, **kw)
                     row["check_mosaic_decode"] = variants[best]["check"]
                     row["mosaic_decode_speedup_vs_bundled"] = (
                         _ms(row["bundled"]) / _ms(row["ours_mosaic_decode"]))
@@ -650,6 +679,10 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
                     "mosaic": kernel_breakdown(
                         runner.timer, chain_ours(2, tb, False, "mosaic",
                                                  prefill_only=len(best) > 3), args, 2)}
+                if runner.args.mosaic_profile:
+                    row["phases"] = runner.profile(
+                        f"prefill_{max(q_lens)}at{max(ctx_lens)}_{len(q_lens)}seqs", step, pool,
+                        tb, prefill="mosaic", prefill_only=len(best) > 3)
             t = _ms(row["ours"])
             row["ours_flops_frac_of_matmul"] = row["flops"] / (t * 1e-3) / \
                 runner.ceil["matmul_flops_per_s"]
@@ -811,6 +844,10 @@ def main() -> None:
                     help="with --mosaic: also time and check each Mosaic variant as a "
                          "prefill_only call (no decode kernel) on prefill shapes, and run the "
                          "correctness cases with prefill=auto, prefill_only=True")
+    ap.add_argument("--mosaic-profile", default="",
+                    help="a folder: one more call per Mosaic row with Mosaic GPU's in-kernel "
+                         "profiler on; its traces go there and each row gets the phases "
+                         "(benchmarks/kernels/mosaic_phases.py) of its call")
     ap.add_argument("--skip-reference-timing", action="store_true",
                     help="prefill grid: check against the XLA reference but do not time it")
     ap.add_argument("--only", default="correctness,decode,prefill,padding",

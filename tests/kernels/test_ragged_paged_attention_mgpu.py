@@ -299,6 +299,15 @@ def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, grid, splits, prefill_only):
         assert "output_operand_alias" in text.split("mosaic_gpu", 1)[1]
 
 
+def test_profiling_is_off_unless_a_folder_is_given():
+    """Mosaic GPU's in-kernel profiler only with MosaicTiling.profile_dir (diagnostics: it adds
+    a trace buffer and a host callback); by default the kernels are compiled without it."""
+    off = mgpu.compiler_params("")
+    assert off.profile_space == 0 and off.approx_math
+    on = mgpu.compiler_params("/tmp/traces", 32)
+    assert on.profile_space == 32 and on.profile_dir == "/tmp/traces" and on.approx_math
+
+
 def test_smem_budget_decides_support():
     tiling = mgpu.MosaicTiling()
     assert mgpu.supported(jnp.bfloat16, 128, 4, 16, None, None, tiling)
