@@ -308,6 +308,44 @@ def test_profiling_is_off_unless_a_folder_is_given():
     assert on.profile_space == 32 and on.profile_dir == "/tmp/traces" and on.approx_math
 
 
+def test_named_phases_leave_the_kernels_unchanged(monkeypatch):
+    """The kernels' `jax.named_scope` phases (for the profiler) change nothing when profiling is
+    off: the Mosaic modules (decode, prefill, prefill-only), printed without debug info, are
+    the same with the scopes as with every scope made a no-op."""
+    import contextlib
+
+    core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
+    if not hasattr(core, "_run_serde_pass"):
+        pytest.skip("this jax has no Mosaic GPU serialization pass to observe")
+    sd = jax.ShapeDtypeStruct
+    t, s, m, blocks, n, k, h, p = 256, 8, 16, 64, 32, 8, 128, 16
+    args = (sd((t, n, h), jnp.bfloat16), sd((blocks, k, p, h), jnp.bfloat16),
+            sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
+            sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
+
+    def modules() -> list[str]:
+        jax.clear_caches()  # lower afresh, not from the previous trace
+        seen = []
+        serde = core._run_serde_pass
+
+        def capture(module, **kw):
+            seen.append(module.operation.get_asm(enable_debug_info=False))
+            return serde(module, **kw)
+
+        with monkeypatch.context() as mp:
+            mp.setattr(core, "_run_serde_pass", capture)
+            for prefill_only in (False, True):
+                ragged_paged_attention_gpu.trace(
+                    *args, sm_scale=h ** -0.5, prefill="mosaic", decode="mosaic",
+                    prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
+        return seen
+
+    with_scopes = modules()
+    monkeypatch.setattr(jax, "named_scope", lambda name: contextlib.nullcontext())
+    without = modules()
+    assert len(with_scopes) == 3 and with_scopes == without
+
+
 def test_smem_budget_decides_support():
     tiling = mgpu.MosaicTiling()
     assert mgpu.supported(jnp.bfloat16, 128, 4, 16, None, None, tiling)
