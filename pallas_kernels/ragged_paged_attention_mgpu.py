@@ -74,8 +74,8 @@ class MosaicTiling:
     num_ctas: a number of persistent CTAs instead of `sm_count` (None: by `persistent`).
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
     profile_dir: diagnostics: a directory where each call writes a Chrome trace of every
-      warpgroup's phases (Mosaic GPU's in-kernel profiler; `kernel_phases` reads them). Empty:
-      off, and the kernel is unchanged.
+      warpgroup's phases (Mosaic GPU's in-kernel profiler; benchmarks/kernels/mosaic_phases.py
+      sums them). Empty: off, and the kernel is unchanged.
     """
 
     block_kv: int = 128
