@@ -11,13 +11,16 @@ Grid: (K, W) clusters of C CTAs. Cluster (kh, w) walks the slots w, w + W, w + 2
 head kh; the C CTAs of a cluster cut each decode row's KV steps into C ranges (flash-decoding
 splits, `split_steps`), so a small batch still fills the GPU. Each CTA has two warpgroups:
 - a memory warpgroup streams the K and V pages of its range by TMA (one copy per page of P keys,
-  the block ids fetched 256 at a time by one copy), `stages` steps of `block_kv` keys in flight; it runs on
-  across the CTA's rows, so the next row's pages load while this one is finished;
+  the block ids fetched 256 at a time by one copy), `stages` steps of `block_kv` keys in flight;
+  it runs on across the CTA's rows, so the next row's pages load while this one is finished;
 - a compute warpgroup computes Q.K^T and P.V with wgmma and the online softmax.
-With C > 1, CTAs 1..C-1 write their rows (normalised by their own softmax sum) and each row's
-log2-sum-exp to global scratch by TMA and wait for the copies to complete; a cluster barrier
-then lets CTA 0 read them back and merge them (weights exp2(lse_c - max)) into the output: one
-launch, no counter, no merge kernel. Cluster CTAs are co-scheduled, so the wait cannot deadlock.
+With C > 1 (`merge_splits` in the kernel): CTAs 1..C-1 send their first 8 rows (normalised by
+their own softmax sum; the G live ones and finite filler) to global scratch by TMA; after a
+cluster barrier CTA 0 fetches them into rows 8c.. of its swizzled Q tile (beside its own), reads
+every split's log2-sum-exps across the cluster (distributed shared memory) and merges with one
+small matmul, W [64, 64] @ tile [64, H] (`merge_weights`: split c's weight exp2(lse_c - max),
+normalised, of row r at column 8c + r). One launch, no counter, no merge kernel; cluster CTAs are
+co-scheduled, so the waits cannot deadlock.
 
 Scope: that of the Mosaic prefill kernel (`in_scope`: bf16 or f16, H in {64, 128}, G in
 {1, 2, 4, 8}, P a multiple of 8 dividing block_kv, no soft cap, no sliding window; `supported()`);
@@ -27,6 +30,7 @@ the Triton flash-decoding kernel serves every other case.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
     _LOG2E, _LSE_COLS, _ROWS, _cdiv, _load, compiler_params, in_scope, load_kv_step,
-    merge_split_rows, mma_transforms, softmax_step, split_steps)
+    mma_transforms, softmax_step, split_steps)
 
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
 _PROFILE_RANGES = 32  # phases recorded per warpgroup when profiling (its shared memory is tight)
@@ -86,19 +90,37 @@ def bt_window(m: int, pages: int) -> int:
     return window if m % 4 == 0 and window >= pages else 0
 
 
-def merge_rows(splits: int) -> int:
-    """Rows of the merge buffers: split c's rows land at row 8 * (c - 1) of CTA 0's, each read
-    back as the 64-row window starting there."""
-    return _ROWS + 8 * max(splits - 2, 0)
-
-
 def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
-    """Shared memory of one CTA (at the largest cluster): K/V stages, Q (swizzled + staging),
-    the f32 rows and log-sum-exps of the split merge, and a zero tile."""
-    rows = merge_rows(tiling.splits or _MAX_CLUSTER)
+    """Shared memory of one CTA: K/V stages, Q (swizzled, also the split merge's tile, +
+    staging), the merge's log-sum-exp vector, a zero tile and the block-id window."""
     return (2 * tiling.stages * tiling.block_kv * head_dim * itemsize
-            + 2 * _ROWS * head_dim * itemsize + rows * (head_dim + _LSE_COLS) * 4
+            + 2 * _ROWS * head_dim * itemsize + _ROWS * _LSE_COLS * 4
             + 8 * head_dim * itemsize + _BT_WINDOW * 4 + 1024)
+
+
+def merge_weights(lses, iota=lax.broadcasted_iota):
+    """The split merge as a matrix: lses[c] [64] is split c's log2-sum-exp per row (-inf: the
+    split saw no key of it); returns W [64, 64] with W[r, 8c + r % 8] = the weight of split c
+    in row r (exp2(lse - max), normalised over the splits) and 0 elsewhere, so that W @ T
+    merges the rows of T [64, H] (split c's row r at 8c + r, each normalised by its own softmax
+    sum) into row r (rows >= 8 repeat rows 0-7 with their own weights: not used). Plain jnp:
+    the kernel runs it on registers (`iota` placing its indices in the WGMMA layout), the CPU
+    tests on arrays."""
+    mx = lses[0]
+    for lc in lses[1:]:
+        mx = jnp.maximum(mx, lc)  # split 0 never misses a key of a live row: finite
+    es = [jnp.exp2(lc - mx) for lc in lses]
+    den = es[0]
+    for e in es[1:]:
+        den = den + e
+    inv = 1.0 / den
+    shape = (_ROWS, _ROWS)
+    rows, cols = iota(jnp.int32, shape, 0), iota(jnp.int32, shape, 1)
+    w = jnp.zeros(shape, jnp.float32)
+    for c, e in enumerate(es):
+        at = (cols == 8 * c + lax.rem(rows, 8))
+        w = jnp.where(at, lax.broadcast_in_dim(e * inv, shape, [0]), w)
+    return w
 
 
 def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, window,
@@ -122,16 +144,16 @@ def num_row_walkers(rows: int, k: int, splits: int, tiling: DecodeTiling) -> int
     return int(min(rows, cap))
 
 
-def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, lse_ref,
-            scoped, *, g: int, p: int, m: int, h: int, t: int, s: int, rows: int, walkers: int,
+def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, scoped,
+            *, g: int, p: int, m: int, h: int, t: int, s: int, rows: int, walkers: int,
             splits: int, bkv: int, stages: int, sm_scale: float, dtype, zero_padding: bool):
     pages = bkv // p
     kh = lax.axis_index("kv")
     w = lax.axis_index("walker")
     c = lax.axis_index("split") if splits > 1 else jnp.int32(0)
     wg = lax.axis_index("wg")
-    ((qo_smem, q_stage, k_smem, v_smem, part_smem, lse_smem, zero_smem, bt_smem),
-     (k_bars, v_bars, q_bar, merge_bar, bt_bar), (k_free, v_free), cluster_bar) = scoped
+    ((qo_smem, q_stage, k_smem, v_smem, lse_smem, zero_smem, bt_smem),
+     (k_bars, v_bars, q_bar, merge_bar, bt_bar), (k_free, v_free), cluster_bars) = scoped
     n_live = jnp.minimum(ns_ref[0], s)
     my_rows = _cdiv(rows - w, walkers)
 
@@ -149,6 +171,12 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
     @pl.when(wg == 0)
     def _compute():
         scale = sm_scale * _LOG2E
+        if splits > 1:
+            # A Q tile's rows >= G are the staging buffer's other rows: zeros at first (later,
+            # earlier output rows), so that every row of a split's result is finite: the merge
+            # matmul multiplies the filler rows by zero weights.
+            q_stage[...] = jnp.zeros((_ROWS, h), dtype)
+            plgpu.commit_smem()
         if zero_padding:
             # Padding rows (tokens from query_start_loc[num_seqs] on) get zeros for this KV
             # head's G heads: cluster w takes padding tokens w, w + W, ...
@@ -162,6 +190,59 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                 def _(i):
                     plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, g)],
                                             out_ref.at[pad0 + w + i * walkers, pl.ds(kh * g, g)])
+
+        def merge_splits(slot, o, lse, store):
+            """The C CTAs' rows of one decode row -> CTA 0 stores them merged. o [64, H]: this
+            CTA's rows normalised by its own softmax sum; lse [64]: their log2-sum-exps (-inf:
+            the split saw no key).
+
+            Every CTA puts its rows in its swizzled Q tile (Q is no longer needed) and its
+            log-sum-exps in shared memory; CTAs 1..C-1 send their first 8 rows (the G live ones
+            and finite filler) to global scratch. After a cluster barrier CTA 0 fetches split
+            cc's rows into rows 8cc.. of its tile, reads the log-sum-exps across the cluster,
+            and merges with one small matmul: W [64, 64] @ tile [64, H], where W holds split
+            cc's weight of row r at column 8cc + r (`merge_weights`; as a high and a low 16-bit
+            part). A second barrier keeps the other CTAs' log-sum-exps until CTA 0 has read
+            them."""
+            qo_smem[...] = o.astype(dtype)
+            lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+            plgpu.commit_smem()
+
+            @pl.when(c > 0)
+            def _publish():
+                with jax.named_scope("publish"):
+                    plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(0, 8)], part_ref.at[slot, kh, c - 1])
+                    plgpu.wait_smem_to_gmem(0)  # written, before CTA 0 is told
+
+            with jax.named_scope("split_barrier"):
+                plgpu.barrier_arrive(cluster_bars.at[0])
+                plgpu.barrier_wait(cluster_bars.at[0])
+
+            @pl.when(c == 0)
+            def _merge():
+                with jax.named_scope("merge"):
+                    for cc in range(1, splits):
+                        plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1],
+                                                qo_smem.at[pl.ds(8 * cc, 8)], merge_bar)
+                    peers = [_load(plgpu.cluster_ref(lse_smem, {"split": cc}),
+                                   plgpu.Layout.WGMMA).max(axis=1) for cc in range(1, splits)]
+                    plgpu.barrier_arrive(cluster_bars.at[1])  # peers' log-sum-exps read
+                    w = merge_weights([lse, *peers], functools.partial(
+                        plgpu.broadcasted_iota, layout=plgpu.Layout.WGMMA))
+                    w_hi = w.astype(dtype)
+                    w_lo = (w - w_hi.astype(jnp.float32)).astype(dtype)
+                    plgpu.barrier_wait(merge_bar)
+
+                    def merge_mm(acc_ref):
+                        plgpu.wgmma(acc_ref, w_hi, qo_smem)
+                        plgpu.wgmma(acc_ref, w_lo, qo_smem)
+
+                    zero = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32),
+                                             plgpu.Layout.WGMMA)
+                    store(pl.run_state(merge_mm)(plgpu.ACC.init(zero)))
+
+            pl.when(c > 0)(lambda: plgpu.barrier_arrive(cluster_bars.at[1]))
+            plgpu.barrier_wait(cluster_bars.at[1])
 
         def row_body(j, base):
             slot, live, tok, kv_len, lo, hi = row(j)
@@ -226,44 +307,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     if splits == 1:
                         store(o)
                     else:
-                        lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in this split
-
-                        @pl.when(c > 0)
-                        def _publish():
-                            part_smem[pl.ds(0, _ROWS)] = o
-                            lse_smem[pl.ds(0, _ROWS)] = lax.broadcast_in_dim(
-                                lse, (_ROWS, _LSE_COLS), [0])
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(part_smem.at[pl.ds(0, g)],
-                                                    part_ref.at[slot, kh, c - 1])
-                            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, g)],
-                                                    lse_ref.at[slot, kh, c - 1])
-                            plgpu.wait_smem_to_gmem(0)  # written, before CTA 0 is told
-
-                        plgpu.barrier_arrive(cluster_bar)
-                        plgpu.barrier_wait(cluster_bar)
-
-                        @pl.when(c == 0)
-                        def _merge():
-                            # All splits' rows come in one round trip: split cc's G rows land at
-                            # row 8 * (cc - 1) of the merge buffers, read back as the 64-row window
-                            # starting there (its rows >= G are not used).
-                            for cc in range(1, splits):
-                                plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1],
-                                                        part_smem.at[pl.ds(8 * (cc - 1), g)],
-                                                        merge_bar)
-                                plgpu.copy_gmem_to_smem(lse_ref.at[slot, kh, cc - 1],
-                                                        lse_smem.at[pl.ds(8 * (cc - 1), g)],
-                                                        merge_bar)
-                            plgpu.barrier_wait(merge_bar)
-                            merged = merge_split_rows(lse, o, [
-                                (_load(lse_smem.at[pl.ds(8 * (cc - 1), _ROWS)],
-                                       plgpu.Layout.WGMMA).max(axis=1),
-                                 _load(part_smem.at[pl.ds(8 * (cc - 1), _ROWS)],
-                                       plgpu.Layout.WGMMA))
-                                for cc in range(1, splits)])
-                            plgpu.commit_smem()  # read before the next row's copies overwrite
-                            store(merged)
+                        merge_splits(slot, o, m_i + jnp.log(l_safe) * _LOG2E, store)
 
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next row
 
@@ -324,37 +368,35 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
     dtype = q.dtype
     transforms = mma_transforms(h, dtype)
 
-    def entry(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref=None,
-              lse_ref=None):
+    def entry(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref=None):
         smem = (plgpu.SMEM((_ROWS, h), dtype, transforms=transforms),
                 plgpu.SMEM((_ROWS, h), dtype),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
-                plgpu.SMEM((merge_rows(splits), h), jnp.float32),
-                plgpu.SMEM((merge_rows(splits), _LSE_COLS), jnp.float32),
+                plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),  # its own: read across the cluster
                 plgpu.SMEM((8, h), dtype),
                 plgpu.SMEM((_BT_WINDOW,), jnp.int32))
         ready = (plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=1),
-                 plgpu.Barrier(num_arrivals=max(2 * (splits - 1), 1)),
+                 plgpu.Barrier(num_arrivals=max(splits - 1, 1)),
                  plgpu.Barrier(num_arrivals=1))
         free = (plgpu.Barrier(num_arrivals=1, num_barriers=stages),) * 2
-        cluster = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1)
+        cluster = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1,
+                                        num_barriers=2)
                    if splits > 1 else None)
         pl.run_scoped(
             lambda *scoped: _kernel(
                 q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref,
-                lse_ref, scoped if splits > 1 else (*scoped, None), g=g, p=p, m=m, h=h, t=t,
+                scoped if splits > 1 else (*scoped, None), g=g, p=p, m=m, h=h, t=t,
                 s=s, rows=rows, walkers=walkers, splits=splits, bkv=bkv, stages=stages,
                 sm_scale=sm_scale, dtype=dtype, zero_padding=zero_padding),
             smem, ready, free, *(() if cluster is None else (cluster,)),
             collective_axes="wg")
 
     out_type = [jax.ShapeDtypeStruct((t, n, h), dtype)]
-    if splits > 1:  # rows and log-sum-exps of splits 1..C-1, per slot and KV head
-        out_type += [jax.ShapeDtypeStruct((rows, k, splits - 1, g, h), jnp.float32),
-                     jax.ShapeDtypeStruct((rows, k, splits - 1, g, _LSE_COLS), jnp.float32)]
+    if splits > 1:  # the first 8 rows of splits 1..C-1, per slot and KV head
+        out_type += [jax.ShapeDtypeStruct((rows, k, splits - 1, 8, h), dtype)]
     mesh = plgpu.Mesh(grid=(k, walkers), grid_names=("kv", "walker"),
                       cluster=(splits,) if splits > 1 else (),
                       cluster_names=("split",) if splits > 1 else (),

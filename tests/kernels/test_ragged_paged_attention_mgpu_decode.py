@@ -5,8 +5,9 @@
   (before the Mosaic prefill kernel), decode-only calls.
 - Its static choices: splits per row, row-walking clusters, the block-id window, the shared
   memory budget, and the KV ranges of the splits (every step exactly once, split 0 never empty).
-- The split merge's arithmetic (`merge_split_rows`, plain jnp, shared with the prefill kernel) turns per-split softmax results into
-  the full softmax, empty splits included.
+- The split merge's arithmetic turns per-split softmax results into the full softmax, empty
+  splits included: `merge_split_rows` (plain jnp, the prefill kernel's) and the decode kernel's
+  matmul form (`merge_weights` @ a tile of every split's rows, weights as two 16-bit parts).
 - Options are validated with clear errors.
 The kernel body runs on the H100 (benchmarks/kernels/bench_paged_attention.py --mosaic-decode:
 correctness cases and timings in benchmarks/results/kernels_h100_mosaic_decode.*).
@@ -62,7 +63,6 @@ def test_splits_walkers_and_block_id_window():
     assert dec.bt_window(132, 16) == 128
     assert dec.bt_window(16, 8) == 0    # under one 128-byte copy: scalar reads
     assert dec.bt_window(130, 8) == 0   # rows not 16-byte aligned: scalar reads
-    assert dec.merge_rows(1) == dec.merge_rows(2) == 64 and dec.merge_rows(8) == 112
 
 
 def test_split_ranges_cover_every_step_once():
@@ -114,6 +114,19 @@ def test_split_merge_gives_the_full_softmax(splits):
     p = np.exp(s - s.max(1, keepdims=True))
     want = (p / p.sum(1, keepdims=True)) @ v
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+    # The decode kernel's form: split c's first 8 rows at rows 8c.. of one tile, merged by
+    # W @ tile, W's 16-bit high and low parts as the kernel multiplies them (rows < 8 live).
+    tile = np.zeros((64, h), np.float32)
+    for c, (_, o) in enumerate(parts):
+        tile[8 * c:8 * c + 8] = o[:8]
+    w = dec.merge_weights([f32(lse) for lse, _ in parts])
+    w_hi = w.astype(jnp.bfloat16).astype(jnp.float32)
+    w_lo = (w - w_hi).astype(jnp.bfloat16).astype(jnp.float32)
+    assert float(jnp.abs(w - w_hi - w_lo).max()) < 1e-5  # the weights to ~2^-17
+    np.testing.assert_allclose(np.asarray(w @ tile)[:8], want[:8], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray((w_hi + w_lo) @ tile)[:8], want[:8], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(w)[:8].sum(1), 1.0, rtol=1e-6)  # weights sum to 1
 
 
 def test_decode_option_errors():
