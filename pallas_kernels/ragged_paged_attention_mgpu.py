@@ -425,21 +425,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                                                     out_ref.at[pad0 + cta + i * n_groups,
                                                                pl.ds(kh * g, g)])
 
-        def load_q_direct(row0, kh_):
-            """TMA this warpgroup's Q rows from token row0 (a multiple of 8) of KV head kh_
-            straight into the swizzled buffer the tensor cores read."""
-            for jj in range(g):
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[pl.ds(pl.multiple_of(row0, 8), tq), kh_ * g + jj],
-                    qo_smem.at[pl.ds(jj * tq, tq)], q_bars.at[wg])
-
-        def tile_body(j, carry):
-            base, prefetched = carry
+        def tile_body(j, base):
             kh, _, t0, n_valid, first_pos, lo, hi = item(j)
-            # The next item's KV head and first row, read now (their loads overlap this item)
-            # for its Q prefetch; a clamped index keeps the table read in range.
-            kh_n, _, t0_n, _, _, _, _ = item(jnp.minimum(j + 1, my_items - 1))
-            prefetch = (j + 1 < my_items) & (lax.rem(t0_n + wg * tq, 8) == 0)
             wg_t0 = t0 + wg * tq
             wg_first = first_pos + wg * tq
             wg_valid = jnp.clip(n_valid - wg * tq, 0, tq)
@@ -453,17 +440,20 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
 
             # Q rows start anywhere in the token array. Rows starting at a multiple of 8 (the
             # swizzled buffer's tile) come by TMA straight into the buffer the tensor cores
-            # read (issued at the end of the previous item's KV loop when there was one:
-            # `prefetched`); others into an untiled buffer (a tiled one needs tile-aligned
-            # source offsets), then through registers.
+            # read; others into an untiled buffer (a tiled one needs tile-aligned source
+            # offsets), then through registers.
             with jax.named_scope("q_load"):
                 aligned = lax.rem(wg_t0, 8) == 0
-                pl.when(aligned & ~prefetched)(lambda: load_q_direct(wg_t0, kh))
-                pl.when(aligned)(lambda: plgpu.barrier_wait(q_bars.at[wg]))
+
+                @pl.when(aligned)
+                def _():
+                    for jj in range(g):
+                        plgpu.copy_gmem_to_smem(
+                            q_ref.at[pl.ds(pl.multiple_of(wg_t0, 8), tq), kh * g + jj],
+                            qo_smem.at[pl.ds(jj * tq, tq)], q_bars.at[wg])
+                    plgpu.barrier_wait(q_bars.at[wg])
 
                 def load_q_staged(w: int):
-                    # The staging buffer may still be read by the previous item's stores.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for jj in range(g):
                         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_t0, tq), kh * g + jj],
                                                 stage_bufs[w].at[pl.ds(jj * tq, tq)], q_bars.at[w])
@@ -541,10 +531,6 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                     schedule_barrier()
                     schedule_barrier()
 
-            # This warpgroup is done with Q: the next item's Q rows, if they start at a multiple
-            # of 8, load during this epilogue.
-            pl.when(prefetch)(lambda: load_q_direct(t0_n + wg * tq, kh_n))
-
             with jax.named_scope("epilogue"):
                 pl.when(wg == 0)(schedule_barrier)
                 l_safe = jnp.maximum(l_i, 1e-30)
@@ -554,7 +540,6 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                 # TMA store: per query head, the wg_valid live tokens in power-of-two chunks.
                 def store_rows(w: int, val):
                     stage = stage_bufs[w]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's stores
                     stage[...] = val.astype(dtype)
                     plgpu.commit_smem()
                     for jj in range(g):
@@ -571,7 +556,6 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
 
                     def publish(w: int):
                         # Rows and log-sum-exps stay in this CTA's shared memory for CTA 0.
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's stores
                         stage_bufs[w][...] = o.astype(dtype)
                         lse_bufs[w][...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
                         plgpu.commit_smem()
@@ -596,15 +580,14 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
 
                 # (Storing a tile that split 0 took whole without the merge saved 1.5 us at 256@0
                 # but made split tiles' kernels 11% slower on the H100: every item merges.)
-                # The stores run on into the next item: the staging buffer is waited for where
-                # it is written next.
                 if splits == 1:
                     per_wg(lambda w: store_rows(w, o))
                 else:
                     merge_splits()
-            return base + n_item, prefetch
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next item
+            return base + n_item
 
-        lax.fori_loop(0, my_items, tile_body, (jnp.int32(0), jnp.bool_(False)))
+        lax.fori_loop(0, my_items, tile_body, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _WGS)
