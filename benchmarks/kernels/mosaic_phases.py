@@ -6,8 +6,15 @@ writes (one file per call, `MosaicTiling.profile_dir` / `DecodeTiling.profile_di
     python benchmarks/kernels/mosaic_phases.py DIR [--warpgroups 3 --roles compute,compute,memory]
 
 Per trace: the kernel's span (first phase start to last phase end, all CTAs), the number of
-CTAs, per role and phase the count, total and mean microseconds, and the phases of the CTA
-that ended last (the one the call waited for).
+CTAs, per role and phase the count, total and mean duration, and the phases of the CTA that
+ended last (the one the call waited for).
+
+Units: Mosaic GPU's profiler stamps each event with the SM clock (%clock, cycles) and writes
+ts = (CTA start on the global timer in ns + cycles since) / 1000. Durations within a CTA are
+therefore kilocycles ("kcyc"): at the H100's 1.7-2.0 GHz under load one kcycle is 0.5-0.6 us
+(on the H100 here, profiled spans matched the CUPTI kernel times at about 1.71 GHz). The
+last CTA's start offset is in microseconds (global timer); the kernel span mixes the two and
+is approximate.
 """
 
 from __future__ import annotations
@@ -50,12 +57,13 @@ def phases(trace: dict, warpgroups: int, roles: list[str]) -> dict:
     last_cta = max(span, key=lambda c: span[c][1])
     table: dict[str, dict[str, dict[str, float]]] = collections.defaultdict(dict)
     for (role, name), ds in sorted(per.items()):
-        table[role][name] = {"count": len(ds), "total_us": sum(ds), "mean_us": sum(ds) / len(ds)}
-    return {"kernel_us": max(hi for _, hi in span.values()) - first, "ctas": len(span),
+        table[role][name] = {"count": len(ds), "total_kcyc": sum(ds),
+                             "mean_kcyc": sum(ds) / len(ds)}
+    return {"kernel_kcyc": max(hi for _, hi in span.values()) - first, "ctas": len(span),
             "phases": dict(table),
             "last_cta": {"cta": last_cta, "start_us": span[last_cta][0] - first,
-                         "span_us": span[last_cta][1] - span[last_cta][0],
-                         "phases_us": dict(cta_phase[last_cta])}}
+                         "span_kcyc": span[last_cta][1] - span[last_cta][0],
+                         "phases_kcyc": dict(cta_phase[last_cta])}}
 
 
 def main() -> None:
@@ -70,17 +78,17 @@ def main() -> None:
     for path in sorted(glob.glob(os.path.join(args.dir, "*trace.json"))):
         with open(path) as f:
             res = phases(json.load(f), args.warpgroups, roles)
-        print(f"{os.path.basename(path)}: kernel {res.get('kernel_us', 0):.1f} us, "
+        print(f"{os.path.basename(path)}: kernel {res.get('kernel_kcyc', 0):.1f} kcyc, "
               f"{res['ctas']} CTAs")
         for role, names in res.get("phases", {}).items():
             for name, v in names.items():
-                print(f"  {role:8s} {name:14s} n={v['count']:5d} total {v['total_us']:9.1f} us "
-                      f"mean {v['mean_us']:7.2f} us")
+                print(f"  {role:8s} {name:14s} n={v['count']:5d} total {v['total_kcyc']:9.1f} kcyc "
+                      f"mean {v['mean_kcyc']:7.2f} kcyc")
         if "last_cta" in res:
             lc = res["last_cta"]
             print(f"  last CTA {lc['cta']}: starts {lc['start_us']:.1f} us, spans "
-                  f"{lc['span_us']:.1f} us: " + ", ".join(
-                      f"{k} {v:.1f}" for k, v in sorted(lc["phases_us"].items())))
+                  f"{lc['span_kcyc']:.1f} kcyc: " + ", ".join(
+                      f"{k} {v:.1f}" for k, v in sorted(lc["phases_kcyc"].items())))
 
 
 if __name__ == "__main__":

@@ -34,16 +34,16 @@ def _trace() -> dict:
 def test_phases_sum_per_role_and_name_the_last_cta():
     res = phases(_trace(), 3, ["compute", "compute", "memory"])
     assert res["ctas"] == 2
-    assert res["kernel_us"] == pytest.approx(10.0)
+    assert res["kernel_kcyc"] == pytest.approx(10.0)
     q = res["phases"]["compute"]["q_load"]
-    assert q["count"] == 3 and q["total_us"] == pytest.approx(3.5)
-    assert res["phases"]["compute"]["kv_loop"]["total_us"] == pytest.approx(11.0)
-    assert res["phases"]["memory"]["kv_issue"]["mean_us"] == pytest.approx(5.0)
+    assert q["count"] == 3 and q["total_kcyc"] == pytest.approx(3.5)
+    assert res["phases"]["compute"]["kv_loop"]["total_kcyc"] == pytest.approx(11.0)
+    assert res["phases"]["memory"]["kv_issue"]["mean_kcyc"] == pytest.approx(5.0)
     last = res["last_cta"]
     assert last["cta"] == 1 and last["start_us"] == pytest.approx(2.0)
-    assert last["span_us"] == pytest.approx(8.0)
-    assert last["phases_us"]["compute/kv_loop"] == pytest.approx(7.0)
-    assert last["phases_us"]["memory/kv_issue"] == pytest.approx(6.0)
+    assert last["span_kcyc"] == pytest.approx(8.0)
+    assert last["phases_kcyc"]["compute/kv_loop"] == pytest.approx(7.0)
+    assert last["phases_kcyc"]["memory/kv_issue"] == pytest.approx(6.0)
 
 
 def test_bad_traces_and_roles_are_errors():
@@ -60,5 +60,5 @@ def test_cli_prints_each_trace(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["mosaic_phases.py", str(tmp_path)])
     main()
     out = capsys.readouterr().out
-    assert "1-trace.json: kernel 10.0 us, 2 CTAs" in out
+    assert "1-trace.json: kernel 10.0 kcyc, 2 CTAs" in out
     assert "last CTA 1" in out and "compute/kv_loop 7.0" in out
