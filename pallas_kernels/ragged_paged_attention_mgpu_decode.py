@@ -45,6 +45,7 @@ from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
 _PROFILE_RANGES = 32  # phases recorded per warpgroup when profiling (its shared memory is tight)
 _BT_WINDOW = 256  # block ids fetched per copy by the memory warpgroup
+_PUSH_MAX_SPLITS = 4  # clusters up to this size may merge by pushing rows (DecodeTiling.push)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,10 @@ class DecodeTiling:
       (K x splits); each walks several rows (the grid does not grow with the slot count).
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
     profile_dir: diagnostics, as MosaicTiling.profile_dir (empty: off).
+    push: experimental, off by default: clusters of 2-4 CTAs merge by pushing their rows into
+      CTA 0's shared memory (`push_merge`). It lowers for CUDA; its first run in the kernel on
+      an H100 hung with a wrong barrier count (since corrected from a standalone probe: one
+      arrival per store), and the corrected kernel has not yet run on a GPU.
     """
 
     block_kv: int = 128
@@ -67,6 +72,7 @@ class DecodeTiling:
     rows_per_sm: int = 2
     sm_count: int = 132
     profile_dir: str = ""
+    push: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or self.block_kv < 64:
@@ -92,35 +98,58 @@ def bt_window(m: int, pages: int) -> int:
 
 def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
     """Shared memory of one CTA: K/V stages, Q (swizzled, also the split merge's tile, +
-    staging), the merge's log-sum-exp vector, a zero tile and the block-id window."""
+    staging), the merge's log-sum-exps, a zero tile, the block-id window and, where a cluster
+    may merge by pushing, CTA 0's landing buffers (rows and log-sum-exps of 3 splits)."""
+    lse = _ROWS * _LSE_COLS * 4
+    landing = (_PUSH_MAX_SPLITS - 1) * (_ROWS * head_dim * itemsize + lse)
+    push = tiling.push and (tiling.splits is None or push_merge(tiling.splits, tiling))
     return (2 * tiling.stages * tiling.block_kv * head_dim * itemsize
-            + 2 * _ROWS * head_dim * itemsize + _ROWS * _LSE_COLS * 4
+            + 2 * _ROWS * head_dim * itemsize + lse + (landing if push else 0)
             + 8 * head_dim * itemsize + _BT_WINDOW * 4 + 1024)
 
 
-def merge_weights(lses, iota=lax.broadcasted_iota):
-    """The split merge as a matrix: lses[c] [64] is split c's log2-sum-exp per row (-inf: the
-    split saw no key of it); returns W [64, 64] with W[r, 8c + r % 8] = the weight of split c
-    in row r (exp2(lse - max), normalised over the splits) and 0 elsewhere, so that W @ T
-    merges the rows of T [64, H] (split c's row r at 8c + r, each normalised by its own softmax
-    sum) into row r (rows >= 8 repeat rows 0-7 with their own weights: not used). Plain jnp:
-    the kernel runs it on registers (`iota` placing its indices in the WGMMA layout), the CPU
-    tests on arrays."""
+def split_weights(lses):
+    """Each split's weight per row: lses[c] [64] is split c's log2-sum-exp of each row (-inf:
+    the split saw no key of it); returns [64] vectors exp2(lse_c - max), normalised over the
+    splits. Split 0 never misses a key of a live row, so the max is finite."""
     mx = lses[0]
     for lc in lses[1:]:
-        mx = jnp.maximum(mx, lc)  # split 0 never misses a key of a live row: finite
+        mx = jnp.maximum(mx, lc)
     es = [jnp.exp2(lc - mx) for lc in lses]
     den = es[0]
     for e in es[1:]:
         den = den + e
     inv = 1.0 / den
+    return [e * inv for e in es]
+
+
+def merge_weights(lses, iota=lax.broadcasted_iota):
+    """The split merge as one matrix: W [64, 64] with W[r, 8c + r % 8] = split c's weight of
+    row r (`split_weights`) and 0 elsewhere, so that W @ T merges the rows of T [64, H] (split
+    c's row r at 8c + r, each normalised by its own softmax sum) into row r (rows >= 8 repeat
+    rows 0-7 with their own weights: not used). Plain jnp: the kernel runs it on registers
+    (`iota` placing its indices in the WGMMA layout), the CPU tests on arrays."""
     shape = (_ROWS, _ROWS)
     rows, cols = iota(jnp.int32, shape, 0), iota(jnp.int32, shape, 1)
     w = jnp.zeros(shape, jnp.float32)
-    for c, e in enumerate(es):
-        at = (cols == 8 * c + lax.rem(rows, 8))
-        w = jnp.where(at, lax.broadcast_in_dim(e * inv, shape, [0]), w)
+    for c, wc in enumerate(split_weights(lses)):
+        w = jnp.where(cols == 8 * c + lax.rem(rows, 8), lax.broadcast_in_dim(wc, shape, [0]), w)
     return w
+
+
+def diag_weights(wc, iota=lax.broadcasted_iota):
+    """[64, 64] with split c's weights `wc` [64] on the diagonal: D @ T scales T's rows."""
+    shape = (_ROWS, _ROWS)
+    return jnp.where(iota(jnp.int32, shape, 0) == iota(jnp.int32, shape, 1),
+                     lax.broadcast_in_dim(wc, shape, [0]), 0.0)
+
+
+def push_merge(splits: int, tiling: DecodeTiling) -> bool:
+    """Whether a cluster of `splits` CTAs merges by pushing (with `DecodeTiling.push`): CTAs
+    1..C-1 store their whole row tiles into landing buffers in CTA 0's shared memory (no
+    global round trip, no barrier before the merge); beyond 4 the landing buffers do not fit
+    beside the K/V stages."""
+    return tiling.push and 1 < splits <= _PUSH_MAX_SPLITS
 
 
 def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, window,
@@ -146,14 +175,15 @@ def num_row_walkers(rows: int, k: int, splits: int, tiling: DecodeTiling) -> int
 
 def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, scoped,
             *, g: int, p: int, m: int, h: int, t: int, s: int, rows: int, walkers: int,
-            splits: int, bkv: int, stages: int, sm_scale: float, dtype, zero_padding: bool):
+            splits: int, push: bool, bkv: int, stages: int, sm_scale: float, dtype,
+            zero_padding: bool):
     pages = bkv // p
     kh = lax.axis_index("kv")
     w = lax.axis_index("walker")
     c = lax.axis_index("split") if splits > 1 else jnp.int32(0)
     wg = lax.axis_index("wg")
     ((qo_smem, q_stage, k_smem, v_smem, lse_smem, zero_smem, bt_smem),
-     (k_bars, v_bars, q_bar, merge_bar, bt_bar), (k_free, v_free), cluster_bars) = scoped
+     (k_bars, v_bars, q_bar, merge_bar, bt_bar), (k_free, v_free), landing, cluster_bars) = scoped
     n_live = jnp.minimum(ns_ref[0], s)
     my_rows = _cdiv(rows - w, walkers)
 
@@ -190,6 +220,55 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                 def _(i):
                     plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, g)],
                                             out_ref.at[pad0 + w + i * walkers, pl.ds(kh * g, g)])
+
+        def merge_splits_pushed(o, lse, store):
+            """`merge_splits` for clusters of up to 4 CTAs: CTAs 1..C-1 store their rows (as
+            16-bit) and log-sum-exps (broadcast over 8 columns) straight into landing buffers
+            of their own in CTA 0's shared memory, each store completing on CTA 0's barrier;
+            CTA 0 waits for the bytes (no cluster barrier, no global round trip) and merges:
+            its own rows scaled by their weights in f32, plus D_c @ landing tile c per split
+            (D_c: split c's weights on a diagonal, as a high and a low 16-bit part). A cluster
+            barrier at the end keeps the landing buffers until CTA 0 has read them."""
+            tiles, lses = landing
+
+            @pl.when(c > 0)
+            def _push():
+                with jax.named_scope("publish"):
+                    lse_b = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+                    for cc in range(1, splits):
+                        @pl.when(c == cc)
+                        def _(cc=cc):
+                            plgpu.async_store_smem(o.astype(dtype), tiles[cc - 1], merge_bar,
+                                                   cluster_idx=0, cluster_dim="split")
+                            plgpu.async_store_smem(lse_b, lses[cc - 1], merge_bar,
+                                                   cluster_idx=0, cluster_dim="split")
+
+            @pl.when(c == 0)
+            def _merge():
+                with jax.named_scope("merge"):
+                    plgpu.barrier_wait(merge_bar)
+                    plgpu.commit_smem()  # the pushed rows, before the tensor cores read them
+                    ws = split_weights([lse, *[lses[cc - 1][...].max(axis=1)
+                                               for cc in range(1, splits)]])
+                    own = o * lax.broadcast_in_dim(ws[0], o.shape, [0])
+                    iota = functools.partial(plgpu.broadcasted_iota, layout=plgpu.Layout.WGMMA)
+                    parts = []
+                    for cc in range(1, splits):
+                        d = diag_weights(ws[cc], iota)
+                        d_hi = d.astype(dtype)
+                        parts.append((d_hi, (d - d_hi.astype(jnp.float32)).astype(dtype),
+                                      tiles[cc - 1]))
+
+                    def merge_mm(acc_ref):
+                        for d_hi, d_lo, tile in parts:
+                            plgpu.wgmma(acc_ref, d_hi, tile)
+                            plgpu.wgmma(acc_ref, d_lo, tile)
+
+                    store(pl.run_state(merge_mm)(plgpu.ACC.init(own)))
+
+            with jax.named_scope("split_barrier"):
+                plgpu.barrier_arrive(cluster_bars.at[0])
+                plgpu.barrier_wait(cluster_bars.at[0])
 
         def merge_splits(slot, o, lse, store):
             """The C CTAs' rows of one decode row -> CTA 0 stores them merged. o [64, H]: this
@@ -307,7 +386,11 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     if splits == 1:
                         store(o)
                     else:
-                        merge_splits(slot, o, m_i + jnp.log(l_safe) * _LOG2E, store)
+                        lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in the split
+                        if push:
+                            merge_splits_pushed(o, lse, store)
+                        else:
+                            merge_splits(slot, o, lse, store)
 
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next row
 
@@ -364,6 +447,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
     bkv, stages = tiling.block_kv, tiling.stages
     rows = min(s, t)
     splits = num_splits(rows, k, tiling)
+    push = push_merge(splits, tiling)
     walkers = num_row_walkers(rows, k, splits, tiling)
     dtype = q.dtype
     transforms = mma_transforms(h, dtype)
@@ -376,26 +460,41 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                 plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),  # its own: read across the cluster
                 plgpu.SMEM((8, h), dtype),
                 plgpu.SMEM((_BT_WINDOW,), jnp.int32))
+        # The merge barrier counts CTA 0's fetches of the other splits' rows, or the pushed
+        # stores (two per split; one arrival each, measured by a standalone probe on the H100:
+        # counting 128 per store, one per thread, hung).
+        merge_arrivals = 2 * (splits - 1) if push else splits - 1
         ready = (plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=1),
-                 plgpu.Barrier(num_arrivals=max(splits - 1, 1)),
+                 plgpu.Barrier(num_arrivals=max(merge_arrivals, 1)),
                  plgpu.Barrier(num_arrivals=1))
         free = (plgpu.Barrier(num_arrivals=1, num_barriers=stages),) * 2
-        cluster = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1,
-                                        num_barriers=2)
-                   if splits > 1 else None)
-        pl.run_scoped(
-            lambda *scoped: _kernel(
-                q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref,
-                scoped if splits > 1 else (*scoped, None), g=g, p=p, m=m, h=h, t=t,
-                s=s, rows=rows, walkers=walkers, splits=splits, bkv=bkv, stages=stages,
-                sm_scale=sm_scale, dtype=dtype, zero_padding=zero_padding),
-            smem, ready, free, *(() if cluster is None else (cluster,)),
-            collective_axes="wg")
+        extra = []
+        if push:  # CTA 0's landing buffers, one row tile and one lse tile per other split
+            lse_transforms = (plgpu.TilingTransform((8, _LSE_COLS)), plgpu.SwizzleTransform(32))
+            extra.append((
+                tuple(plgpu.SMEM((_ROWS, h), dtype, transforms=transforms)
+                      for _ in range(splits - 1)),
+                tuple(plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32, transforms=lse_transforms)
+                      for _ in range(splits - 1))))
+        if splits > 1:
+            extra.append(plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1,
+                                              num_barriers=2))
+
+        def body(smem_, ready_, free_, *rest):
+            rest = list(rest)
+            land = rest.pop(0) if push else None
+            clus = rest.pop(0) if splits > 1 else None
+            _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref,
+                    (smem_, ready_, free_, land, clus), g=g, p=p, m=m, h=h, t=t, s=s,
+                    rows=rows, walkers=walkers, splits=splits, push=push, bkv=bkv, stages=stages,
+                    sm_scale=sm_scale, dtype=dtype, zero_padding=zero_padding)
+
+        pl.run_scoped(body, smem, ready, free, *extra, collective_axes="wg")
 
     out_type = [jax.ShapeDtypeStruct((t, n, h), dtype)]
-    if splits > 1:  # the first 8 rows of splits 1..C-1, per slot and KV head
+    if splits > 1 and not push:  # the first 8 rows of splits 1..C-1, per slot and KV head
         out_type += [jax.ShapeDtypeStruct((rows, k, splits - 1, 8, h), dtype)]
     mesh = plgpu.Mesh(grid=(k, walkers), grid_names=("kv", "walker"),
                       cluster=(splits,) if splits > 1 else (),

@@ -457,15 +457,18 @@ class Runner:
 
 
 def decode_variant(tiling: Tiling, name: str) -> tuple[Tiling, dict]:
-    """A decode path to time, by name: triton | triton-only | mosaic:BKVxSTAGES[xSPLITS] |
-    mosaic-only:... ("-only": decode_only=True, no prefill kernel launched), e.g.
-    mosaic-only:64x4 or mosaic:128x2x8. Returns the tiling and the call's keywords."""
+    """A decode path to time, by name: triton | triton-only | mosaic:BKVxSTAGES[xSPLITS][:push]
+    | mosaic-only:... ("-only": decode_only=True, no prefill kernel launched; ":push":
+    DecodeTiling.push, the experimental pushed split merge), e.g. mosaic-only:64x4,
+    mosaic:128x2x8 or mosaic-only:128x2:push. Returns the tiling and the call's keywords."""
     kind, _, shape = name.partition(":")
+    shape, _, flag = shape.partition(":")
     kw = {"decode": kind.split("-")[0], "decode_only": kind.endswith("-only")}
     if shape:
         parts = [int(x) for x in shape.split("x")]
         dt = dataclasses.replace(tiling.mosaic_decode, block_kv=parts[0], stages=parts[1],
-                                 splits=parts[2] if len(parts) > 2 else None)
+                                 splits=parts[2] if len(parts) > 2 else None,
+                                 push=flag == "push")
         tiling = dataclasses.replace(tiling, mosaic_decode=dt)
     return tiling, kw
 

@@ -53,6 +53,20 @@ def test_mosaic_decode_lowers_for_cuda(t, s, m, n, k, h, p, prefill, decode_only
         assert text.count("mosaic_gpu") >= 2 * alone.count("mosaic_gpu")
 
 
+@pytest.mark.parametrize("t,s", [(8, 8), (4, 4)])  # 2 and 4 splits (1 and 3 landing tiles)
+def test_pushed_merge_lowers_for_cuda(t, s):
+    """DecodeTiling(push=True): clusters of 2-4 CTAs merge by pushing rows into CTA 0 (not
+    yet run on a GPU in the kernel; a standalone probe of the store ran on the H100)."""
+    m, n, k, h, p = 64, 32, 8, 128, 16
+    assert dec.num_splits(t, k, DecodeTiling()) in (2, 4)
+    pushed = _lower(t, s, m, n, k, h, p, decode_only=True, push=True)
+    fetched = _lower(t, s, m, n, k, h, p, decode_only=True)
+    assert "rpa_decode_mosaic" in pushed and pushed != fetched
+    assert dec.push_merge(2, DecodeTiling(push=True)) and not dec.push_merge(2, DecodeTiling())
+    assert not dec.push_merge(8, DecodeTiling(push=True))  # landing tiles would not fit
+    assert dec.smem_bytes(h, 2, DecodeTiling(push=True)) <= 227 * 1024
+
+
 def test_splits_walkers_and_block_id_window():
     t = DecodeTiling()
     assert [dec.num_splits(rows, 8, t) for rows in (1, 2, 8, 16, 32, 256)] == [8, 8, 2, 1, 1, 1]
@@ -128,6 +142,17 @@ def test_split_merge_gives_the_full_softmax(splits):
     np.testing.assert_allclose(np.asarray((w_hi + w_lo) @ tile)[:8], want[:8], atol=2e-5)
     np.testing.assert_allclose(np.asarray(w)[:8].sum(1), 1.0, rtol=1e-6)  # weights sum to 1
 
+    # Clusters of up to 4 CTAs push whole row tiles: own rows scaled in f32, plus D_c @ tile_c
+    # with split c's weights on D_c's diagonal (high and low 16-bit parts).
+    ws = dec.split_weights([f32(lse) for lse, _ in parts])
+    got = np.asarray(parts[0][1] * ws[0][:, None])
+    for wc, (_, o) in zip(ws[1:], parts[1:]):
+        d = dec.diag_weights(wc)
+        d_hi = d.astype(jnp.bfloat16).astype(jnp.float32)
+        d_lo = (d - d_hi).astype(jnp.bfloat16).astype(jnp.float32)
+        got = got + np.asarray((d_hi + d_lo) @ f32(o))
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
 
 def test_decode_option_errors():
     # (prefill= / decode= choices: test_ragged_paged_attention_mgpu.test_kernel_choice_errors)
@@ -137,3 +162,17 @@ def test_decode_option_errors():
         DecodeTiling(splits=9)
     with pytest.raises(ValueError, match="stages must be >= 2"):
         DecodeTiling(stages=1)
+
+
+def test_bench_decode_variant_names():
+    """The kernel bench's decode paths by name (--decode-variants), the pushed merge included."""
+    from benchmarks.kernels.bench_paged_attention import decode_variant
+
+    tiling, kw = decode_variant(Tiling(), "mosaic-only:128x2:push")
+    assert kw == {"decode": "mosaic", "decode_only": True}
+    assert tiling.mosaic_decode.push and tiling.mosaic_decode.splits is None
+    tiling, kw = decode_variant(Tiling(), "mosaic:64x4x8")
+    assert kw == {"decode": "mosaic", "decode_only": False}
+    assert (tiling.mosaic_decode.block_kv, tiling.mosaic_decode.stages,
+            tiling.mosaic_decode.splits, tiling.mosaic_decode.push) == (64, 4, 8, False)
+    assert decode_variant(Tiling(), "triton-only")[1] == {"decode": "triton", "decode_only": True}
