@@ -29,7 +29,8 @@ TILES = {
 }
 
 
-def probe(tile: str, arrivals: int) -> bool:
+def kernel(tile: str, arrivals: int):
+    """The probe kernel for a tile kind and a barrier arrival count, and its input."""
     shape, dtype, tiling, swizzle = TILES[tile]
     transforms = (plgpu.TilingTransform(tiling), plgpu.SwizzleTransform(swizzle))
 
@@ -61,7 +62,12 @@ def probe(tile: str, arrivals: int) -> bool:
     f = pl.kernel(body, out_type=jax.ShapeDtypeStruct(shape, dtype),
                   mesh=plgpu.Mesh(grid=(1,), grid_names=("g",), cluster=(2,),
                                   cluster_names=("split",)))
-    x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
+    return f, jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
+
+
+def probe(tile: str, arrivals: int) -> bool:
+    """Runs the probe (GPU): whether the pushed tile landed intact."""
+    f, x = kernel(tile, arrivals)
     return bool(jnp.all(jax.block_until_ready(jax.jit(f)(x)) == x))
 
 
