@@ -102,7 +102,7 @@ def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
     may merge by pushing, CTA 0's landing buffers (rows and log-sum-exps of 3 splits)."""
     lse = _ROWS * _LSE_COLS * 4
     landing = (_PUSH_MAX_SPLITS - 1) * (_ROWS * head_dim * itemsize + lse)
-    push = tiling.push and (tiling.splits is None or push_merge(tiling.splits, tiling))
+    push = push_merge(tiling.splits or 2, tiling)  # no static split count: it may be 2
     return (2 * tiling.stages * tiling.block_kv * head_dim * itemsize
             + 2 * _ROWS * head_dim * itemsize + lse + (landing if push else 0)
             + 8 * head_dim * itemsize + _BT_WINDOW * 4 + 1024)
@@ -142,6 +142,16 @@ def diag_weights(wc, iota=lax.broadcasted_iota):
     shape = (_ROWS, _ROWS)
     return jnp.where(iota(jnp.int32, shape, 0) == iota(jnp.int32, shape, 1),
                      lax.broadcast_in_dim(wc, shape, [0]), 0.0)
+
+
+def hi_lo(w, dtype):
+    """f32 weights as two 16-bit matmul operands whose sum keeps them to ~2^-17: the high part
+    and the rounding left over."""
+    hi = w.astype(dtype)
+    return hi, (w - hi.astype(jnp.float32)).astype(dtype)
+
+
+_wgmma_iota = functools.partial(plgpu.broadcasted_iota, layout=plgpu.Layout.WGMMA)
 
 
 def push_merge(splits: int, tiling: DecodeTiling) -> bool:
@@ -251,16 +261,11 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     ws = split_weights([lse, *[lses[cc - 1][...].max(axis=1)
                                                for cc in range(1, splits)]])
                     own = o * lax.broadcast_in_dim(ws[0], o.shape, [0])
-                    iota = functools.partial(plgpu.broadcasted_iota, layout=plgpu.Layout.WGMMA)
-                    parts = []
-                    for cc in range(1, splits):
-                        d = diag_weights(ws[cc], iota)
-                        d_hi = d.astype(dtype)
-                        parts.append((d_hi, (d - d_hi.astype(jnp.float32)).astype(dtype),
-                                      tiles[cc - 1]))
+                    parts = [(hi_lo(diag_weights(ws[cc], _wgmma_iota), dtype), tiles[cc - 1])
+                             for cc in range(1, splits)]
 
                     def merge_mm(acc_ref):
-                        for d_hi, d_lo, tile in parts:
+                        for (d_hi, d_lo), tile in parts:
                             plgpu.wgmma(acc_ref, d_hi, tile)
                             plgpu.wgmma(acc_ref, d_lo, tile)
 
@@ -306,10 +311,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     peers = [_load(plgpu.cluster_ref(lse_smem, {"split": cc}),
                                    plgpu.Layout.WGMMA).max(axis=1) for cc in range(1, splits)]
                     plgpu.barrier_arrive(cluster_bars.at[1])  # peers' log-sum-exps read
-                    w = merge_weights([lse, *peers], functools.partial(
-                        plgpu.broadcasted_iota, layout=plgpu.Layout.WGMMA))
-                    w_hi = w.astype(dtype)
-                    w_lo = (w - w_hi.astype(jnp.float32)).astype(dtype)
+                    w_hi, w_lo = hi_lo(merge_weights([lse, *peers], _wgmma_iota), dtype)
                     plgpu.barrier_wait(merge_bar)
 
                     def merge_mm(acc_ref):
@@ -483,9 +485,8 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                                               num_barriers=2))
 
         def body(smem_, ready_, free_, *rest):
-            rest = list(rest)
-            land = rest.pop(0) if push else None
-            clus = rest.pop(0) if splits > 1 else None
+            land = rest[0] if push else None
+            clus = rest[-1] if splits > 1 else None
             _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref,
                     (smem_, ready_, free_, land, clus), g=g, p=p, m=m, h=h, t=t, s=s,
                     rows=rows, walkers=walkers, splits=splits, push=push, bkv=bkv, stages=stages,
