@@ -22,6 +22,12 @@ small matmul, W [64, 64] @ tile [64, H] (`merge_weights`: split c's weight exp2(
 normalised, of row r at column 8c + r). One launch, no counter, no merge kernel; cluster CTAs are
 co-scheduled, so the waits cannot deadlock.
 
+The transposed form (`DecodeTiling.transposed`; by default for clusters of up to 4 CTAs) puts the
+keys in the tile rows and the heads in 16 columns: S^T = K Q^T, P.V as O^T = V^T P^T, a quarter
+of the tensor and exp work at G = 4. Its merge: split c's O^T [H, 16] (16-bit) goes to global
+scratch and into CTA 0's tile c; out [64, H] = sum_c W_c @ (tile c)^T, W_c [64, 16] split c's
+weight of each head on the diagonal, so the rows come back out of the tensor cores.
+
 Scope: that of the Mosaic prefill kernel (`in_scope`: bf16 or f16, H in {64, 128}, G in
 {1, 2, 4, 8}, P a multiple of 8 dividing block_kv, no soft cap, no sliding window; `supported()`);
 the Triton flash-decoding kernel serves every other case.
@@ -39,13 +45,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
-    _LOG2E, _LSE_COLS, _ROWS, _cdiv, _load, compiler_params, in_scope, load_kv_step,
+    _LOG2E, _ROWS, _cdiv, _load, compiler_params, in_scope, load_kv_step,
     mma_transforms, softmax_step, split_steps)
 
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
 _PROFILE_RANGES = 32  # phases recorded per warpgroup when profiling (its shared memory is tight)
 _BT_WINDOW = 256  # block ids fetched per copy by the memory warpgroup
-_PUSH_MAX_SPLITS = 4  # clusters up to this size may merge by pushing rows (DecodeTiling.push)
+_HEADS_T = 16  # transposed form: query heads padded to 16 wgmma columns (32-byte rows)
+_SWIZZLE32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # 16-bit tiles
+# Mosaic GPU stores registers through a transposed view of a swizzled buffer from jax 0.11.
+_TRANSPOSED_STORE = jax.__version_info__ >= (0, 11)
+_TRANSPOSED_MAX_SPLITS = 4  # DecodeTiling.transposed=None: up to this many splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +70,11 @@ class DecodeTiling:
       (K x splits); each walks several rows (the grid does not grow with the slot count).
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
     profile_dir: diagnostics, as MosaicTiling.profile_dir (empty: off).
-    push: experimental, off by default: clusters of 2-4 CTAs merge by pushing their rows into
-      CTA 0's shared memory (`push_merge`). It lowers for CUDA; its first run in the kernel on
-      an H100 hung with a wrong barrier count (since corrected from a standalone probe: one
-      arrival per store), and the corrected kernel has not yet run on a GPU.
+    transposed: compute S^T = K Q^T with the G query heads as the 16 columns of the wgmma
+      tiles (keys as rows) instead of as rows of a 64-row tile: a quarter of the tensor and
+      softmax work per key (`row_body_transposed` in the kernel). None: where measured faster
+      on the H100, i.e. clusters of up to 4 splits (`use_transposed`). Needs jax >= 0.11 (the
+      P tile is stored through a transposed view of a swizzled buffer).
     """
 
     block_kv: int = 128
@@ -72,7 +83,7 @@ class DecodeTiling:
     rows_per_sm: int = 2
     sm_count: int = 132
     profile_dir: str = ""
-    push: bool = False
+    transposed: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or self.block_kv < 64:
@@ -82,6 +93,9 @@ class DecodeTiling:
         if self.splits is not None and not 1 <= self.splits <= _MAX_CLUSTER:
             raise ValueError(f"DecodeTiling.splits must be in [1, {_MAX_CLUSTER}] or None, "
                              f"got {self.splits}")
+        if self.transposed and not _TRANSPOSED_STORE:
+            raise ValueError("DecodeTiling.transposed needs jax >= 0.11 (Mosaic GPU's store "
+                             f"through a transposed swizzled view); this is jax {jax.__version__}")
         if self.rows_per_sm < 1 or self.sm_count < 1:
             raise ValueError(f"DecodeTiling.rows_per_sm and sm_count must be >= 1, got "
                              f"{self.rows_per_sm}, {self.sm_count}")
@@ -97,15 +111,16 @@ def bt_window(m: int, pages: int) -> int:
 
 
 def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
-    """Shared memory of one CTA: K/V stages, Q (swizzled, also the split merge's tile, +
-    staging), the merge's log-sum-exps, a zero tile, the block-id window and, where a cluster
-    may merge by pushing, CTA 0's landing buffers (rows and log-sum-exps of 3 splits)."""
-    lse = _ROWS * _LSE_COLS * 4
-    landing = (_PUSH_MAX_SPLITS - 1) * (_ROWS * head_dim * itemsize + lse)
-    push = push_merge(tiling.splits or 2, tiling)  # no static split count: it may be 2
-    return (2 * tiling.stages * tiling.block_kv * head_dim * itemsize
-            + 2 * _ROWS * head_dim * itemsize + lse + (landing if push else 0)
-            + 8 * head_dim * itemsize + _BT_WINDOW * 4 + 1024)
+    """Shared memory of one CTA: K/V stages, Q (swizzled, also the split merge's tile in the
+    row form, + staging), the merge's log-sum-exps, a zero tile and the block-id window; in the
+    transposed form also P and the merge tiles O^T of up to 8 splits."""
+    common = (2 * tiling.stages * tiling.block_kv * head_dim * itemsize
+              + 2 * _ROWS * head_dim * itemsize + 8 * head_dim * itemsize + _BT_WINDOW * 4
+              + 1024)
+    if tiling.transposed is not False and _TRANSPOSED_STORE:  # it may be used
+        return (common + _HEADS_T * 4 + tiling.block_kv * _HEADS_T * itemsize
+                + _MAX_CLUSTER * head_dim * _HEADS_T * itemsize)
+    return common + _ROWS * 4
 
 
 def split_weights(lses):
@@ -137,11 +152,12 @@ def merge_weights(lses, iota=lax.broadcasted_iota):
     return w
 
 
-def diag_weights(wc, iota=lax.broadcasted_iota):
-    """[64, 64] with split c's weights `wc` [64] on the diagonal: D @ T scales T's rows."""
-    shape = (_ROWS, _ROWS)
+def column_weights(wc, iota=lax.broadcasted_iota):
+    """[64, 16] with W[r, r] = wc[r] (wc [16]: a weight per query head, r < 16) and 0 elsewhere:
+    W @ X^T, X [H, 16] a split's O^T, is its rows O [64, H] scaled (rows >= 16 zero)."""
+    shape = (_ROWS, _HEADS_T)
     return jnp.where(iota(jnp.int32, shape, 0) == iota(jnp.int32, shape, 1),
-                     lax.broadcast_in_dim(wc, shape, [0]), 0.0)
+                     lax.broadcast_in_dim(wc, shape, [1]), 0.0)
 
 
 def hi_lo(w, dtype):
@@ -154,12 +170,15 @@ def hi_lo(w, dtype):
 _wgmma_iota = functools.partial(plgpu.broadcasted_iota, layout=plgpu.Layout.WGMMA)
 
 
-def push_merge(splits: int, tiling: DecodeTiling) -> bool:
-    """Whether a cluster of `splits` CTAs merges by pushing (with `DecodeTiling.push`): CTAs
-    1..C-1 store their whole row tiles into landing buffers in CTA 0's shared memory (no
-    global round trip, no barrier before the merge); beyond 4 the landing buffers do not fit
-    beside the K/V stages."""
-    return tiling.push and 1 < splits <= _PUSH_MAX_SPLITS
+def use_transposed(splits: int, tiling: DecodeTiling) -> bool:
+    """Whether a cluster of `splits` CTAs computes in the transposed form. By default (None)
+    where it was faster on the H100: 1, 2 and 4 splits (batch 8: 2.10x the bundled kernel at
+    8 x 512 against 2.03x; 4 splits at 1 x 2048: 9.6 against 10.2 us; 1 split within 1%);
+    at 8 splits its merge of O^T tiles costs 0.6 kcyc more and the row form was 0.1-0.2 us
+    faster."""
+    if tiling.transposed is not None:
+        return tiling.transposed
+    return _TRANSPOSED_STORE and splits <= _TRANSPOSED_MAX_SPLITS
 
 
 def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, window,
@@ -185,15 +204,15 @@ def num_row_walkers(rows: int, k: int, splits: int, tiling: DecodeTiling) -> int
 
 def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, scoped,
             *, g: int, p: int, m: int, h: int, t: int, s: int, rows: int, walkers: int,
-            splits: int, push: bool, bkv: int, stages: int, sm_scale: float, dtype,
+            splits: int, transposed: bool, bkv: int, stages: int, sm_scale: float, dtype,
             zero_padding: bool):
     pages = bkv // p
     kh = lax.axis_index("kv")
     w = lax.axis_index("walker")
     c = lax.axis_index("split") if splits > 1 else jnp.int32(0)
     wg = lax.axis_index("wg")
-    ((qo_smem, q_stage, k_smem, v_smem, lse_smem, zero_smem, bt_smem),
-     (k_bars, v_bars, q_bar, merge_bar, bt_bar), (k_free, v_free), landing, cluster_bars) = scoped
+    ((qo_smem, q_stage, k_smem, v_smem, lse_smem, zero_smem, bt_smem, *cols_smem),
+     (k_bars, v_bars, q_bar, merge_bar, bt_bar), (k_free, v_free), cluster_bars) = scoped
     n_live = jnp.minimum(ns_ref[0], s)
     my_rows = _cdiv(rows - w, walkers)
 
@@ -211,10 +230,10 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
     @pl.when(wg == 0)
     def _compute():
         scale = sm_scale * _LOG2E
-        if splits > 1:
+        if splits > 1 or transposed:
             # A Q tile's rows >= G are the staging buffer's other rows: zeros at first (later,
-            # earlier output rows), so that every row of a split's result is finite: the merge
-            # matmul multiplies the filler rows by zero weights.
+            # earlier output rows), so that every row (transposed: column) of a split's result
+            # is finite: the merge matmul multiplies the filler ones by zero weights.
             q_stage[...] = jnp.zeros((_ROWS, h), dtype)
             plgpu.commit_smem()
         if zero_padding:
@@ -231,49 +250,48 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, g)],
                                             out_ref.at[pad0 + w + i * walkers, pl.ds(kh * g, g)])
 
-        def merge_splits_pushed(o, lse, store):
-            """`merge_splits` for clusters of up to 4 CTAs: CTAs 1..C-1 store their rows (as
-            16-bit) and log-sum-exps (broadcast over 8 columns) straight into landing buffers
-            of their own in CTA 0's shared memory, each store completing on CTA 0's barrier;
-            CTA 0 waits for the bytes (no cluster barrier, no global round trip) and merges:
-            its own rows scaled by their weights in f32, plus D_c @ landing tile c per split
-            (D_c: split c's weights on a diagonal, as a high and a low 16-bit part). A cluster
-            barrier at the end keeps the landing buffers until CTA 0 has read them."""
-            tiles, lses = landing
+        def load_q(tok):
+            """This row's G query heads into rows 0..G-1 of the swizzled Q tile (through the
+            untiled staging buffer: TMA cannot write fewer than 8 rows of a tiled buffer)."""
+            with jax.named_scope("q_load"):
+                plgpu.copy_gmem_to_smem(q_ref.at[tok, pl.ds(kh * g, g)],
+                                        q_stage.at[pl.ds(0, g)], q_bar)
+                plgpu.barrier_wait(q_bar)
+                # Rows g.. of the tile hold whatever the staging buffer held: each output row
+                # depends on its own query row only, and only rows < g are stored.
+                qo_smem[...] = _load(q_stage, plgpu.Layout.WGMMA)
+                plgpu.commit_smem()
 
+        def store_rows(tok):
+            def store(val):
+                q_stage[...] = val.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(0, g)],
+                                        out_ref.at[tok, pl.ds(kh * g, g)])
+            return store
+
+        def exchange(slot, publish, merge):
+            """The cluster's handshake around the split merge: CTAs 1..C-1 `publish` (their
+            partial result to global scratch, waited for) before a cluster barrier; CTA 0 then
+            `merge`s, reading the others' log-sum-exps from their shared memory, and arrives
+            on a second barrier once read (which keeps them until then)."""
             @pl.when(c > 0)
-            def _push():
+            def _publish():
                 with jax.named_scope("publish"):
-                    lse_b = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
-                    for cc in range(1, splits):
-                        @pl.when(c == cc)
-                        def _(cc=cc):
-                            plgpu.async_store_smem(o.astype(dtype), tiles[cc - 1], merge_bar,
-                                                   cluster_idx=0, cluster_dim="split")
-                            plgpu.async_store_smem(lse_b, lses[cc - 1], merge_bar,
-                                                   cluster_idx=0, cluster_dim="split")
-
-            @pl.when(c == 0)
-            def _merge():
-                with jax.named_scope("merge"):
-                    plgpu.barrier_wait(merge_bar)
-                    plgpu.commit_smem()  # the pushed rows, before the tensor cores read them
-                    ws = split_weights([lse, *[lses[cc - 1][...].max(axis=1)
-                                               for cc in range(1, splits)]])
-                    own = o * lax.broadcast_in_dim(ws[0], o.shape, [0])
-                    parts = [(hi_lo(diag_weights(ws[cc], _wgmma_iota), dtype), tiles[cc - 1])
-                             for cc in range(1, splits)]
-
-                    def merge_mm(acc_ref):
-                        for (d_hi, d_lo), tile in parts:
-                            plgpu.wgmma(acc_ref, d_hi, tile)
-                            plgpu.wgmma(acc_ref, d_lo, tile)
-
-                    store(pl.run_state(merge_mm)(plgpu.ACC.init(own)))
+                    publish()
+                    plgpu.wait_smem_to_gmem(0)  # written, before CTA 0 is told
 
             with jax.named_scope("split_barrier"):
                 plgpu.barrier_arrive(cluster_bars.at[0])
                 plgpu.barrier_wait(cluster_bars.at[0])
+
+            @pl.when(c == 0)
+            def _merge():
+                with jax.named_scope("merge"):
+                    merge(lambda: plgpu.barrier_arrive(cluster_bars.at[1]))
+
+            pl.when(c > 0)(lambda: plgpu.barrier_arrive(cluster_bars.at[1]))
+            plgpu.barrier_wait(cluster_bars.at[1])
 
         def merge_splits(slot, o, lse, store):
             """The C CTAs' rows of one decode row -> CTA 0 stores them merged. o [64, H]: this
@@ -286,58 +304,40 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             cc's rows into rows 8cc.. of its tile, reads the log-sum-exps across the cluster,
             and merges with one small matmul: W [64, 64] @ tile [64, H], where W holds split
             cc's weight of row r at column 8cc + r (`merge_weights`; as a high and a low 16-bit
-            part). A second barrier keeps the other CTAs' log-sum-exps until CTA 0 has read
-            them."""
+            part)."""
             qo_smem[...] = o.astype(dtype)
-            lse_smem[...] = lax.broadcast_in_dim(lse, (_ROWS, _LSE_COLS), [0])
+            lse_smem[...] = lse
             plgpu.commit_smem()
 
-            @pl.when(c > 0)
-            def _publish():
-                with jax.named_scope("publish"):
-                    plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(0, 8)], part_ref.at[slot, kh, c - 1])
-                    plgpu.wait_smem_to_gmem(0)  # written, before CTA 0 is told
+            def publish():
+                plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(0, 8)], part_ref.at[slot, kh, c - 1])
 
-            with jax.named_scope("split_barrier"):
-                plgpu.barrier_arrive(cluster_bars.at[0])
-                plgpu.barrier_wait(cluster_bars.at[0])
+            def merge(lses_read):
+                for cc in range(1, splits):
+                    plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1],
+                                            qo_smem.at[pl.ds(8 * cc, 8)], merge_bar)
+                peers = [_load(plgpu.cluster_ref(lse_smem, {"split": cc}),
+                               plgpu.Layout.WGMMA.reduce(1)) for cc in range(1, splits)]
+                lses_read()
+                w_hi, w_lo = hi_lo(merge_weights([lse, *peers], _wgmma_iota), dtype)
+                plgpu.barrier_wait(merge_bar)
 
-            @pl.when(c == 0)
-            def _merge():
-                with jax.named_scope("merge"):
-                    for cc in range(1, splits):
-                        plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1],
-                                                qo_smem.at[pl.ds(8 * cc, 8)], merge_bar)
-                    peers = [_load(plgpu.cluster_ref(lse_smem, {"split": cc}),
-                                   plgpu.Layout.WGMMA).max(axis=1) for cc in range(1, splits)]
-                    plgpu.barrier_arrive(cluster_bars.at[1])  # peers' log-sum-exps read
-                    w_hi, w_lo = hi_lo(merge_weights([lse, *peers], _wgmma_iota), dtype)
-                    plgpu.barrier_wait(merge_bar)
+                def merge_mm(acc_ref):
+                    plgpu.wgmma(acc_ref, w_hi, qo_smem)
+                    plgpu.wgmma(acc_ref, w_lo, qo_smem)
 
-                    def merge_mm(acc_ref):
-                        plgpu.wgmma(acc_ref, w_hi, qo_smem)
-                        plgpu.wgmma(acc_ref, w_lo, qo_smem)
+                zero = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32),
+                                         plgpu.Layout.WGMMA)
+                store(pl.run_state(merge_mm)(plgpu.ACC.init(zero)))
 
-                    zero = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32),
-                                             plgpu.Layout.WGMMA)
-                    store(pl.run_state(merge_mm)(plgpu.ACC.init(zero)))
-
-            pl.when(c > 0)(lambda: plgpu.barrier_arrive(cluster_bars.at[1]))
-            plgpu.barrier_wait(cluster_bars.at[1])
+            exchange(slot, publish, merge)
 
         def row_body(j, base):
             slot, live, tok, kv_len, lo, hi = row(j)
 
             @pl.when(live)
             def _():
-                with jax.named_scope("q_load"):
-                    plgpu.copy_gmem_to_smem(q_ref.at[tok, pl.ds(kh * g, g)],
-                                            q_stage.at[pl.ds(0, g)], q_bar)
-                    plgpu.barrier_wait(q_bar)
-                    # Rows g.. of the tile hold whatever the staging buffer held: each output row
-                    # depends on its own query row only, and only rows < g are stored.
-                    qo_smem[...] = _load(q_stage, plgpu.Layout.WGMMA)
-                    plgpu.commit_smem()
+                load_q(tok)
                 n_full = jnp.clip(kv_len // bkv, lo, hi) - lo  # steps with every key valid
 
                 def kv_step(i, carry, masked: bool):
@@ -378,27 +378,129 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                 with jax.named_scope("epilogue"):
                     l_safe = jnp.maximum(l_i, 1e-30)
                     o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])  # 0 for an empty split
-
-                    def store(val):
-                        q_stage[...] = val.astype(dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(0, g)],
-                                                out_ref.at[tok, pl.ds(kh * g, g)])
-
+                    store = store_rows(tok)
                     if splits == 1:
                         store(o)
                     else:
                         lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in the split
-                        if push:
-                            merge_splits_pushed(o, lse, store)
-                        else:
-                            merge_splits(slot, o, lse, store)
+                        merge_splits(slot, o, lse, store)
 
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next row
 
             return base + (hi - lo)
 
-        lax.fori_loop(0, my_rows, row_body, jnp.int32(0))
+        def row_body_transposed(j, base):
+            """`row_body` with the heads as columns: S^T [BKV, 16] = K [BKV, H] @ Q^T, the
+            online softmax down the columns (over the keys; its reductions cross the warps),
+            P^T stored as P [16, BKV] (through a transposed view, so that V and P share the
+            128-byte swizzle: a 32-byte one on V made its TMA loads measurably slower) and
+            O^T [H, 16] += V^T @ P^T. The result O^T (normalised, 16-bit) goes to merge
+            tile 0; the rows come back out of the tensor cores: out [64, H] = sum over splits c
+            of W_c [64, 16] @ (tile c)^T, W_c split c's weight of each head on the diagonal
+            (`column_weights`; 1 without splits). Split c > 0 sends its tile to global scratch;
+            CTA 0 fetches it into tile c."""
+            p_smem, t_smem = cols_smem
+            slot, live, tok, kv_len, lo, hi = row(j)
+
+            @pl.when(live)
+            def _():
+                load_q(tok)
+                q_t = plgpu.transpose_ref(qo_smem.at[pl.ds(0, _HEADS_T)], (1, 0))  # [H, 16]
+                n_full = jnp.clip(kv_len // bkv, lo, hi) - lo  # steps with every key valid
+
+                def kv_step(i, carry, masked: bool):
+                    acc, m_i, l_i = carry
+                    st = lax.rem(base + i, stages)
+                    plgpu.barrier_wait(k_bars.at[st])
+
+                    def compute_qk(acc_ref):
+                        plgpu.wgmma(acc_ref, k_smem.at[st], q_t)
+                        return acc_ref[...]
+
+                    sc = pl.run_scoped(compute_qk, plgpu.ACC((bkv, _HEADS_T), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[st])
+                    if masked:
+                        keys = plgpu.broadcasted_iota(jnp.int32, (bkv, _HEADS_T), 0,
+                                                      layout=plgpu.Layout.WGMMA)
+                        sc = jnp.where((lo + i) * bkv + keys < kv_len, sc, -jnp.inf)
+                    m_new = jnp.maximum(m_i, sc.max(axis=0) * scale)
+                    alpha = jnp.exp2(m_i - m_new)
+                    pr = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, [1]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                    l_i = l_i * alpha + pr.sum(axis=0)
+                    plgpu.transpose_ref(p_smem, (1, 0))[...] = pr.astype(dtype)  # P [16, BKV]
+                    plgpu.commit_smem()
+                    plgpu.barrier_wait(v_bars.at[st])
+
+                    def compute_pv(acc_ref):
+                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_smem.at[st], (1, 0)),
+                                    plgpu.transpose_ref(p_smem, (1, 0)))
+
+                    acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_free.at[st])
+                    return acc, m_new, l_i
+
+                col = plgpu.Layout.WGMMA.reduce(0)
+                m_i = plgpu.layout_cast(jnp.full((_HEADS_T,), -jnp.inf, jnp.float32), col)
+                l_i = plgpu.layout_cast(jnp.full((_HEADS_T,), 0, jnp.float32), col)
+                acc = plgpu.layout_cast(jnp.full((h, _HEADS_T), 0, jnp.float32),
+                                        plgpu.Layout.WGMMA)
+                with jax.named_scope("kv_loop"):
+                    carry = lax.fori_loop(0, n_full, lambda i, cr: kv_step(i, cr, False),
+                                          (acc, m_i, l_i))
+                    acc, m_i, l_i = lax.fori_loop(n_full, hi - lo,
+                                                  lambda i, cr: kv_step(i, cr, True), carry)
+                with jax.named_scope("epilogue"):
+                    l_safe = jnp.maximum(l_i, 1e-30)
+                    t_smem.at[0][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
+                                         ).astype(dtype)  # O^T; 0 for an empty split
+                    store = store_rows(tok)
+
+                    def out_rows(weights):
+                        """out [64, H] = sum_c W_c @ (tile c)^T, W_c as 16-bit parts."""
+                        def mm(acc_ref):
+                            for cc, parts in enumerate(weights):
+                                for wc in parts:
+                                    plgpu.wgmma(acc_ref, wc, plgpu.transpose_ref(
+                                        t_smem.at[cc], (1, 0)))
+
+                        zero = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32),
+                                                 plgpu.Layout.WGMMA)
+                        store(pl.run_state(mm)(plgpu.ACC.init(zero)))
+
+                    if splits == 1:
+                        plgpu.commit_smem()
+                        ones = jnp.full((_HEADS_T,), 1.0, jnp.float32)
+                        out_rows([[column_weights(plgpu.layout_cast(ones, col), _wgmma_iota
+                                                  ).astype(dtype)]])
+                    else:
+                        lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in the split
+                        lse_smem[...] = lse
+                        plgpu.commit_smem()
+
+                        def publish():
+                            plgpu.copy_smem_to_gmem(t_smem.at[0], part_ref.at[slot, kh, c - 1])
+
+                        def merge(lses_read):
+                            for cc in range(1, splits):
+                                plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1],
+                                                        t_smem.at[cc], merge_bar)
+                            peers = [_load(plgpu.cluster_ref(lse_smem, {"split": cc}), col)
+                                     for cc in range(1, splits)]
+                            lses_read()
+                            weights = [hi_lo(column_weights(wc, _wgmma_iota), dtype)
+                                       for wc in split_weights([lse, *peers])]
+                            plgpu.barrier_wait(merge_bar)
+                            out_rows(weights)
+
+                        exchange(slot, publish, merge)
+
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next row
+
+            return base + (hi - lo)
+
+        lax.fori_loop(0, my_rows, row_body_transposed if transposed else row_body,
+                      jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -449,9 +551,10 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
     bkv, stages = tiling.block_kv, tiling.stages
     rows = min(s, t)
     splits = num_splits(rows, k, tiling)
-    push = push_merge(splits, tiling)
     walkers = num_row_walkers(rows, k, splits, tiling)
     dtype = q.dtype
+    transposed = use_transposed(splits, tiling)
+    # Both operands of a wgmma share one swizzle (128 bytes for H = 128 and for P [16, BKV]).
     transforms = mma_transforms(h, dtype)
 
     def entry(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref=None):
@@ -459,44 +562,37 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                 plgpu.SMEM((_ROWS, h), dtype),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
                 plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
-                plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32),  # its own: read across the cluster
+                # its log-sum-exps, one per row (transposed: column), read across the cluster
+                plgpu.SMEM((_HEADS_T if transposed else _ROWS,), jnp.float32),
                 plgpu.SMEM((8, h), dtype),
                 plgpu.SMEM((_BT_WINDOW,), jnp.int32))
-        # The merge barrier counts CTA 0's fetches of the other splits' rows, or the pushed
-        # stores (two per split; one arrival each, measured by a standalone probe on the H100:
-        # counting 128 per store, one per thread, hung).
-        merge_arrivals = 2 * (splits - 1) if push else splits - 1
+        if transposed:  # P, and the merge tiles O^T (this CTA's, then the other splits')
+            smem += (plgpu.SMEM((_HEADS_T, bkv), dtype, transforms=mma_transforms(bkv, dtype)),
+                     plgpu.SMEM((splits, h, _HEADS_T), dtype, transforms=_SWIZZLE32))
         ready = (plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=1),
-                 plgpu.Barrier(num_arrivals=max(merge_arrivals, 1)),
+                 plgpu.Barrier(num_arrivals=max(splits - 1, 1)),  # CTA 0's fetches
                  plgpu.Barrier(num_arrivals=1))
         free = (plgpu.Barrier(num_arrivals=1, num_barriers=stages),) * 2
         extra = []
-        if push:  # CTA 0's landing buffers, one row tile and one lse tile per other split
-            lse_transforms = (plgpu.TilingTransform((8, _LSE_COLS)), plgpu.SwizzleTransform(32))
-            extra.append((
-                tuple(plgpu.SMEM((_ROWS, h), dtype, transforms=transforms)
-                      for _ in range(splits - 1)),
-                tuple(plgpu.SMEM((_ROWS, _LSE_COLS), jnp.float32, transforms=lse_transforms)
-                      for _ in range(splits - 1))))
         if splits > 1:
             extra.append(plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1,
                                               num_barriers=2))
 
         def body(smem_, ready_, free_, *rest):
-            land = rest[0] if push else None
-            clus = rest[-1] if splits > 1 else None
             _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref,
-                    (smem_, ready_, free_, land, clus), g=g, p=p, m=m, h=h, t=t, s=s,
-                    rows=rows, walkers=walkers, splits=splits, push=push, bkv=bkv, stages=stages,
-                    sm_scale=sm_scale, dtype=dtype, zero_padding=zero_padding)
+                    (smem_, ready_, free_, rest[0] if rest else None), g=g, p=p, m=m, h=h, t=t,
+                    s=s, rows=rows, walkers=walkers, splits=splits, transposed=transposed,
+                    bkv=bkv, stages=stages, sm_scale=sm_scale, dtype=dtype,
+                    zero_padding=zero_padding)
 
         pl.run_scoped(body, smem, ready, free, *extra, collective_axes="wg")
 
     out_type = [jax.ShapeDtypeStruct((t, n, h), dtype)]
-    if splits > 1 and not push:  # the first 8 rows of splits 1..C-1, per slot and KV head
-        out_type += [jax.ShapeDtypeStruct((rows, k, splits - 1, 8, h), dtype)]
+    if splits > 1:  # per slot and KV head, splits 1..C-1's first 8 rows, or their O^T tiles
+        part = (h, _HEADS_T) if transposed else (8, h)
+        out_type += [jax.ShapeDtypeStruct((rows, k, splits - 1, *part), dtype)]
     mesh = plgpu.Mesh(grid=(k, walkers), grid_names=("kv", "walker"),
                       cluster=(splits,) if splits > 1 else (),
                       cluster_names=("split",) if splits > 1 else (),

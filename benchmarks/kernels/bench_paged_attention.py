@@ -191,7 +191,8 @@ def _jit_reference(sm_scale, soft_cap, sliding_window):
 
 
 def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
-                decode: str = "triton", prefill_only: bool = False) -> list[dict]:
+                decode: str = "triton", prefill_only: bool = False,
+                tiling: Tiling | None = None) -> list[dict]:
     """Every case against the XLA reference and a float64 dense one, padding rows zero. With
     prefill_only (no decode kernel: decode rows are not computed) the decode rows are left
     out of the comparison."""
@@ -235,7 +236,8 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
     results = []
     for c in cases:
         row = {"name": c["name"], "prefill": prefill, "decode": decode,
-               "prefill_only": prefill_only}
+               "prefill_only": prefill_only,
+               "decode_transposed": bool(tiling and tiling.mosaic_decode.transposed)}
         if prefill_only and max(c["q_lens"]) == 1:
             continue  # no prefill row to compare
         try:
@@ -247,7 +249,7 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
                       sliding_window=c.get("sliding_window"))
             out = ragged_paged_attention_gpu(*b.args(), **kw, interpret=interpret,
                                              prefill=prefill, decode=decode,
-                                             prefill_only=prefill_only)
+                                             prefill_only=prefill_only, tiling=tiling)
             ref = _jit_reference(**kw)(*b.args())
             dense = dense_reference(b, **kw)
             live_end = int(np.asarray(b.query_start_loc)[int(b.num_seqs[0])])
@@ -457,10 +459,11 @@ class Runner:
 
 
 def decode_variant(tiling: Tiling, name: str) -> tuple[Tiling, dict]:
-    """A decode path to time, by name: triton | triton-only | mosaic:BKVxSTAGES[xSPLITS][:push]
-    | mosaic-only:... ("-only": decode_only=True, no prefill kernel launched; ":push":
-    DecodeTiling.push, the experimental pushed split merge), e.g. mosaic-only:64x4,
-    mosaic:128x2x8 or mosaic-only:128x2:push. Returns the tiling and the call's keywords."""
+    """A decode path to time, by name: triton | triton-only | mosaic:BKVxSTAGES[xSPLITS][:t|:r]
+    | mosaic-only:... ("-only": decode_only=True, no prefill kernel launched; ":t" / ":r":
+    DecodeTiling.transposed True / False, the heads as wgmma columns / rows; neither: the
+    default choice), e.g. mosaic-only:64x4, mosaic:128x2x8 or mosaic-only:128x2:t. Returns
+    the tiling and the call's keywords."""
     kind, _, shape = name.partition(":")
     shape, _, flag = shape.partition(":")
     kw = {"decode": kind.split("-")[0], "decode_only": kind.endswith("-only")}
@@ -468,7 +471,7 @@ def decode_variant(tiling: Tiling, name: str) -> tuple[Tiling, dict]:
         parts = [int(x) for x in shape.split("x")]
         dt = dataclasses.replace(tiling.mosaic_decode, block_kv=parts[0], stages=parts[1],
                                  splits=parts[2] if len(parts) > 2 else None,
-                                 push=flag == "push")
+                                 transposed={"t": True, "r": False}.get(flag))
         tiling = dataclasses.replace(tiling, mosaic_decode=dt)
     return tiling, kw
 
@@ -577,9 +580,14 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
                     best = min(mosaic or variants, key=lambda k: _ms(variants[k]))
                     row["mosaic_decode_variants"] = variants
                     row["ours_mosaic_decode"] = dict(variants[best], variant=best)
-                    if runner.args.mosaic_profile and best.startswith("mosaic"):
-                        vt, kw = decode_variant(tiling, best)
-                        row["phases"] = runner.profile(f"decode_{b}x{ctx}", step, pool, vt, **kw)
+                    if runner.args.mosaic_profile:  # every Mosaic variant; "phases": the best's
+                        for name in mosaic:
+                            vt, kw = decode_variant(tiling, name)
+                            variants[name]["phases"] = runner.profile(
+                                f"decode_{b}x{ctx}_{name.replace(':', '_')}", step, pool, vt,
+                                **kw)
+                        if best.startswith("mosaic"):
+                            row["phases"] = variants[best]["phases"]
                     row["check_mosaic_decode"] = variants[best]["check"]
                     row["mosaic_decode_speedup_vs_bundled"] = (
                         _ms(row["bundled"]) / _ms(row["ours_mosaic_decode"]))
@@ -752,6 +760,8 @@ def table(res: dict) -> str:
              f"{res['sweep'].get('chosen', {}).get('prefill')}",
              _passes(res, "correctness_mosaic_decode",
                      "correctness (decode=auto, Mosaic where it applies)"),
+             _passes(res, "correctness_mosaic_decode_transposed",
+                     "correctness (decode=auto, transposed decode)"),
              _passes(res, "correctness_mosaic_both", "correctness (decode=auto, prefill=auto)"),
              "decode  batch x ctx | ours us | %copyBW | bundled us | x bundled | ref us | x ref"
              " | mosaic decode us | %copyBW | x bundled | err"]
@@ -830,6 +840,9 @@ def main() -> None:
     ap.add_argument("--only-mosaic-decode-correctness", action="store_true",
                     help="correctness section: only the decode=auto (and, with --mosaic, "
                          "decode=auto + prefill=auto) passes")
+    ap.add_argument("--decode-transposed", action="store_true",
+                    help="with --mosaic-decode: one more correctness pass (decode=auto) with "
+                         "DecodeTiling.transposed (the heads as wgmma columns)")
     ap.add_argument("--decode-filter", default="",
                     help="only decode-grid rows whose '<batch>x<ctx>' is in this "
                          "comma-separated list")
@@ -890,6 +903,10 @@ def main() -> None:
                 False, args.smoke, prefill="auto", prefill_only=True)
         if args.mosaic_decode:
             res["correctness_mosaic_decode"] = correctness(False, args.smoke, decode="auto")
+            if args.decode_transposed:
+                res["correctness_mosaic_decode_transposed"] = correctness(
+                    False, args.smoke, decode="auto",
+                    tiling=decode_variant(Tiling(), "mosaic:128x2:t")[0])
             if args.mosaic:
                 res["correctness_mosaic_both"] = correctness(False, args.smoke, prefill="auto",
                                                              decode="auto")

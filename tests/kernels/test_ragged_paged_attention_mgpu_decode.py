@@ -2,12 +2,15 @@
 
 - The kernel lowers for CUDA (Mosaic GPU's layout, TMA and cluster checks run at lowering):
   one split and a cluster of splits, block ids by copy and by scalar reads, zeroed padding rows
-  (before the Mosaic prefill kernel), decode-only calls.
+  (before the Mosaic prefill kernel), decode-only calls; the transposed form (heads as columns)
+  where jax >= 0.11.
 - Its static choices: splits per row, row-walking clusters, the block-id window, the shared
-  memory budget, and the KV ranges of the splits (every step exactly once, split 0 never empty).
+  memory budget, the form, and the KV ranges of the splits (every step exactly once, split 0
+  never empty).
 - The split merge's arithmetic turns per-split softmax results into the full softmax, empty
   splits included: `merge_split_rows` (plain jnp, the prefill kernel's) and the decode kernel's
-  matmul form (`merge_weights` @ a tile of every split's rows, weights as two 16-bit parts).
+  matmul forms (`merge_weights` @ a tile of every split's rows; in the transposed form
+  sum_c `column_weights` @ tile_c^T; weights as two 16-bit parts).
 - Options are validated with clear errors.
 The kernel body runs on the H100 (benchmarks/kernels/bench_paged_attention.py --mosaic-decode:
 correctness cases and timings in benchmarks/results/kernels_h100_mosaic_decode.*).
@@ -53,18 +56,34 @@ def test_mosaic_decode_lowers_for_cuda(t, s, m, n, k, h, p, prefill, decode_only
         assert text.count("mosaic_gpu") >= 2 * alone.count("mosaic_gpu")
 
 
-@pytest.mark.parametrize("t,s", [(8, 8), (4, 4)])  # 2 and 4 splits (1 and 3 landing tiles)
-def test_pushed_merge_lowers_for_cuda(t, s):
-    """DecodeTiling(push=True): clusters of 2-4 CTAs merge by pushing rows into CTA 0 (not
-    yet run on a GPU in the kernel; a standalone probe of the store ran on the H100)."""
-    m, n, k, h, p = 64, 32, 8, 128, 16
-    assert dec.num_splits(t, k, DecodeTiling()) in (2, 4)
-    pushed = _lower(t, s, m, n, k, h, p, decode_only=True, push=True)
-    fetched = _lower(t, s, m, n, k, h, p, decode_only=True)
-    assert "rpa_decode_mosaic" in pushed and pushed != fetched
-    assert dec.push_merge(2, DecodeTiling(push=True)) and not dec.push_merge(2, DecodeTiling())
-    assert not dec.push_merge(8, DecodeTiling(push=True))  # landing tiles would not fit
-    assert dec.smem_bytes(h, 2, DecodeTiling(push=True)) <= 227 * 1024
+_NEW_JAX = jax.__version_info__ >= (0, 11)
+
+
+@pytest.mark.skipif(not _NEW_JAX, reason="the transposed form needs jax >= 0.11")
+@pytest.mark.parametrize("t,s,h", [(8, 8, 128), (4, 4, 64), (64, 64, 128)])  # 2, 4, 1 splits
+def test_transposed_form_lowers_for_cuda(t, s, h):
+    """The heads-as-columns form (default for clusters of up to 4 CTAs) lowers, and differs
+    from the row form."""
+    m, n, k, p = 64, 32, 8, 16
+    assert dec.num_splits(t, k, DecodeTiling()) in (1, 2, 4)
+    auto = _lower(t, s, m, n, k, h, p, decode_only=True)
+    forced = _lower(t, s, m, n, k, h, p, decode_only=True, transposed=True)
+    rows = _lower(t, s, m, n, k, h, p, decode_only=True, transposed=False)
+    assert "rpa_decode_mosaic" in auto and auto != rows and forced != rows
+    if t < 64:  # the merge scratch holds O^T tiles [H, 16] per split (rows: [8, H])
+        assert f"x{h}x16xbf16" in auto and f"x{h}x16xbf16" not in rows
+
+
+def test_transposed_choice():
+    t = DecodeTiling()
+    assert [dec.use_transposed(c, t) for c in (1, 2, 4, 5, 8)] == [_NEW_JAX] * 3 + [False] * 2
+    if _NEW_JAX:
+        assert dec.use_transposed(8, DecodeTiling(transposed=True))
+        assert dec.smem_bytes(128, 2, t) <= 227 * 1024
+    else:
+        with pytest.raises(ValueError, match="transposed needs jax >= 0.11"):
+            DecodeTiling(transposed=True)
+    assert not dec.use_transposed(2, DecodeTiling(transposed=False))
 
 
 def test_splits_walkers_and_block_id_window():
@@ -142,16 +161,18 @@ def test_split_merge_gives_the_full_softmax(splits):
     np.testing.assert_allclose(np.asarray((w_hi + w_lo) @ tile)[:8], want[:8], atol=2e-5)
     np.testing.assert_allclose(np.asarray(w)[:8].sum(1), 1.0, rtol=1e-6)  # weights sum to 1
 
-    # Clusters of up to 4 CTAs push whole row tiles: own rows scaled in f32, plus D_c @ tile_c
-    # with split c's weights on D_c's diagonal (high and low 16-bit parts).
-    ws = dec.split_weights([f32(lse) for lse, _ in parts])
-    got = np.asarray(parts[0][1] * ws[0][:, None])
-    for wc, (_, o) in zip(ws[1:], parts[1:]):
-        d = dec.diag_weights(wc)
-        d_hi = d.astype(jnp.bfloat16).astype(jnp.float32)
-        d_lo = (d - d_hi).astype(jnp.bfloat16).astype(jnp.float32)
-        got = got + np.asarray((d_hi + d_lo) @ f32(o))
-    np.testing.assert_allclose(got, want, atol=2e-5)
+    # The transposed form: split c's O^T [H, 16] (16-bit, heads as columns) is tile c; the
+    # rows come back as sum_c W_c @ tile_c^T, W_c [64, 16] split c's weight of each head on the
+    # diagonal, as high and low 16-bit parts (16 heads here; rows < 8 live).
+    lses16 = [f32(np.resize(lse, 16)) for lse, _ in parts]
+    out = np.zeros((64, h), np.float32)
+    for wc, (_, o) in zip(dec.split_weights(lses16), parts):
+        tile_t = np.resize(o, (16, h)).T  # O^T [H, 16]
+        w_hi, w_lo = (np.asarray(x, np.float32) for x in dec.hi_lo(dec.column_weights(wc),
+                                                                   jnp.bfloat16))
+        out += (w_hi + w_lo) @ tile_t.T
+    np.testing.assert_allclose(out[:8], want[:8], atol=2e-5)
+    assert not out[16:].any()  # rows past the 16 heads: zero weights
 
 
 def test_decode_option_errors():
@@ -165,14 +186,14 @@ def test_decode_option_errors():
 
 
 def test_bench_decode_variant_names():
-    """The kernel bench's decode paths by name (--decode-variants), the pushed merge included."""
+    """The kernel bench's decode paths by name (--decode-variants), the forms included."""
     from benchmarks.kernels.bench_paged_attention import decode_variant
 
-    tiling, kw = decode_variant(Tiling(), "mosaic-only:128x2:push")
+    tiling, kw = decode_variant(Tiling(), "mosaic-only:128x2:r")
     assert kw == {"decode": "mosaic", "decode_only": True}
-    assert tiling.mosaic_decode.push and tiling.mosaic_decode.splits is None
+    assert tiling.mosaic_decode.transposed is False and tiling.mosaic_decode.splits is None
     tiling, kw = decode_variant(Tiling(), "mosaic:64x4x8")
     assert kw == {"decode": "mosaic", "decode_only": False}
     assert (tiling.mosaic_decode.block_kv, tiling.mosaic_decode.stages,
-            tiling.mosaic_decode.splits, tiling.mosaic_decode.push) == (64, 4, 8, False)
+            tiling.mosaic_decode.splits, tiling.mosaic_decode.transposed) == (64, 4, 8, None)
     assert decode_variant(Tiling(), "triton-only")[1] == {"decode": "triton", "decode_only": True}
