@@ -1,6 +1,7 @@
 """Probe (Hopper GPU): `plgpu.async_store_smem` from CTA 1 of a 2-CTA cluster into CTA 0's shared
 memory, completing on CTA 0's barrier; CTA 0 copies what landed to the output, which must equal
-the input. The decode kernel's experimental pushed merge (`DecodeTiling.push`) rests on it.
+the input. A pushed split merge in the decode kernel was built on it, measured slower than the
+fetched merge on the H100 and removed (kernels_h100_mosaic_decode.md).
 
     python benchmarks/kernels/probe_async_store.py VARIANT   # run each under `timeout 45`
 

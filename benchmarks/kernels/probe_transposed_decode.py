@@ -14,8 +14,9 @@ wgmma needs the same swizzle on both operands, so every tile here uses the 32-by
     python benchmarks/kernels/probe_transposed_decode.py           # run and check (GPU)
     python benchmarks/kernels/probe_transposed_decode.py --lower   # lower for CUDA only (any host)
 
-It lowers with jax 0.10.2 and 0.11.2. It has not yet run on a GPU: the next step is to run it
-there, check it against the reference, and time it beside the decode kernel's step.
+It lowers with jax 0.10.2 and 0.11.2. On the H100 (jax 0.11.2) it printed "max relative error
+9.09e-04: ok". The decode kernel now has this form (`DecodeTiling.transposed`), with V and P at
+the 128-byte swizzle instead (P stored through a transposed view, jax >= 0.11).
 """
 
 from __future__ import annotations

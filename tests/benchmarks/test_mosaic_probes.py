@@ -1,6 +1,6 @@
 """The Mosaic GPU probes (benchmarks/kernels/probe_*.py) still lower for CUDA on this host, so
-they are ready for their next GPU run: the pushed store between cluster CTAs and the
-transposed decode step."""
+they run again on a GPU as written: the pushed store between cluster CTAs and the transposed
+decode step."""
 
 from __future__ import annotations
 
