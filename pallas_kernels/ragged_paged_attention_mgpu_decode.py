@@ -270,6 +270,46 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                                         out_ref.at[tok, pl.ds(kh * g, g)])
             return store
 
+        def kv_loop(base, lo, hi, kv_len, *, scores, keys_axis, acc_shape, qk, softmax, pv):
+            """The compute side of the K/V pipeline over this CTA's steps [lo, hi) of a row:
+            per step, wait for K, `qk` into a `scores`-shaped accumulator, free K, mask the
+            keys past kv_len (along `keys_axis`) in the last steps, `softmax`, wait for V, `pv`,
+            free V. Shared by both forms, so the barrier order stays that of the memory
+            warpgroup. Starts from a zero `acc_shape` accumulator, a running max of -inf and a
+            sum of 0 per query head (the scores' other axis); returns the three at the end."""
+            n_full = jnp.clip(kv_len // bkv, lo, hi) - lo  # steps with every key valid
+
+            def kv_step(i, carry, masked: bool):
+                acc, m_i, l_i = carry
+                st = lax.rem(base + i, stages)
+                plgpu.barrier_wait(k_bars.at[st])
+
+                def compute_qk(acc_ref):
+                    qk(acc_ref, st)
+                    return acc_ref[...]
+
+                sc = pl.run_scoped(compute_qk, plgpu.ACC(scores, jnp.float32))
+                plgpu.barrier_arrive(k_free.at[st])
+                if masked:
+                    keys = plgpu.broadcasted_iota(jnp.int32, scores, keys_axis,
+                                                  layout=plgpu.Layout.WGMMA)
+                    sc = jnp.where((lo + i) * bkv + keys < kv_len, sc, -jnp.inf)
+                acc, m_new, l_i, p16 = softmax(sc, acc, m_i, l_i)
+                plgpu.barrier_wait(v_bars.at[st])
+                acc = pl.run_state(lambda acc_ref: pv(acc_ref, st, p16))(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[st])
+                return acc, m_new, l_i
+
+            heads = plgpu.Layout.WGMMA.reduce(keys_axis)
+            m_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), -jnp.inf, jnp.float32),
+                                    heads)
+            l_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), 0, jnp.float32), heads)
+            acc = plgpu.layout_cast(jnp.full(acc_shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+            with jax.named_scope("kv_loop"):
+                carry = lax.fori_loop(0, n_full, lambda i, cr: kv_step(i, cr, False),
+                                      (acc, m_i, l_i))
+                return lax.fori_loop(n_full, hi - lo, lambda i, cr: kv_step(i, cr, True), carry)
+
         def exchange(slot, publish, merge):
             """The cluster's handshake around the split merge: CTAs 1..C-1 `publish` (their
             partial result to global scratch, waited for) before a cluster barrier; CTA 0 then
@@ -338,43 +378,14 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             @pl.when(live)
             def _():
                 load_q(tok)
-                n_full = jnp.clip(kv_len // bkv, lo, hi) - lo  # steps with every key valid
-
-                def kv_step(i, carry, masked: bool):
-                    acc, m_i, l_i = carry
-                    st = lax.rem(base + i, stages)
-                    plgpu.barrier_wait(k_bars.at[st])
-
-                    def compute_qk(acc_ref):
-                        plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[st], (1, 0)))
-                        return acc_ref[...]
-
-                    sc = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[st])
-                    if masked:
-                        cols = plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 1,
-                                                      layout=plgpu.Layout.WGMMA)
-                        sc = jnp.where((lo + i) * bkv + cols < kv_len, sc, -jnp.inf)
-                    acc, m_new, l_i, p16 = softmax_step(sc, scale, acc, m_i, l_i, dtype)
-                    plgpu.barrier_wait(v_bars.at[st])
-
-                    def compute_pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[st])
-
-                    acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-                    plgpu.barrier_arrive(v_free.at[st])
-                    return acc, m_new, l_i
-
-                m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32),
-                                        plgpu.Layout.WGMMA.reduce(1))
-                l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0, jnp.float32),
-                                        plgpu.Layout.WGMMA.reduce(1))
-                acc = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32), plgpu.Layout.WGMMA)
-                with jax.named_scope("kv_loop"):
-                    carry = lax.fori_loop(0, n_full, lambda i, cr: kv_step(i, cr, False),
-                                          (acc, m_i, l_i))
-                    acc, m_i, l_i = lax.fori_loop(n_full, hi - lo,
-                                                  lambda i, cr: kv_step(i, cr, True), carry)
+                acc, m_i, l_i = kv_loop(
+                    base, lo, hi, kv_len, scores=(_ROWS, bkv), keys_axis=1,
+                    acc_shape=(_ROWS, h),
+                    qk=lambda acc_ref, st: plgpu.wgmma(
+                        acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[st], (1, 0))),
+                    softmax=lambda sc, acc, m_i, l_i: softmax_step(sc, scale, acc, m_i, l_i,
+                                                                   dtype),
+                    pv=lambda acc_ref, st, p16: plgpu.wgmma(acc_ref, p16, v_smem.at[st]))
                 with jax.named_scope("epilogue"):
                     l_safe = jnp.maximum(l_i, 1e-30)
                     o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])  # 0 for an empty split
@@ -406,23 +417,9 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             def _():
                 load_q(tok)
                 q_t = plgpu.transpose_ref(qo_smem.at[pl.ds(0, _HEADS_T)], (1, 0))  # [H, 16]
-                n_full = jnp.clip(kv_len // bkv, lo, hi) - lo  # steps with every key valid
 
-                def kv_step(i, carry, masked: bool):
-                    acc, m_i, l_i = carry
-                    st = lax.rem(base + i, stages)
-                    plgpu.barrier_wait(k_bars.at[st])
-
-                    def compute_qk(acc_ref):
-                        plgpu.wgmma(acc_ref, k_smem.at[st], q_t)
-                        return acc_ref[...]
-
-                    sc = pl.run_scoped(compute_qk, plgpu.ACC((bkv, _HEADS_T), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[st])
-                    if masked:
-                        keys = plgpu.broadcasted_iota(jnp.int32, (bkv, _HEADS_T), 0,
-                                                      layout=plgpu.Layout.WGMMA)
-                        sc = jnp.where((lo + i) * bkv + keys < kv_len, sc, -jnp.inf)
+                def softmax_columns(sc, acc, m_i, l_i):
+                    """`softmax_step` down the columns of S^T; P goes to shared memory."""
                     m_new = jnp.maximum(m_i, sc.max(axis=0) * scale)
                     alpha = jnp.exp2(m_i - m_new)
                     pr = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, [1]))
@@ -430,27 +427,18 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     l_i = l_i * alpha + pr.sum(axis=0)
                     plgpu.transpose_ref(p_smem, (1, 0))[...] = pr.astype(dtype)  # P [16, BKV]
                     plgpu.commit_smem()
-                    plgpu.barrier_wait(v_bars.at[st])
+                    return acc, m_new, l_i, None
 
-                    def compute_pv(acc_ref):
-                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_smem.at[st], (1, 0)),
-                                    plgpu.transpose_ref(p_smem, (1, 0)))
-
-                    acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-                    plgpu.barrier_arrive(v_free.at[st])
-                    return acc, m_new, l_i
-
-                col = plgpu.Layout.WGMMA.reduce(0)
-                m_i = plgpu.layout_cast(jnp.full((_HEADS_T,), -jnp.inf, jnp.float32), col)
-                l_i = plgpu.layout_cast(jnp.full((_HEADS_T,), 0, jnp.float32), col)
-                acc = plgpu.layout_cast(jnp.full((h, _HEADS_T), 0, jnp.float32),
-                                        plgpu.Layout.WGMMA)
-                with jax.named_scope("kv_loop"):
-                    carry = lax.fori_loop(0, n_full, lambda i, cr: kv_step(i, cr, False),
-                                          (acc, m_i, l_i))
-                    acc, m_i, l_i = lax.fori_loop(n_full, hi - lo,
-                                                  lambda i, cr: kv_step(i, cr, True), carry)
+                acc, m_i, l_i = kv_loop(
+                    base, lo, hi, kv_len, scores=(bkv, _HEADS_T), keys_axis=0,
+                    acc_shape=(h, _HEADS_T),
+                    qk=lambda acc_ref, st: plgpu.wgmma(acc_ref, k_smem.at[st], q_t),
+                    softmax=softmax_columns,
+                    pv=lambda acc_ref, st, _: plgpu.wgmma(
+                        acc_ref, plgpu.transpose_ref(v_smem.at[st], (1, 0)),
+                        plgpu.transpose_ref(p_smem, (1, 0))))
                 with jax.named_scope("epilogue"):
+                    col = plgpu.Layout.WGMMA.reduce(0)  # a value per head (column)
                     l_safe = jnp.maximum(l_i, 1e-30)
                     t_smem.at[0][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
                                          ).astype(dtype)  # O^T; 0 for an empty split
