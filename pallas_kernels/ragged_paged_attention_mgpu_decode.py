@@ -65,7 +65,8 @@ class DecodeTiling:
     block_kv: keys per pipeline step (multiple of 64 and of the block size).
     stages: K/V steps buffered in shared memory.
     splits: CTAs (one cluster) per decode row. None: as many as fill `sm_count` SMs with
-      K x min(S, T) rows (up to 8; 1 once the rows alone fill the GPU).
+      K x min(S, T) rows (up to 8; 1 once the rows alone fill the GPU), and no more than the
+      KV steps of the longest row the block table can hold.
     rows_per_sm: clusters launched per KV head are capped at rows_per_sm x sm_count /
       (K x splits); each walks several rows (the grid does not grow with the slot count).
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
@@ -188,11 +189,14 @@ def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, windo
                     smem_bytes(head_dim, jnp.dtype(dtype).itemsize, tiling))
 
 
-def num_splits(rows: int, k: int, tiling: DecodeTiling) -> int:
-    """CTAs per decode row (static): fill the SMs with the K x `rows` row items."""
+def num_splits(rows: int, k: int, tiling: DecodeTiling, max_steps: int | None = None) -> int:
+    """CTAs per decode row (static): fill the SMs with the K x `rows` row items, but no more
+    than `max_steps`, the KV steps of the longest row the block table can hold (more splits
+    would only be empty ones, and each adds to the merge)."""
     if tiling.splits is not None:
         return tiling.splits
-    return int(min(_MAX_CLUSTER, max(1, tiling.sm_count // (k * rows))))
+    fill = min(_MAX_CLUSTER, max(1, tiling.sm_count // (k * rows)))
+    return int(fill if max_steps is None else max(1, min(fill, max_steps)))
 
 
 def num_row_walkers(rows: int, k: int, splits: int, tiling: DecodeTiling) -> int:
@@ -538,7 +542,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
     g = n // k
     bkv, stages = tiling.block_kv, tiling.stages
     rows = min(s, t)
-    splits = num_splits(rows, k, tiling)
+    splits = num_splits(rows, k, tiling, max_steps=_cdiv(m * p, bkv))
     walkers = num_row_walkers(rows, k, splits, tiling)
     dtype = q.dtype
     transposed = use_transposed(splits, tiling)

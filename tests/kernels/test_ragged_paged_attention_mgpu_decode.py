@@ -90,6 +90,9 @@ def test_splits_walkers_and_block_id_window():
     t = DecodeTiling()
     assert [dec.num_splits(rows, 8, t) for rows in (1, 2, 8, 16, 32, 256)] == [8, 8, 2, 1, 1, 1]
     assert dec.num_splits(1, 8, DecodeTiling(splits=3)) == 3
+    # No more splits than the table's longest row has KV steps (512 keys: 4 of 128).
+    assert [dec.num_splits(1, 8, t, max_steps=n) for n in (1, 4, 8, 64)] == [1, 4, 8, 8]
+    assert dec.num_splits(1, 8, DecodeTiling(splits=8), max_steps=4) == 8  # as asked
     assert dec.num_row_walkers(256, 8, 1, t) == 33  # 2 CTAs per SM: 264 CTAs walk 256 rows
     assert dec.num_row_walkers(8, 8, 2, t) == 8
     assert dec.bt_window(64, 8) == 64 and dec.bt_window(300, 8) == 256
