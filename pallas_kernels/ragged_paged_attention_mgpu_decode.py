@@ -314,15 +314,27 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                                       (acc, m_i, l_i))
                 return lax.fori_loop(n_full, hi - lo, lambda i, cr: kv_step(i, cr, True), carry)
 
-        def exchange(slot, publish, merge):
-            """The cluster's handshake around the split merge: CTAs 1..C-1 `publish` (their
-            partial result to global scratch, waited for) before a cluster barrier; CTA 0 then
-            `merge`s, reading the others' log-sum-exps from their shared memory, and arrives
-            on a second barrier once read (which keeps them until then)."""
+        def rows_out(mm):
+            """out [64, H] from a zero accumulator and the wgmmas `mm` issues, stored."""
+            zero = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32), plgpu.Layout.WGMMA)
+            return pl.run_state(mm)(plgpu.ACC.init(zero))
+
+        def merge_splits(slot, lse, own, part, heads, weights, finish):
+            """The split merge of one decode row, both forms. Every CTA has its partial result
+            in shared memory (`own`, normalised by its own softmax sum) and gives its
+            log2-sum-exps `lse` (-inf: the split saw no key), one per query head in layout
+            `heads`. CTAs 1..C-1 send `own` to global scratch; after a cluster barrier CTA 0
+            fetches split cc's into `part(cc)`, reads every split's log-sum-exps across the
+            cluster, computes `weights(lses)` and, once the parts have landed,
+            `finish(weights)` (the merge matmul and the store). A second cluster barrier keeps
+            the other CTAs' log-sum-exps until CTA 0 has read them."""
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+
             @pl.when(c > 0)
             def _publish():
                 with jax.named_scope("publish"):
-                    publish()
+                    plgpu.copy_smem_to_gmem(own, part_ref.at[slot, kh, c - 1])
                     plgpu.wait_smem_to_gmem(0)  # written, before CTA 0 is told
 
             with jax.named_scope("split_barrier"):
@@ -332,49 +344,18 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             @pl.when(c == 0)
             def _merge():
                 with jax.named_scope("merge"):
-                    merge(lambda: plgpu.barrier_arrive(cluster_bars.at[1]))
+                    for cc in range(1, splits):
+                        plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1], part(cc),
+                                                merge_bar)
+                    peers = [_load(plgpu.cluster_ref(lse_smem, {"split": cc}), heads)
+                             for cc in range(1, splits)]
+                    plgpu.barrier_arrive(cluster_bars.at[1])  # peers' log-sum-exps read
+                    w = weights([lse, *peers])
+                    plgpu.barrier_wait(merge_bar)
+                    finish(w)
 
             pl.when(c > 0)(lambda: plgpu.barrier_arrive(cluster_bars.at[1]))
             plgpu.barrier_wait(cluster_bars.at[1])
-
-        def merge_splits(slot, o, lse, store):
-            """The C CTAs' rows of one decode row -> CTA 0 stores them merged. o [64, H]: this
-            CTA's rows normalised by its own softmax sum; lse [64]: their log2-sum-exps (-inf:
-            the split saw no key).
-
-            Every CTA puts its rows in its swizzled Q tile (Q is no longer needed) and its
-            log-sum-exps in shared memory; CTAs 1..C-1 send their first 8 rows (the G live ones
-            and finite filler) to global scratch. After a cluster barrier CTA 0 fetches split
-            cc's rows into rows 8cc.. of its tile, reads the log-sum-exps across the cluster,
-            and merges with one small matmul: W [64, 64] @ tile [64, H], where W holds split
-            cc's weight of row r at column 8cc + r (`merge_weights`; as a high and a low 16-bit
-            part)."""
-            qo_smem[...] = o.astype(dtype)
-            lse_smem[...] = lse
-            plgpu.commit_smem()
-
-            def publish():
-                plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(0, 8)], part_ref.at[slot, kh, c - 1])
-
-            def merge(lses_read):
-                for cc in range(1, splits):
-                    plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1],
-                                            qo_smem.at[pl.ds(8 * cc, 8)], merge_bar)
-                peers = [_load(plgpu.cluster_ref(lse_smem, {"split": cc}),
-                               plgpu.Layout.WGMMA.reduce(1)) for cc in range(1, splits)]
-                lses_read()
-                w_hi, w_lo = hi_lo(merge_weights([lse, *peers], _wgmma_iota), dtype)
-                plgpu.barrier_wait(merge_bar)
-
-                def merge_mm(acc_ref):
-                    plgpu.wgmma(acc_ref, w_hi, qo_smem)
-                    plgpu.wgmma(acc_ref, w_lo, qo_smem)
-
-                zero = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32),
-                                         plgpu.Layout.WGMMA)
-                store(pl.run_state(merge_mm)(plgpu.ACC.init(zero)))
-
-            exchange(slot, publish, merge)
 
         def row_body(j, base):
             slot, live, tok, kv_len, lo, hi = row(j)
@@ -397,8 +378,24 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     if splits == 1:
                         store(o)
                     else:
+                        # Row form: each CTA's rows go into its swizzled Q tile (Q is no longer
+                        # needed); split cc's first 8 rows (the G live ones and finite filler)
+                        # land at rows 8cc.. of CTA 0's, merged by one small matmul W [64, 64]
+                        # @ tile [64, H] (`merge_weights`, as high and low 16-bit parts).
                         lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in the split
-                        merge_splits(slot, o, lse, store)
+                        qo_smem[...] = o.astype(dtype)
+
+                        def merge_mm(w_hi_lo):
+                            def mm(acc_ref):
+                                for wc in w_hi_lo:
+                                    plgpu.wgmma(acc_ref, wc, qo_smem)
+                            store(rows_out(mm))
+
+                        merge_splits(
+                            slot, lse, qo_smem.at[pl.ds(0, 8)],
+                            lambda cc: qo_smem.at[pl.ds(8 * cc, 8)],
+                            plgpu.Layout.WGMMA.reduce(1),
+                            lambda lses: hi_lo(merge_weights(lses, _wgmma_iota), dtype), merge_mm)
 
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next row
 
@@ -455,10 +452,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                                 for wc in parts:
                                     plgpu.wgmma(acc_ref, wc, plgpu.transpose_ref(
                                         t_smem.at[cc], (1, 0)))
-
-                        zero = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32),
-                                                 plgpu.Layout.WGMMA)
-                        store(pl.run_state(mm)(plgpu.ACC.init(zero)))
+                        store(rows_out(mm))
 
                     if splits == 1:
                         plgpu.commit_smem()
@@ -467,25 +461,10 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                                                   ).astype(dtype)]])
                     else:
                         lse = m_i + jnp.log(l_safe) * _LOG2E  # log2; -inf: no key in the split
-                        lse_smem[...] = lse
-                        plgpu.commit_smem()
-
-                        def publish():
-                            plgpu.copy_smem_to_gmem(t_smem.at[0], part_ref.at[slot, kh, c - 1])
-
-                        def merge(lses_read):
-                            for cc in range(1, splits):
-                                plgpu.copy_gmem_to_smem(part_ref.at[slot, kh, cc - 1],
-                                                        t_smem.at[cc], merge_bar)
-                            peers = [_load(plgpu.cluster_ref(lse_smem, {"split": cc}), col)
-                                     for cc in range(1, splits)]
-                            lses_read()
-                            weights = [hi_lo(column_weights(wc, _wgmma_iota), dtype)
-                                       for wc in split_weights([lse, *peers])]
-                            plgpu.barrier_wait(merge_bar)
-                            out_rows(weights)
-
-                        exchange(slot, publish, merge)
+                        merge_splits(
+                            slot, lse, t_smem.at[0], lambda cc: t_smem.at[cc], col,
+                            lambda lses: [hi_lo(column_weights(wc, _wgmma_iota), dtype)
+                                          for wc in split_weights(lses)], out_rows)
 
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging reused next row
 

@@ -157,8 +157,7 @@ def test_split_merge_gives_the_full_softmax(splits):
     for c, (_, o) in enumerate(parts):
         tile[8 * c:8 * c + 8] = o[:8]
     w = dec.merge_weights([f32(lse) for lse, _ in parts])
-    w_hi = w.astype(jnp.bfloat16).astype(jnp.float32)
-    w_lo = (w - w_hi).astype(jnp.bfloat16).astype(jnp.float32)
+    w_hi, w_lo = (x.astype(jnp.float32) for x in dec.hi_lo(w, jnp.bfloat16))
     assert float(jnp.abs(w - w_hi - w_lo).max()) < 1e-5  # the weights to ~2^-17
     np.testing.assert_allclose(np.asarray(w @ tile)[:8], want[:8], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray((w_hi + w_lo) @ tile)[:8], want[:8], atol=2e-5)
