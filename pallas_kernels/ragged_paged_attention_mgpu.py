@@ -73,6 +73,10 @@ class MosaicTiling:
       order), launched heaviest first for the hardware to dispatch.
     num_ctas: a number of persistent CTAs instead of `sm_count` (None: by `persistent`).
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
+    overlap: within each compute warpgroup, step i's Q.K^T and step i-1's P.V are issued
+      together and run on the tensor cores while the warpgroup computes step i's softmax
+      (FlashAttention-3's intra-warpgroup pipelining, on top of the two warpgroups' ping-pong);
+      P stays in registers one step longer. False: Q.K^T, softmax, P.V in turn.
     profile_dir: diagnostics: a directory where each call writes a Chrome trace of every
       warpgroup's phases (Mosaic GPU's in-kernel profiler; benchmarks/kernels/mosaic_phases.py
       sums them). Empty: off, and the kernel is unchanged.
@@ -84,6 +88,7 @@ class MosaicTiling:
     persistent: bool = True
     num_ctas: int | None = None
     sm_count: int = 132
+    overlap: bool = False
     profile_dir: str = ""
 
     def __post_init__(self) -> None:
@@ -170,13 +175,15 @@ def softmax_step(s, scale, acc, m_i, l_i, dtype):
     softmax scale x log2(e): returns the rescaled accumulator, the new running max and sum, and
     the probabilities in `dtype` for the P.V product. The running max is kept in scaled base-2
     units, so each probability is exp2 of one fused multiply-add (s * scale - m), not of a
-    scaled copy of s."""
+    scaled copy of s. acc=None (the accumulator is still in the tensor cores' hands): the
+    factor alpha [64] it must be scaled by is returned in its place."""
     m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
     alpha = jnp.exp2(m_i - m_new)
     pr = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if acc is not None:
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     l_i = l_i * alpha + pr.sum(axis=1)
-    return acc, m_new, l_i, pr.astype(dtype)
+    return (alpha if acc is None else acc), m_new, l_i, pr.astype(dtype)
 
 
 def _load(ref, layout):
@@ -362,7 +369,8 @@ def merge_split_rows(lse0, o0, others):
 def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cnt_ref, qsl_ref,
             ns_ref, out_ref, scoped, *,
             g: int, p: int, m: int, h: int, t: int, s: int, k_heads: int, n_groups: int,
-            splits: int, bkv: int, stages: int, sm_scale: float, dtype, zero_padding: bool):
+            splits: int, bkv: int, stages: int, sm_scale: float, dtype, zero_padding: bool,
+            overlap: bool):
     tq = _ROWS // g
     pages = bkv // p
     cta = lax.axis_index("ctas")  # the cluster (one CTA without splits)
@@ -488,12 +496,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                 s = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
-                    rows = plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 0,
-                                                  layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 1,
-                                                  layout=plgpu.Layout.WGMMA)
-                    qpos = wg_first + lax.rem(rows, tq)
-                    s = jnp.where((lo + i) * bkv + cols <= qpos, s, -jnp.inf)
+                    s = mask_scores(s, i)
                 acc, m_new, l_i, p16 = softmax_step(s, scale, acc, m_i, l_i, dtype)
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 plgpu.barrier_arrive(sched)  # softmax done
@@ -512,11 +515,90 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
+            def mask_scores(s, i):
+                rows = plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 0,
+                                              layout=plgpu.Layout.WGMMA)
+                cols = plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 1,
+                                              layout=plgpu.Layout.WGMMA)
+                qpos = wg_first + lax.rem(rows, tq)
+                return jnp.where((lo + i) * bkv + cols <= qpos, s, -jnp.inf)
+
+            def kv_loop_overlapped(m0, l0):
+                """The steps [0, n_mine) with step i's Q.K^T and step i-1's P.V in flight
+                together while this warpgroup runs step i's softmax (MosaicTiling.overlap).
+                The schedule barrier is met twice per step, as in kv_step: after the two
+                matmuls are issued, and after the softmax."""
+
+                def scope(acc_o):
+                    def step(i, carry, masked: bool):
+                        m_i, l_i, p_prev = carry
+                        slot = lax.rem(base + i, stages)
+
+                        def compute_qk(acc_s):
+                            plgpu.wgmma(acc_s, qo_smem,
+                                        plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+
+                            @pl.when(i > 0)
+                            def _():
+                                prev = lax.rem(base + i - 1, stages)
+                                plgpu.barrier_wait(v_bars.at[prev])
+                                plgpu.wgmma(acc_o, p_prev, v_smem.at[prev])
+
+                            schedule_barrier()
+                            # Q.K^T was issued first: with P.V in flight, waiting until one
+                            # group is left waits for Q.K^T only.
+                            @pl.when(i == 0)
+                            def _():
+                                plgpu.wgmma_wait(0)
+
+                            return plgpu.wgmma_accumulator_load(acc_s, wait_n=1)
+
+                        s = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        if masked:
+                            s = mask_scores(s, i)
+                        alpha, m_new, l_i, p16 = softmax_step(s, scale, None, m_i, l_i, dtype)
+                        plgpu.barrier_arrive(sched)  # softmax done
+                        o = plgpu.wgmma_accumulator_load(acc_o, wait_n=0)  # P.V of step i-1
+                        pl.when(i > 0)(
+                            lambda: plgpu.barrier_arrive(v_free.at[lax.rem(base + i - 1, stages)]))
+                        acc_o[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+                        nxt = i + 1
+
+                        @pl.when(nxt < n_mine)
+                        def _():
+                            plgpu.barrier_wait(k_bars.at[lax.rem(base + nxt, stages)])
+
+                        plgpu.barrier_wait(sched)
+                        return m_new, l_i, p16
+
+                    p0 = plgpu.layout_cast(jnp.zeros((_ROWS, bkv), dtype), plgpu.Layout.WGMMA)
+                    carry = (m0, l0, p0)
+                    carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
+                    carry = lax.fori_loop(n_full, n_mine, lambda i, c: step(i, c, True), carry)
+                    m_out, l_out, p_last = carry
+
+                    @pl.when(n_mine > 0)
+                    def _():
+                        last = lax.rem(base + n_mine - 1, stages)
+                        plgpu.barrier_wait(v_bars.at[last])
+                        plgpu.wgmma(acc_o, p_last, v_smem.at[last])
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(v_free.at[last])
+
+                    return acc_o[...], m_out, l_out
+
+                return pl.run_scoped(scope, plgpu.ACC((_ROWS, h), jnp.float32))
+
             with jax.named_scope("kv_loop"):
-                carry = (acc, m_i, l_i)
-                carry = lax.fori_loop(0, n_full, lambda i, c: kv_step(i, c, False), carry)
-                carry = lax.fori_loop(n_full, n_mine, lambda i, c: kv_step(i, c, True), carry)
-                acc, m_i, l_i = carry
+                if overlap:
+                    acc, m_i, l_i = kv_loop_overlapped(m_i, l_i)
+                else:
+                    carry = (acc, m_i, l_i)
+                    carry = lax.fori_loop(0, n_full, lambda i, c: kv_step(i, c, False), carry)
+                    carry = lax.fori_loop(n_full, n_mine, lambda i, c: kv_step(i, c, True),
+                                          carry)
+                    acc, m_i, l_i = carry
 
                 @pl.loop(n_mine, n_item)
                 def _drain(i):
@@ -653,7 +735,8 @@ def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_lo
                 qsl_ref, ns_ref, out_ref,
                 scoped if splits > 1 else (*scoped, None), g=g, p=p, m=m, h=h, t=t, s=s,
                 k_heads=k, n_groups=n_groups, splits=splits, bkv=bkv, stages=stages,
-                sm_scale=sm_scale, dtype=dtype, zero_padding=out is None),
+                sm_scale=sm_scale, dtype=dtype, zero_padding=out is None,
+                overlap=tiling.overlap),
             smem, ready, free, plgpu.Barrier(num_arrivals=_WGS),
             *(() if merge is None else (merge,)), collective_axes="wg")
 

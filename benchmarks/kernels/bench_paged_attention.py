@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import functools
 import glob
+import itertools
 import json
 import math
 import os
@@ -652,33 +653,34 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
                 row["check_mosaic"] = runner.check(step, pool, tiling, with_bundled=False,
                                                    prefill="mosaic")
                 variants, tilings = {}, {}
-                for bkv in runner.args.mosaic_block_kv:
-                    for ctas in runner.args.mosaic_ctas:
-                        for sp in runner.args.mosaic_splits:
-                            mt = MosaicTiling(block_kv=bkv, **_cta_mode(ctas),
-                                              kv_splits=None if sp == "auto" else int(sp))
-                            key = (bkv, ctas, sp)
-                            tilings[key] = dataclasses.replace(tiling, mosaic=mt)
-                            variants[key] = runner.ours(step, pool, 2, tilings[key],
-                                                        prefill="mosaic")
-                            if len(runner.args.mosaic_splits) > 1:
-                                variants[key]["check"] = runner.check(
-                                    step, pool, tilings[key], with_bundled=False,
-                                    prefill="mosaic")
-                            if runner.args.prefill_only and kind == "prefill":
-                                # The same call with no decode kernel (a prefill-only step).
-                                k2 = (*key, "only")
-                                tilings[k2] = tilings[key]
-                                variants[k2] = runner.ours(step, pool, 2, tilings[key],
-                                                           prefill="mosaic", prefill_only=True)
-                                variants[k2]["check"] = runner.check(
-                                    step, pool, tilings[key], with_bundled=False,
-                                    prefill="mosaic", prefill_only=True)
+                for bkv, ctas, sp, ov in itertools.product(
+                        runner.args.mosaic_block_kv, runner.args.mosaic_ctas,
+                        runner.args.mosaic_splits, runner.args.mosaic_overlap):
+                    mt = MosaicTiling(block_kv=bkv, **_cta_mode(ctas), overlap=ov,
+                                      kv_splits=None if sp == "auto" else int(sp))
+                    key = (bkv, ctas, sp) + (("ov",) if ov else ())
+                    tilings[key] = dataclasses.replace(tiling, mosaic=mt)
+                    variants[key] = runner.ours(step, pool, 2, tilings[key],
+                                                prefill="mosaic")
+                    if len(runner.args.mosaic_splits) > 1 or ov:
+                        variants[key]["check"] = runner.check(
+                            step, pool, tilings[key], with_bundled=False,
+                            prefill="mosaic")
+                    if runner.args.prefill_only and kind == "prefill":
+                        # The same call with no decode kernel (a prefill-only step).
+                        k2 = (*key, "only")
+                        tilings[k2] = tilings[key]
+                        variants[k2] = runner.ours(step, pool, 2, tilings[key],
+                                                   prefill="mosaic", prefill_only=True)
+                        variants[k2]["check"] = runner.check(
+                            step, pool, tilings[key], with_bundled=False,
+                            prefill="mosaic", prefill_only=True)
                 row["mosaic_variants"] = {"/".join(map(str, k)): v for k, v in variants.items()}
                 best = min(variants, key=lambda b: _ms(variants[b]))
-                only = len(best) > 3  # the fastest was a prefill_only call
+                only = best[-1] == "only"  # the fastest was a prefill_only call
                 row["ours_mosaic"] = dict(variants[best], block_kv=best[0], ctas=best[1],
-                                          kv_splits=best[2], prefill_only=only)
+                                          kv_splits=best[2], prefill_only=only,
+                                          overlap="ov" in best)
                 tm = _ms(row["ours_mosaic"])
                 row["mosaic_flops_frac_of_matmul"] = row["flops"] / (tm * 1e-3) / \
                     runner.ceil["matmul_flops_per_s"]
@@ -756,6 +758,9 @@ def table(res: dict) -> str:
                      "correctness (prefill=auto, Mosaic where it applies)"),
              _passes(res, "correctness_mosaic_prefill_only",
                      "correctness (prefill=auto, prefill_only)"),
+             _passes(res, "correctness_mosaic_overlap", "correctness (prefill=auto, overlap)"),
+             _passes(res, "correctness_mosaic_overlap_prefill_only",
+                     "correctness (prefill=auto, overlap, prefill_only)"),
              f"tiling: {res['sweep'].get('chosen', {}).get('decode')} / "
              f"{res['sweep'].get('chosen', {}).get('prefill')}",
              _passes(res, "correctness_mosaic_decode",
@@ -797,7 +802,8 @@ def table(res: dict) -> str:
                      f"{100 * r['ours_flops_frac_of_matmul']:6.1f}% | "
                      f"{100 * r['ours_bw_frac_of_copy']:6.1f}% | " + ref
                      + (f" | {_ms(r['ours_mosaic']) * 1e3:8.1f} ({r['ours_mosaic']['block_kv']}/"
-                        f"{r['ours_mosaic']['ctas']}/{r['ours_mosaic'].get('kv_splits')})"
+                        f"{r['ours_mosaic']['ctas']}/{r['ours_mosaic'].get('kv_splits')}"
+                        f"{'/ov' if r['ours_mosaic'].get('overlap') else ''})"
                         f" | {100 * r['mosaic_flops_frac_of_matmul']:6.1f}% | "
                         f"{r['mosaic_vs_triton']:5.2f} | "
                         f"{r['check_mosaic']['rel_err_vs_reference']:.1e}"
@@ -854,6 +860,11 @@ def main() -> None:
                          "numbers, e.g. 1,auto")
     ap.add_argument("--mosaic-block-kv", type=lambda x: [int(v) for v in x.split(",")],
                     default=[128], help="block_kv values of the Mosaic kernel to time")
+    ap.add_argument("--mosaic-overlap", type=lambda x: [v == "1" for v in x.split(",")],
+                    default=[False], help="MosaicTiling.overlap values to time: 0 (Q.K^T, "
+                    "softmax, P.V in turn), 1 (Q.K^T of step i with P.V of step i-1 over the "
+                    "softmax), e.g. 0,1; with 1 among them, the correctness cases also run "
+                    "with overlap")
     ap.add_argument("--prefill-filter", default="",
                     help="only prefill-grid shapes whose '<kind> <chunk>@<ctx>' contains one "
                          "of these comma-separated texts")
@@ -901,6 +912,12 @@ def main() -> None:
         if args.mosaic and args.prefill_only:
             res["correctness_mosaic_prefill_only"] = correctness(
                 False, args.smoke, prefill="auto", prefill_only=True)
+        if args.mosaic and True in args.mosaic_overlap:
+            overlapped = Tiling(mosaic=MosaicTiling(overlap=True))
+            res["correctness_mosaic_overlap"] = correctness(
+                False, args.smoke, prefill="auto", tiling=overlapped)
+            res["correctness_mosaic_overlap_prefill_only"] = correctness(
+                False, args.smoke, prefill="auto", prefill_only=True, tiling=overlapped)
         if args.mosaic_decode:
             res["correctness_mosaic_decode"] = correctness(False, args.smoke, decode="auto")
             if args.decode_transposed:

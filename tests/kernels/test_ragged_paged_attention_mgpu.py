@@ -276,6 +276,9 @@ def test_pow2_chunks_partition_the_rows(n):
     (32, 8, 128, 16, {"persistent": False}, 1, False),
     (32, 8, 128, 16, {}, 1, True),
     (32, 8, 128, 16, {"persistent": False}, 2, True),
+    # Q.K^T of step i and P.V of step i-1 in flight over the softmax.
+    (32, 8, 128, 16, {"overlap": True}, 1, False),
+    (16, 2, 64, 32, {"overlap": True}, 2, True),
 ])
 def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, grid, splits, prefill_only):
     t, s, m, blocks = 64, 4, 16, 64
