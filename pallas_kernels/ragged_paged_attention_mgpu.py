@@ -526,43 +526,41 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
             def kv_loop_overlapped(m0, l0):
                 """The steps [0, n_mine) with step i's Q.K^T and step i-1's P.V in flight
                 together while this warpgroup runs step i's softmax (MosaicTiling.overlap).
-                The schedule barrier is met twice per step, as in kv_step: after the two
-                matmuls are issued, and after the softmax."""
+                Step 0 (Q.K^T alone) is a loop of its own, so that every wgmma wait in a loop
+                body is the same on every path: ptxas serialises the matmuls (a wait after
+                each) when a wait's group count depends on a branch. The schedule barrier is
+                met twice per step, as in kv_step: after the matmuls are issued, and after the
+                softmax."""
 
                 def scope(acc_o):
-                    def step(i, carry, masked: bool):
+                    def step(i, carry, masked: bool, first: bool):
                         m_i, l_i, p_prev = carry
                         slot = lax.rem(base + i, stages)
+                        prev = lax.rem(base + i - 1, stages)  # i >= 1 unless first
 
                         def compute_qk(acc_s):
                             plgpu.wgmma(acc_s, qo_smem,
                                         plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-
-                            @pl.when(i > 0)
-                            def _():
-                                prev = lax.rem(base + i - 1, stages)
+                            if not first:
                                 plgpu.barrier_wait(v_bars.at[prev])
                                 plgpu.wgmma(acc_o, p_prev, v_smem.at[prev])
-
                             schedule_barrier()
-                            # Q.K^T was issued first: with P.V in flight, waiting until one
-                            # group is left waits for Q.K^T only.
-                            @pl.when(i == 0)
-                            def _():
-                                plgpu.wgmma_wait(0)
-
-                            return plgpu.wgmma_accumulator_load(acc_s, wait_n=1)
+                            # Q.K^T was issued first: waiting until one group is left in
+                            # flight waits for it, not for P.V.
+                            return plgpu.wgmma_accumulator_load(acc_s, wait_n=0 if first else 1)
 
                         s = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
                         plgpu.barrier_arrive(k_free.at[slot])
                         if masked:
                             s = mask_scores(s, i)
                         alpha, m_new, l_i, p16 = softmax_step(s, scale, None, m_i, l_i, dtype)
+                        # Computed here, not sunk past the waits below (as kv_step does).
+                        alpha, l_i, m_new, p16 = lax.optimization_barrier((alpha, l_i, m_new, p16))
                         plgpu.barrier_arrive(sched)  # softmax done
-                        o = plgpu.wgmma_accumulator_load(acc_o, wait_n=0)  # P.V of step i-1
-                        pl.when(i > 0)(
-                            lambda: plgpu.barrier_arrive(v_free.at[lax.rem(base + i - 1, stages)]))
-                        acc_o[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+                        if not first:  # (after step 0 the accumulator is still zero)
+                            o = plgpu.wgmma_accumulator_load(acc_o, wait_n=0)  # P.V of i-1
+                            plgpu.barrier_arrive(v_free.at[prev])
+                            acc_o[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
                         nxt = i + 1
 
                         @pl.when(nxt < n_mine)
@@ -574,8 +572,13 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
 
                     p0 = plgpu.layout_cast(jnp.zeros((_ROWS, bkv), dtype), plgpu.Layout.WGMMA)
                     carry = (m0, l0, p0)
-                    carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
-                    carry = lax.fori_loop(n_full, n_mine, lambda i, c: step(i, c, True), carry)
+                    # Step 0 masked whatever it is (the mask is exact, only slower).
+                    carry = lax.fori_loop(0, jnp.minimum(n_mine, 1),
+                                          lambda i, c: step(i, c, True, True), carry)
+                    carry = lax.fori_loop(1, n_full, lambda i, c: step(i, c, False, False),
+                                          carry)
+                    carry = lax.fori_loop(jnp.maximum(n_full, 1), n_mine,
+                                          lambda i, c: step(i, c, True, False), carry)
                     m_out, l_out, p_last = carry
 
                     @pl.when(n_mine > 0)

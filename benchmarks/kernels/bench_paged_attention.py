@@ -709,6 +709,9 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
             row["error"] = repr(e)
             row["trace"] = traceback.format_exc()[-1500:]
         log("prefill", json.dumps(row)[:500])
+        if row.get("mosaic_variants"):
+            log("prefill", row["kind"], row["chunk"], row["ctx"], "mosaic variants us:", ", ".join(
+                f"{k} {_ms(v) * 1e3:.1f}" for k, v in row["mosaic_variants"].items()))
         rows.append(row)
     return rows
 
