@@ -484,32 +484,47 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
 
                 pl.when(wg == 1)(schedule_barrier)
 
-            def kv_step(i, carry, masked: bool):
-                acc, m_i, l_i = carry
-                slot = lax.rem(base + i, stages)
+            def scores_softmax(i, slot, masked: bool, acc, m_i, l_i, *, issue_more=None,
+                               wait_n: int = 0):
+                """Q.K^T of step i (and whatever `issue_more` puts in flight behind it), the
+                schedule barrier, the scores once at most `wait_n` matmul groups are left in
+                flight, K slot released, mask, softmax (`softmax_step` with `acc`), and the
+                arrival that says the softmax is done. Returns softmax_step's four values."""
 
                 def compute_qk(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    if issue_more is not None:
+                        issue_more()
                     schedule_barrier()
-                    return acc_ref[...]
+                    return plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
 
                 s = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
                     s = mask_scores(s, i)
                 acc, m_new, l_i, p16 = softmax_step(s, scale, acc, m_i, l_i, dtype)
+                # Computed here, not sunk past the waits that follow.
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 plgpu.barrier_arrive(sched)  # softmax done
+                return acc, m_new, l_i, p16
+
+            def wait_next_k(i):
+                nxt = i + 1
+
+                @pl.when(nxt < n_mine)
+                def _():
+                    plgpu.barrier_wait(k_bars.at[lax.rem(base + nxt, stages)])
+
+            def kv_step(i, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = lax.rem(base + i, stages)
+                acc, m_new, l_i, p16 = scores_softmax(i, slot, masked, acc, m_i, l_i)
                 plgpu.barrier_wait(v_bars.at[slot])
                 plgpu.barrier_wait(sched)  # the tensor cores are free
 
                 def compute_pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    nxt = i + 1
-
-                    @pl.when(nxt < n_mine)
-                    def _():
-                        plgpu.barrier_wait(k_bars.at[lax.rem(base + nxt, stages)])
+                    wait_next_k(i)
 
                 acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -538,35 +553,20 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                         slot = lax.rem(base + i, stages)
                         prev = lax.rem(base + i - 1, stages)  # i >= 1 unless first
 
-                        def compute_qk(acc_s):
-                            plgpu.wgmma(acc_s, qo_smem,
-                                        plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                            if not first:
-                                plgpu.barrier_wait(v_bars.at[prev])
-                                plgpu.wgmma(acc_o, p_prev, v_smem.at[prev])
-                            schedule_barrier()
-                            # Q.K^T was issued first: waiting until one group is left in
-                            # flight waits for it, not for P.V.
-                            return plgpu.wgmma_accumulator_load(acc_s, wait_n=0 if first else 1)
+                        def issue_pv():
+                            plgpu.barrier_wait(v_bars.at[prev])
+                            plgpu.wgmma(acc_o, p_prev, v_smem.at[prev])
 
-                        s = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
-                        plgpu.barrier_arrive(k_free.at[slot])
-                        if masked:
-                            s = mask_scores(s, i)
-                        alpha, m_new, l_i, p16 = softmax_step(s, scale, None, m_i, l_i, dtype)
-                        # Computed here, not sunk past the waits below (as kv_step does).
-                        alpha, l_i, m_new, p16 = lax.optimization_barrier((alpha, l_i, m_new, p16))
-                        plgpu.barrier_arrive(sched)  # softmax done
+                        # Q.K^T is issued first: waiting until one group is left in flight
+                        # waits for it, not for P.V.
+                        alpha, m_new, l_i, p16 = scores_softmax(
+                            i, slot, masked, None, m_i, l_i,
+                            issue_more=None if first else issue_pv, wait_n=0 if first else 1)
                         if not first:  # (after step 0 the accumulator is still zero)
                             o = plgpu.wgmma_accumulator_load(acc_o, wait_n=0)  # P.V of i-1
                             plgpu.barrier_arrive(v_free.at[prev])
                             acc_o[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-                        nxt = i + 1
-
-                        @pl.when(nxt < n_mine)
-                        def _():
-                            plgpu.barrier_wait(k_bars.at[lax.rem(base + nxt, stages)])
-
+                        wait_next_k(i)
                         plgpu.barrier_wait(sched)
                         return m_new, l_i, p16
 

@@ -710,8 +710,8 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
             row["trace"] = traceback.format_exc()[-1500:]
         log("prefill", json.dumps(row)[:500])
         if row.get("mosaic_variants"):
-            log("prefill", row["kind"], row["chunk"], row["ctx"], "mosaic variants us:", ", ".join(
-                f"{k} {_ms(v) * 1e3:.1f}" for k, v in row["mosaic_variants"].items()))
+            log("prefill", row["kind"], row["chunk"], row["ctx"], "mosaic variants us:",
+                _variant_times(row["mosaic_variants"]))
         rows.append(row)
     return rows
 
@@ -747,6 +747,13 @@ def _passes(res: dict, key: str, label: str) -> str:
     """One correctness pass as a line: each case's name and ok / FAIL."""
     return f"{label}: " + ", ".join(f"{r['name']}:{'ok' if r.get('ok') else 'FAIL'}"
                                     for r in res.get(key, []))
+
+
+def _variant_times(variants: dict) -> str:
+    """A prefill row's Mosaic variants as 'name us (err e)' items."""
+    return ", ".join(f"{k} {_ms(v) * 1e3:.1f}" + (
+        f" (err {v['check']['rel_err_vs_reference']:.1e})" if "check" in v else "")
+        for k, v in variants.items())
 
 
 def table(res: dict) -> str:
@@ -812,10 +819,7 @@ def table(res: dict) -> str:
                         f"{r['check_mosaic']['rel_err_vs_reference']:.1e}"
                         if "ours_mosaic" in r else ""))
         if len(r.get("mosaic_variants", {})) > 1:
-            lines.append("      mosaic variants us: " + ", ".join(
-                f"{k} {_ms(v) * 1e3:.1f}" + (f" (err {v['check']['rel_err_vs_reference']:.1e})"
-                                             if "check" in v else "")
-                for k, v in r["mosaic_variants"].items()))
+            lines.append("      mosaic variants us: " + _variant_times(r["mosaic_variants"]))
     for r in res.get("padding", []):
         lines.append(f"padding: {r['live']} live @ {r['ctx']} in {r['slots']} slots/"
                      f"{r['tokens']} tokens: {_ms(r['ours']) * 1e3:.1f} us"

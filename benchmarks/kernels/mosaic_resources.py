@@ -1,17 +1,18 @@
 """What ptxas made of the Mosaic GPU kernels: registers, spills, wgmma warnings, SASS counts.
 
-Compiles one call of `ragged_paged_attention_gpu` (a prefill-only call of the Mosaic prefill
-kernel, or a decode-only call of the Mosaic decode kernel) with Mosaic GPU's dump switches on
+Compiles one prefill-only call of `ragged_paged_attention_gpu` (the Mosaic prefill kernel) with
+Mosaic GPU's dump switches on
 (MOSAIC_GPU_DUMP_TO, _PTXAS, _SASS: read by the compiler when the kernel is compiled, so this
 script sets them before it compiles), then summarises the dump folder:
 - every ptxas line about registers, spills, stack frames and "Performance" warnings (ptxas
   names wgmma serialisation there);
-- counts of a few SASS opcodes: HGMMA (tensor-core matmuls), WARPGROUP.DEPBAR / WARPGROUP.ARRIVE
+- counts of a few SASS opcodes in any disassembly there (a file with "sass" in its name, e.g.
+  `cuobjdump -sass` of the dumped PTX assembled by ptxas): HGMMA (tensor-core matmuls), WARPGROUP.DEPBAR / WARPGROUP.ARRIVE
   (wgmma waits and fences), LDL / STL (local memory: spilled registers), BAR / SYNCS (barriers).
 
 GPU only (Hopper). Example (the compile's own output goes to a log in the same folder, since
 Mosaic GPU may print its dumps instead of writing them; --summarise reads every file there):
-  python benchmarks/kernels/mosaic_resources.py --kernel prefill --overlap 1 --out /tmp/ov1 \
+  python benchmarks/kernels/mosaic_resources.py --overlap 1 --out /tmp/ov1 \
       > /tmp/ov1.log 2>&1; mv /tmp/ov1.log /tmp/ov1/
   python benchmarks/kernels/mosaic_resources.py --summarise /tmp/ov1
 """
@@ -41,7 +42,7 @@ def summarise(dump_dir: str) -> dict:
                 text = fh.read()
             ptxas += [ln.strip() for ln in text.splitlines()
                       if "ptxas" in ln and _PTXAS_LINE.search(ln)]
-            if "HGMMA" in text or "SASS" in name.upper():
+            if "SASS" in name.upper():
                 for ln in text.splitlines():
                     op = ln.split("*/", 1)[-1].strip().split(" ", 1)[0].rstrip(";")
                     for want in _OPCODES:
@@ -52,7 +53,6 @@ def summarise(dump_dir: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=("prefill", "decode"), default="prefill")
     ap.add_argument("--overlap", type=int, default=0, help="MosaicTiling.overlap (prefill)")
     ap.add_argument("--tokens", type=int, default=256, help="token rows of the call")
     ap.add_argument("--out", help="folder for the dump")
@@ -81,10 +81,8 @@ def main() -> None:
               sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
               sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
     tiling = Tiling(mosaic=MosaicTiling(overlap=bool(args.overlap)))
-    kw = (dict(prefill="mosaic", prefill_only=True) if args.kernel == "prefill"
-          else dict(decode="mosaic", decode_only=True))
-    ragged_paged_attention_gpu.trace(*shapes, sm_scale=h ** -0.5, tiling=tiling,
-                                     **kw).lower().compile()
+    ragged_paged_attention_gpu.trace(*shapes, sm_scale=h ** -0.5, tiling=tiling, prefill="mosaic",
+                                     prefill_only=True).lower().compile()
     print("compiled", json.dumps(vars(args)))
 
 
