@@ -76,7 +76,9 @@ class MosaicTiling:
     overlap: within each compute warpgroup, step i's Q.K^T and step i-1's P.V are issued
       together and run on the tensor cores while the warpgroup computes step i's softmax
       (FlashAttention-3's intra-warpgroup pipelining, on top of the two warpgroups' ping-pong);
-      P stays in registers one step longer. False: Q.K^T, softmax, P.V in turn.
+      P stays in registers one step longer. Measured 3-11% slower than the plain loop on the
+      H100 (the two warpgroups' ping-pong already feeds the tensor cores), hence off.
+      False: Q.K^T, softmax, P.V in turn.
     profile_dir: diagnostics: a directory where each call writes a Chrome trace of every
       warpgroup's phases (Mosaic GPU's in-kernel profiler; benchmarks/kernels/mosaic_phases.py
       sums them). Empty: off, and the kernel is unchanged.
@@ -176,14 +178,15 @@ def softmax_step(s, scale, acc, m_i, l_i, dtype):
     the probabilities in `dtype` for the P.V product. The running max is kept in scaled base-2
     units, so each probability is exp2 of one fused multiply-add (s * scale - m), not of a
     scaled copy of s. acc=None (the accumulator is still in the tensor cores' hands): the
-    factor alpha [64] it must be scaled by is returned in its place."""
+    factor alpha [64] it must be scaled by is returned in its place. dtype=None: the
+    probabilities stay float32 (the caller converts them later)."""
     m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
     alpha = jnp.exp2(m_i - m_new)
     pr = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
     if acc is not None:
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     l_i = l_i * alpha + pr.sum(axis=1)
-    return (alpha if acc is None else acc), m_new, l_i, pr.astype(dtype)
+    return (alpha if acc is None else acc), m_new, l_i, (pr if dtype is None else pr.astype(dtype))
 
 
 def _load(ref, layout):
@@ -485,11 +488,12 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                 pl.when(wg == 1)(schedule_barrier)
 
             def scores_softmax(i, slot, masked: bool, acc, m_i, l_i, *, issue_more=None,
-                               wait_n: int = 0):
+                               wait_n: int = 0, p_dtype=dtype):
                 """Q.K^T of step i (and whatever `issue_more` puts in flight behind it), the
                 schedule barrier, the scores once at most `wait_n` matmul groups are left in
-                flight, K slot released, mask, softmax (`softmax_step` with `acc`), and the
-                arrival that says the softmax is done. Returns softmax_step's four values."""
+                flight, K slot released, mask, softmax (`softmax_step` with `acc` and
+                `p_dtype`), and the arrival that says the softmax is done. Returns
+                softmax_step's four values."""
 
                 def compute_qk(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -502,11 +506,12 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
                     s = mask_scores(s, i)
-                acc, m_new, l_i, p16 = softmax_step(s, scale, acc, m_i, l_i, dtype)
-                # Computed here, not sunk past the waits that follow.
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                acc, m_new, l_i, p = softmax_step(s, scale, acc, m_i, l_i, p_dtype)
+                # Computed here, not sunk past the waits that follow (for LLVM: ptxas still
+                # moves arithmetic past barrier arrivals and wgmma waits).
+                acc, l_i, m_new, p = lax.optimization_barrier((acc, l_i, m_new, p))
                 plgpu.barrier_arrive(sched)  # softmax done
-                return acc, m_new, l_i, p16
+                return acc, m_new, l_i, p
 
             def wait_next_k(i):
                 nxt = i + 1
@@ -545,7 +550,9 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                 body is the same on every path: ptxas serialises the matmuls (a wait after
                 each) when a wait's group count depends on a branch. The schedule barrier is
                 met twice per step, as in kv_step: after the matmuls are issued, and after the
-                softmax."""
+                softmax. (ptxas still schedules most of the softmax after the P.V wait; pinned
+                before it by a store the arrival must follow, the loop was slower still: see
+                benchmarks/results/kernels_h100_mosaic.md.)"""
 
                 def scope(acc_o):
                     def step(i, carry, masked: bool, first: bool):
@@ -558,14 +565,20 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                             plgpu.wgmma(acc_o, p_prev, v_smem.at[prev])
 
                         # Q.K^T is issued first: waiting until one group is left in flight
-                        # waits for it, not for P.V.
-                        alpha, m_new, l_i, p16 = scores_softmax(
+                        # waits for it, not for P.V. The probabilities stay float32 until P.V
+                        # of step i-1 is done: converted during the softmax, step i's P went
+                        # into the loop-carried registers the in-flight P.V still reads, and
+                        # ptxas serialised every wgmma (C7513).
+                        alpha, m_new, l_i, p32 = scores_softmax(
                             i, slot, masked, None, m_i, l_i,
-                            issue_more=None if first else issue_pv, wait_n=0 if first else 1)
+                            issue_more=None if first else issue_pv, wait_n=0 if first else 1,
+                            p_dtype=None)
                         if not first:  # (after step 0 the accumulator is still zero)
                             o = plgpu.wgmma_accumulator_load(acc_o, wait_n=0)  # P.V of i-1
+                            o, p32 = lax.optimization_barrier((o, p32))  # convert after it
                             plgpu.barrier_arrive(v_free.at[prev])
                             acc_o[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+                        p16 = p32.astype(dtype)
                         wait_next_k(i)
                         plgpu.barrier_wait(sched)
                         return m_new, l_i, p16
