@@ -24,11 +24,21 @@ def _compute_capability(device: jax.Device) -> tuple[int, int] | None:
         return None
 
 
-def get_kernel(mosaic_prefill: bool = False) -> Callable | None:
+# Token buckets from which the engine's programs take the Mosaic prefill kernel. Each distinct
+# Mosaic kernel (one per token bucket) is compiled again in every process: Mosaic GPU builds
+# its binary when XLA instantiates the custom call, and keeps it in memory only, so the
+# persistent compilation cache does not hold it (about 3.7 s per kernel on the H100 machine).
+# Smaller buckets carry decode steps and short chunks; the Triton kernels serve them whole.
+MOSAIC_PREFILL_MIN_TOKENS = 512
+
+
+def get_kernel(mosaic_prefill: bool = False,
+               min_tokens: int = MOSAIC_PREFILL_MIN_TOKENS) -> Callable | None:
     """The GPU kernel's public function on an NVIDIA GPU of sm_80+, else None.
 
-    mosaic_prefill: on Hopper (sm_90), prefill chunks go to the Mosaic GPU kernel where it
-    applies (ragged_paged_attention_mgpu.supported); elsewhere the flag changes nothing."""
+    mosaic_prefill: on Hopper (sm_90), prefill chunks of calls with at least `min_tokens`
+    token rows go to the Mosaic GPU kernel where it applies
+    (ragged_paged_attention_mgpu.supported); elsewhere the flag changes nothing."""
     if jax.default_backend() != "gpu":
         return None
     device = jax.devices()[0]
@@ -44,8 +54,9 @@ def get_kernel(mosaic_prefill: bool = False) -> Callable | None:
         sms = getattr(device, "core_count", None) or MosaicTiling().sm_count
         tiling = Tiling(mosaic=MosaicTiling(sm_count=int(sms)))
 
-        def ragged_paged_attention_gpu_mosaic_prefill(*args, **kwargs):
+        def ragged_paged_attention_gpu_mosaic_prefill(q, *args, **kwargs):
             kwargs.setdefault("tiling", tiling)
-            return ragged_paged_attention_gpu(*args, **kwargs, prefill="auto")
+            prefill = "auto" if q.shape[0] >= min_tokens else "triton"
+            return ragged_paged_attention_gpu(q, *args, **kwargs, prefill=prefill)
         return ragged_paged_attention_gpu_mosaic_prefill
     return ragged_paged_attention_gpu

@@ -232,8 +232,10 @@ def ragged_paged_attention(
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
     backend: str = "auto",
 ) -> jax.Array:
-    """Dispatch: the Pallas GPU kernels on GPU ("auto"/"pallas"; "pallas-mosaic" adds the Mosaic
-    GPU prefill kernel on Hopper), the CPU path on CPU ("auto"), the jnp reference otherwise."""
+    """Dispatch: the Pallas GPU kernels on GPU ("auto" and "pallas-mosaic": with the Mosaic GPU
+    prefill kernel on Hopper for calls of gpu_backend.MOSAIC_PREFILL_MIN_TOKENS+ token rows, the
+    Triton kernels elsewhere; "pallas": the Triton kernels only), the CPU path on CPU ("auto"),
+    the jnp reference otherwise."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                          f"got {backend!r}")
@@ -241,7 +243,7 @@ def ragged_paged_attention(
         backend == "auto" and jax.default_backend() == "gpu")
     if use_kernel:
         from jaxengine.pallas_kernels import gpu_backend  # imported lazily: GPU-only code
-        fn = gpu_backend.get_kernel(mosaic_prefill=backend == "pallas-mosaic")
+        fn = gpu_backend.get_kernel(mosaic_prefill=backend in ("auto", "pallas-mosaic"))
         if fn is not None:
             return fn(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)

@@ -192,3 +192,50 @@ def test_bad_inputs_raise_value_error():
 def test_backend_off_gpu_is_none():
     if jax.default_backend() != "gpu":
         assert gpu_backend.get_kernel() is None
+
+
+def test_mosaic_prefill_only_from_min_tokens(monkeypatch):
+    """The engine's Mosaic-prefill kernel takes the Mosaic kernel ("auto") from
+    MOSAIC_PREFILL_MIN_TOKENS token rows up and the Triton kernels below (fewer Mosaic kernels
+    to compile in every process); checked with a stand-in Hopper device and kernel."""
+    import types
+    from jaxengine.pallas_kernels import ragged_paged_attention_gpu as rpa_gpu
+
+    calls = []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(
+        compute_capability="9.0", core_count=132, device_kind="H100")])
+    monkeypatch.setattr(rpa_gpu, "ragged_paged_attention_gpu",
+                        lambda q, *a, **kw: calls.append((q.shape[0], kw["prefill"],
+                                                          kw["tiling"].mosaic.sm_count)))
+    fn = gpu_backend.get_kernel(mosaic_prefill=True)
+    low = gpu_backend.MOSAIC_PREFILL_MIN_TOKENS
+    for t in (16, low // 2, low, 4 * low):
+        fn(jax.ShapeDtypeStruct((t, 32, 128), jnp.bfloat16), sm_scale=0.1)
+    assert calls == [(16, "triton", 132), (low // 2, "triton", 132), (low, "auto", 132),
+                     (4 * low, "auto", 132)]
+    calls.clear()
+    gpu_backend.get_kernel(mosaic_prefill=True, min_tokens=8)(
+        jax.ShapeDtypeStruct((16, 32, 128), jnp.bfloat16), sm_scale=0.1)
+    assert calls == [(16, "auto", 132)]
+    assert gpu_backend.get_kernel() is rpa_gpu.ragged_paged_attention_gpu  # plain: no wrapper
+
+
+def test_backend_names_pick_the_mosaic_prefill(monkeypatch):
+    """On a (stand-in) Hopper GPU, "auto" and "pallas-mosaic" take the Mosaic prefill kernel for
+    large enough calls and "pallas" the Triton kernels only."""
+    import types
+    from jaxengine.pallas_kernels import ragged_paged_attention_gpu as rpa_gpu
+    from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    calls = []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(
+        compute_capability="9.0", core_count=132, device_kind="H100")])
+    monkeypatch.setattr(rpa_gpu, "ragged_paged_attention_gpu",
+                        lambda q, *a, **kw: calls.append(kw.get("prefill", "triton")))
+    q = jax.ShapeDtypeStruct((gpu_backend.MOSAIC_PREFILL_MIN_TOKENS, 32, 128), jnp.bfloat16)
+    for backend in ("auto", "pallas-mosaic", "pallas"):
+        ragged_paged_attention(q, None, None, None, None, None, None, sm_scale=0.1,
+                               backend=backend)
+    assert calls == ["auto", "auto", "triton"]
