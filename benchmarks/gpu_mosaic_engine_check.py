@@ -8,14 +8,16 @@ two kernels flip near-ties and the sequences part; the check is therefore the on
 parallel tests: at the first position where two runs differ, each run's token is in the other's
 top-5, and the log-probabilities of the shared top-5 tokens agree closely.
 
-    python benchmarks/gpu_mosaic_engine_check.py [PRESET]   (writes $OUT/mosaic_engine_check.json)
+    python benchmarks/gpu_mosaic_engine_check.py [PRESET] [--tensor-parallel-size N]
+        (writes $OUT/mosaic_engine_check.json; with N > 1 the attention runs per device under
+        shard_map, so the kernels see N times fewer heads)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
@@ -51,13 +53,17 @@ def main() -> None:
     lens = [1024, 700, 333, 64, 1500, 9] + [int(x) for x in rng.integers(16, 1600, size=42)]
     prompts = [{"prompt_token_ids": rng.integers(0, 32000, size=n).tolist()} for n in lens]
     sp = SamplingParams(max_tokens=24, temperature=0, logprobs=5, ignore_eos=True)
-    model = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default="llama-3-8b")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    args = ap.parse_args()
+    model, tp = args.model, args.tensor_parallel_size
     runs = {}
     for name, backend in (("triton", "pallas"), ("triton_again", "pallas"),
                           ("mosaic", "pallas-mosaic")):
         llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
                   max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=4096,
-                  attention_backend=backend)
+                  attention_backend=backend, tensor_parallel_size=tp)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         runs[name] = {"impl": llm.llm_engine.runner.attention_impl,
                       "tokens": [list(o.outputs[0].token_ids) for o in outs],
@@ -67,7 +73,7 @@ def main() -> None:
     path = os.path.join(os.environ.get("OUT", "."), "mosaic_engine_check.json")
     with open(path, "w") as f:  # the raw runs first, should the comparison fail
         json.dump(runs, f)
-    out = {"model": model, "prompt_lens": lens, "max_tokens": sp.max_tokens,
+    out = {"model": model, "tensor_parallel_size": tp, "prompt_lens": lens, "max_tokens": sp.max_tokens,
            "impls": {k: v["impl"] for k, v in runs.items()},
            "triton_vs_triton_again": _compare(runs["triton"], runs["triton_again"]),
            "triton_vs_mosaic": _compare(runs["triton"], runs["mosaic"]),

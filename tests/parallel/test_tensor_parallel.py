@@ -129,3 +129,25 @@ def test_dummy_weights_are_made_in_their_shards():
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["equal"] and res["bad"] == [] and res["split"] > 0, res
+
+
+def test_auto_attention_under_tensor_parallelism_on_gpu(monkeypatch):
+    """On a GPU, "auto" under tensor parallelism resolves to the Triton kernels ("pallas"): the
+    Mosaic prefill kernel is not yet checked per device under shard_map. Elsewhere, and for a
+    backend asked for by name, the setting stays."""
+    import jax
+
+    from jaxengine.config import EngineConfig
+    from jaxengine.engine import LLMEngine
+
+    cfg = ModelConfig.from_hf_dict(PRESETS["llama-3-8b"])
+
+    def derived(backend, tp):
+        return LLMEngine._derive(EngineConfig(attention_backend=backend, tensor_parallel_size=tp),
+                                 cfg).attention_backend
+
+    assert derived("auto", 2) == "auto"  # CPU: the CPU path
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert derived("auto", 2) == "pallas"
+    assert derived("auto", 1) == "auto"
+    assert derived("pallas-mosaic", 2) == "pallas-mosaic"
