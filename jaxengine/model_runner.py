@@ -180,6 +180,11 @@ class ModelRunner:
                   if config.attention_backend != "reference" else None)
         if kernel is not None:
             self.attention_impl = getattr(kernel, "__name__", "pallas kernel")
+            applies = getattr(kernel, "mosaic_applies", None)
+            mc = model_config
+            if applies is not None and not applies(dtype, mc.head_dim, mc.num_heads // mc.num_kv_heads,
+                                                   config.block_size, mc.sliding_window):
+                self.attention_impl = "ragged_paged_attention_gpu (the Mosaic prefill kernel does not apply)"
         elif config.attention_backend != "reference" and jax.default_backend() == "cpu":
             self.attention_impl = "ragged_paged_attention_cpu"
         else:

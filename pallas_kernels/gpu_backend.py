@@ -58,5 +58,15 @@ def get_kernel(mosaic_prefill: bool = False,
             kwargs.setdefault("tiling", tiling)
             prefill = "auto" if q.shape[0] >= min_tokens else "triton"
             return ragged_paged_attention_gpu(q, *args, **kwargs, prefill=prefill)
+
+        def mosaic_applies(dtype, head_dim: int, group: int, block_size: int,
+                           sliding_window: int | None = None, soft_cap: float | None = None
+                           ) -> bool:
+            """Whether a model with these properties gets the Mosaic kernel at all."""
+            from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
+            return mgpu.supported(dtype, head_dim, group, block_size, soft_cap, sliding_window,
+                                  tiling.mosaic)
+
+        ragged_paged_attention_gpu_mosaic_prefill.mosaic_applies = mosaic_applies
         return ragged_paged_attention_gpu_mosaic_prefill
     return ragged_paged_attention_gpu

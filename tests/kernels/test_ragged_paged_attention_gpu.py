@@ -219,6 +219,10 @@ def test_mosaic_prefill_only_from_min_tokens(monkeypatch):
         jax.ShapeDtypeStruct((16, 32, 128), jnp.bfloat16), sm_scale=0.1)
     assert calls == [(16, "auto", 132)]
     assert gpu_backend.get_kernel() is rpa_gpu.ragged_paged_attention_gpu  # plain: no wrapper
+    # what the engine logs as its attention: whether the model's shape gets the Mosaic kernel
+    assert fn.mosaic_applies(jnp.bfloat16, 128, 4, 16)  # Llama-3-8B
+    assert not fn.mosaic_applies(jnp.bfloat16, 64, 3, 16)  # SmolLM2-135M: G = 3
+    assert not fn.mosaic_applies(jnp.bfloat16, 128, 4, 16, sliding_window=4096)
 
 
 def test_backend_names_pick_the_mosaic_prefill(monkeypatch):
