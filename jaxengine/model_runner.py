@@ -176,8 +176,7 @@ class ModelRunner:
                                             k=config.max_logprobs or 1))
         self.compile_seconds = 0.0
         from jaxengine.pallas_kernels import gpu_backend
-        kernel = (gpu_backend.get_kernel(mosaic_prefill=config.attention_backend in ("auto", "pallas-mosaic"))
-                  if config.attention_backend != "reference" else None)
+        kernel = gpu_backend.kernel_for(config.attention_backend)
         if kernel is not None:
             self.attention_impl = getattr(kernel, "__name__", "pallas kernel")
             applies = getattr(kernel, "mosaic_applies", None)

@@ -47,6 +47,7 @@ def get_kernel(mosaic_prefill: bool = False,
         logger.info("no Pallas attention kernel for device %s (compute capability %s)",
                     device.device_kind, cc)
         return None
+    from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
     from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
         MosaicTiling, Tiling, ragged_paged_attention_gpu)
     if mosaic_prefill and cc[0] == 9:
@@ -63,10 +64,18 @@ def get_kernel(mosaic_prefill: bool = False,
                            sliding_window: int | None = None, soft_cap: float | None = None
                            ) -> bool:
             """Whether a model with these properties gets the Mosaic kernel at all."""
-            from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
             return mgpu.supported(dtype, head_dim, group, block_size, soft_cap, sliding_window,
                                   tiling.mosaic)
 
         ragged_paged_attention_gpu_mosaic_prefill.mosaic_applies = mosaic_applies
         return ragged_paged_attention_gpu_mosaic_prefill
     return ragged_paged_attention_gpu
+
+
+def kernel_for(backend: str) -> Callable | None:
+    """The kernel behind an attention backend name (config.ATTENTION_BACKENDS) on this
+    machine: None for "reference" and off supported GPUs; "auto" and "pallas-mosaic" with the
+    Mosaic prefill kernel on Hopper, "pallas" the Triton kernels only."""
+    if backend == "reference":
+        return None
+    return get_kernel(mosaic_prefill=backend in ("auto", "pallas-mosaic"))

@@ -243,7 +243,7 @@ def ragged_paged_attention(
         backend == "auto" and jax.default_backend() == "gpu")
     if use_kernel:
         from jaxengine.pallas_kernels import gpu_backend  # imported lazily: GPU-only code
-        fn = gpu_backend.get_kernel(mosaic_prefill=backend in ("auto", "pallas-mosaic"))
+        fn = gpu_backend.kernel_for(backend)
         if fn is not None:
             return fn(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
