@@ -125,15 +125,7 @@ class LLMEngine:
         budget = config.max_num_batched_tokens or (512 if jax.default_backend() == "cpu" else 8192)
         if budget < config.max_num_seqs and config.max_num_batched_tokens is not None:
             raise ValueError(f"max_num_batched_tokens={budget} must be >= max_num_seqs={config.max_num_seqs}")
-        backend = config.attention_backend
-        if backend == "auto" and config.tensor_parallel_size > 1 and jax.default_backend() == "gpu":
-            # The Mosaic prefill kernel has not been checked on a GPU under tensor parallelism
-            # (per-device heads under shard_map): "auto" keeps the Triton kernels there.
-            logger.info("tensor parallel: attention_backend 'auto' takes the Triton kernels "
-                        "('pallas-mosaic' asks for the Mosaic prefill kernel)")
-            backend = "pallas"
-        return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget,
-                                   attention_backend=backend)
+        return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget)
 
     @staticmethod
     def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graphdef, state, plan=None) -> int:
