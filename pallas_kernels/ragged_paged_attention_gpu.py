@@ -12,6 +12,8 @@ Kernel 1, `_decode_kernel`, grid (K, NPD): flash-decoding for the sequences with
   padded slots cost ~nothing. A row with one used split is written directly; otherwise each
   split publishes an unnormalised partial (acc, running max, running sum) to f32 scratch and
   bumps an arrival counter, and the last split to arrive merges them (vectorised over splits).
+  When the Mosaic prefill kernel follows, extra programs of this kernel build its tile table
+  (`_tile_table_program`) beside the decode work.
 Kernel 2, `_prefill_kernel`, grid (K, NQB), output aliased to kernel 1's output: program p is
   a query tile of block_q tokens. Tiles are mapped to (sequence, tile) without the host: the
   tiles of sequence s are numbered from `query_start_loc[s] // block_q + s`, which leaves room
@@ -199,13 +201,133 @@ def _split_geometry(kv_len, splits, window: int | None, dims: _Dims, tiling: Til
     return lo, first_page, chunk, _cdiv(n_pages, chunk)
 
 
+@dataclasses.dataclass(frozen=True)
+class _TableDims:
+    """Static shape of the Mosaic prefill kernel's tile table when Triton programs build it."""
+
+    tt: int      # tokens per tile (mgpu.tile_tokens)
+    nt: int      # table length (mgpu.num_tiles, a static bound on live tiles)
+    sp: int      # slots padded to a power of two (one vector per metadata array)
+    chunks: int  # table programs: TABLE_TILES tiles of the sequence-order list each
+
+    @staticmethod
+    def make(t: int, s: int, g: int) -> _TableDims:
+        nt = mgpu.num_tiles(t, s, g)
+        return _TableDims(tt=mgpu.tile_tokens(g), nt=nt, sp=_next_pow2(s),
+                          chunks=_cdiv(nt, TABLE_TILES))
+
+
+TABLE_TILES = 16  # tiles of the sequence-order list that one table program places
+
+
+def _tile_table_program(c, qsl_ref, kvl_ref, ns_ref, seq_ref, t0_ref, qend_ref, fpos_ref,
+                        cnt_ref, *, s: int, td: _TableDims):
+    """Program c of the tile table (`mgpu.tile_layout`'s contract, without its XLA fusions):
+    tiles [c * TABLE_TILES, (c + 1) * TABLE_TILES) of the sequence-order list, each written
+    at its place in the heaviest-first order. The table has chunks * TABLE_TILES >= NT
+    entries; those past the live count hold seq -1 (no work) and zeros.
+
+    A tile's place is how many tiles go before it: those reaching further into the KV (larger
+    first position), and those reaching equally far from an earlier sequence. Sequence b's
+    tiles start at positions fp_b + j * TT, j < tiles_b, so how many of them lie above a
+    position x is a closed form per sequence: one [TABLE_TILES, S] pass, no sort and no
+    ordering of the whole table in one place.
+    """
+    b = jnp.arange(td.sp, dtype=jnp.int32)
+    slot = b < s
+    n_live = jnp.minimum(ns_ref[0], s)
+    q_start = plgpu.load(qsl_ref.at[b], mask=slot, other=0)
+    q_next = plgpu.load(qsl_ref.at[b + 1], mask=slot, other=0)
+    kv_len = plgpu.load(kvl_ref.at[b], mask=slot, other=0)
+    q_len = jnp.where(b < n_live, q_next - q_start, 0)
+    tiles = jnp.where(q_len > 1, (q_len + td.tt - 1) // td.tt, 0)
+    ends = jnp.cumsum(tiles)  # inclusive
+    total = jnp.sum(tiles)
+    fp0 = kv_len - q_len  # KV position of each sequence's first new token
+
+    i = c * TABLE_TILES + jnp.arange(TABLE_TILES, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.sum((ends[None, :] <= i[:, None]).astype(jnp.int32), axis=1), s - 1)
+    mine = b[None, :] == seq[:, None]  # [tiles, slots]: each tile's sequence
+
+    def pick(v):
+        return jnp.sum(jnp.where(mine, v[None, :], 0), axis=1)
+
+    qs, ql, f0 = pick(q_start), pick(q_len), pick(fp0)
+    j = i - (pick(ends) - pick(tiles))  # the tile's index within its sequence
+    x = f0 + j * td.tt  # its first position
+    d = jnp.maximum(x[:, None] - fp0[None, :], 0)
+    reach = x[:, None] >= fp0[None, :]
+    # Tiles of b at or below x: j' <= (x - fp_b) / TT; above x: the rest of tiles_b.
+    below = jnp.where(reach, jnp.minimum(d // td.tt + 1, tiles[None, :]), 0)
+    tie = reach & (d % td.tt == 0) & (d // td.tt < tiles[None, :]) & (b[None, :] < seq[:, None])
+    place = jnp.sum(tiles[None, :] - below + tie.astype(jnp.int32), axis=1)
+    # The live places are 0 .. total - 1, once each; an entry i past them is written at i
+    # with seq -1 (no work), so every entry is written once and no two lanes meet.
+    live = i < total
+    place = jnp.where(live, place, i)
+    plgpu.store(seq_ref.at[place], jnp.where(live, seq, -1))
+    plgpu.store(t0_ref.at[place], jnp.where(live, qs + j * td.tt, 0))
+    plgpu.store(qend_ref.at[place], jnp.where(live, qs + ql, 0))
+    plgpu.store(fpos_ref.at[place], jnp.where(live, x, 0))
+
+    @pl.when(c == 0)
+    def _():
+        cnt_ref[0] = jnp.minimum(total, td.nt)
+
+
+def _table_shapes(td: _TableDims) -> tuple:
+    return (jax.ShapeDtypeStruct((td.chunks * TABLE_TILES,), jnp.int32),) * 4 + (
+        jax.ShapeDtypeStruct((1,), jnp.int32),)
+
+
+def tile_table(query_start_loc, kv_lens, num_seqs, *, t: int, n: int, k: int,
+               interpret: bool = False) -> mgpu.TileLayout:
+    """The Mosaic prefill kernel's tile table by one Triton launch (prefill-only calls; the
+    default call builds it in extra programs of the decode kernel). Same first `count`
+    entries as `mgpu.tile_layout`; after them, entries with seq -1 (no work)."""
+    s = kv_lens.shape[0]
+    td = _TableDims.make(t, s, n // k)
+
+    def kernel(qsl_ref, kvl_ref, ns_ref, *refs):
+        _tile_table_program(pl.program_id(0), qsl_ref, kvl_ref, ns_ref, *refs, s=s, td=td)
+
+    cols = pl.pallas_call(kernel, grid=(td.chunks,), out_shape=_table_shapes(td),
+                          interpret=interpret, name="rpa_tile_table",
+                          compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+                          )(query_start_loc, kv_lens, num_seqs)
+    return mgpu.TileLayout(*cols)
+
+
 def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, cnt_in_ref,
-                   out_ref, op_ref, mp_ref, lp_ref, cnt_ref, *, dims: _Dims, tiling: Tiling,
-                   sm_scale: float, soft_cap: float | None, window: int | None,
-                   interpret: bool, zero_padding: bool):
+                   out_ref, op_ref, mp_ref, lp_ref, cnt_ref, *table_refs, dims: _Dims,
+                   tiling: Tiling, sm_scale: float, soft_cap: float | None,
+                   window: int | None, interpret: bool, zero_padding: bool,
+                   table: _TableDims | None = None):
+    """Programs (kh, p < NPD): decode rows. With `table` (the Mosaic prefill kernel follows),
+    programs (kh, p >= NPD) build its tile table into `table_refs`, beside the decode work
+    instead of as XLA ops before it."""
     del cnt_in_ref  # zeroed arrival counters, aliased to cnt_ref
     kh = pl.program_id(0)
     p = pl.program_id(1)
+    decode = functools.partial(
+        _decode_program, q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, op_ref,
+        mp_ref, lp_ref, cnt_ref, kh=kh, p=p, dims=dims, tiling=tiling, sm_scale=sm_scale,
+        soft_cap=soft_cap, window=window, interpret=interpret, zero_padding=zero_padding)
+    if table is None:
+        decode()
+        return
+    pl.when(p < dims.npd)(decode)
+    c = (p - dims.npd) * dims.k + kh
+
+    @pl.when((p >= dims.npd) & (c < table.chunks))
+    def _():
+        _tile_table_program(c, qsl_ref, kvl_ref, ns_ref, *table_refs, s=dims.s, td=table)
+
+
+def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, op_ref,
+                    mp_ref, lp_ref, cnt_ref, *, kh, p, dims: _Dims, tiling: Tiling,
+                    sm_scale: float, soft_cap: float | None, window: int | None,
+                    interpret: bool, zero_padding: bool):
     n_live = jnp.minimum(ns_ref[0], dims.s)
     if zero_padding:
         # Padding rows (tokens from query_start_loc[num_seqs] on) get zeros: program p of a
@@ -497,10 +619,12 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
         # No decode kernel: the Mosaic kernel fills a fresh buffer (zeroing the padding rows
         # itself); the Triton prefill kernel writes prefill and padding rows into zeros.
         out = None if mosaic else jnp.zeros((dims.t * dims.n, dims.h), q.dtype)
+        layout = (tile_table(query_start_loc, kv_lens, num_seqs, t=dims.t, n=dims.n, k=dims.k)
+                  if mosaic and tiling.mosaic.tile_table == "triton" else None)
         return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                              num_seqs, dims=dims, mosaic=mosaic, sm_scale=sm_scale,
                              soft_cap=soft_cap, window=window, tiling=tiling,
-                             interpret=interpret)
+                             interpret=interpret, layout=layout)
     # The decode kernel zeroes the padding rows when the Mosaic prefill kernel follows (it
     # writes its own rows only) or when no prefill kernel follows.
     zero_padding = mosaic or decode_only
@@ -517,46 +641,67 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
                              kv_lens, block_tables, query_start_loc, num_seqs, dims=dims,
                              mosaic=mosaic, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                              tiling=tiling, interpret=interpret)
+    # With the Mosaic prefill kernel next, the decode kernel's extra programs build its tile
+    # table (one launch fewer than XLA's three fusions, running beside the decode work).
+    table = mosaic and tiling.mosaic.tile_table == "triton"
+    out, layout = _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                               num_seqs, dims=dims, sm_scale=sm_scale, soft_cap=soft_cap,
+                               window=window, tiling=tiling, interpret=interpret,
+                               zero_padding=zero_padding, table=table)
+    if decode_only:
+        return out.reshape(dims.t, dims.n, dims.h)
+    return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                         num_seqs, dims=dims, mosaic=mosaic, sm_scale=sm_scale,
+                         soft_cap=soft_cap, window=window, tiling=tiling, interpret=interpret,
+                         layout=layout)
+
+
+def _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
+                 dims: _Dims, sm_scale: float, soft_cap: float | None, window: int | None,
+                 tiling: Tiling, interpret: bool, zero_padding: bool, table: bool
+                 ) -> tuple[jax.Array, mgpu.TileLayout | None]:
+    """The Triton decode kernel: decode rows (and zeroed padding rows with `zero_padding`) of
+    a fresh [T * N, H] buffer, and with `table` the Mosaic prefill kernel's tile table from
+    its extra programs (else None)."""
     q2, kc, vc, bt = _flat(q, k_cache, v_cache, block_tables, dims)
-    common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window)
     n_part = dims.k * dims.npd * dims.g
     counters = jnp.zeros((dims.s * dims.k,), jnp.int32)
-
-    out, _, _, _, _ = pl.pallas_call(
-        functools.partial(_decode_kernel, interpret=interpret, zero_padding=zero_padding,
-                          **common),
-        grid=(dims.k, dims.npd),
+    td = _TableDims.make(dims.t, dims.s, dims.g) if table else None
+    outs = pl.pallas_call(
+        functools.partial(_decode_kernel, dims=dims, tiling=tiling, sm_scale=sm_scale,
+                          soft_cap=soft_cap, window=window, interpret=interpret,
+                          zero_padding=zero_padding, table=td),
+        grid=(dims.k, dims.npd + (0 if td is None else _cdiv(td.chunks, dims.k))),
         out_shape=(jax.ShapeDtypeStruct((dims.t * dims.n, dims.h), q.dtype),
                    jax.ShapeDtypeStruct((n_part, dims.h), jnp.float32),
                    jax.ShapeDtypeStruct((n_part,), jnp.float32),
                    jax.ShapeDtypeStruct((n_part,), jnp.float32),
-                   jax.ShapeDtypeStruct((dims.s * dims.k,), jnp.int32)),
+                   jax.ShapeDtypeStruct((dims.s * dims.k,), jnp.int32),
+                   *(() if td is None else _table_shapes(td))),
         input_output_aliases={7: 4},
         compiler_params=plgpu.CompilerParams(num_warps=tiling.decode_num_warps,
                                              num_stages=tiling.decode_num_stages),
         interpret=interpret,
         name="rpa_decode",
     )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, counters)
-    if decode_only:
-        return out.reshape(dims.t, dims.n, dims.h)
-    return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                         num_seqs, dims=dims, mosaic=mosaic, sm_scale=sm_scale,
-                         soft_cap=soft_cap, window=window, tiling=tiling, interpret=interpret)
+    return outs[0], (None if td is None else mgpu.TileLayout(*outs[5:]))
 
 
 def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                   *, dims: _Dims, mosaic: bool, sm_scale: float, soft_cap: float | None,
-                  window: int | None, tiling: Tiling, interpret: bool) -> jax.Array:
+                  window: int | None, tiling: Tiling, interpret: bool,
+                  layout: mgpu.TileLayout | None = None) -> jax.Array:
     """Writes the prefill rows (and, on the Triton path, zero padding rows) into `out`
     [T * N, H], which holds the decode rows, in place; returns [T, N, H]. `out=None` (Mosaic
-    path, prefill-only call): a fresh buffer, padding rows zeroed by the Mosaic kernel."""
+    path, prefill-only call): a fresh buffer, padding rows zeroed by the Mosaic kernel.
+    `layout`: the Mosaic kernel's tile table, if built already."""
     if mosaic:
         # The decode kernel wrote the decode rows and zeroed the padding rows; the Mosaic
         # kernel writes the prefill rows into the same buffer, in place.
         out3 = None if out is None else out.reshape(dims.t, dims.n, dims.h)
         return mgpu.prefill_attention(q, k_cache, v_cache, kv_lens, block_tables,
                                       query_start_loc, num_seqs, out3, sm_scale=sm_scale,
-                                      tiling=tiling.mosaic)
+                                      tiling=tiling.mosaic, layout=layout)
 
     q2, kc, vc, bt = _flat(q, k_cache, v_cache, block_tables, dims)
     common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window)

@@ -82,6 +82,9 @@ class MosaicTiling:
     profile_dir: diagnostics: a directory where each call writes a Chrome trace of every
       warpgroup's phases (Mosaic GPU's in-kernel profiler; benchmarks/kernels/mosaic_phases.py
       sums them). Empty: off, and the kernel is unchanged.
+    tile_table: who builds the tile table (`tile_layout`'s contract) on the Triton decode path:
+      "triton": extra programs of the Triton decode kernel (one Triton launch of its own in a
+      prefill-only call); "xla": XLA ops before the call (three fusions).
     """
 
     block_kv: int = 128
@@ -92,8 +95,12 @@ class MosaicTiling:
     sm_count: int = 132
     overlap: bool = False
     profile_dir: str = ""
+    tile_table: str = "triton"
 
     def __post_init__(self) -> None:
+        if self.tile_table not in ("triton", "xla"):
+            raise ValueError(f"MosaicTiling.tile_table must be 'triton' or 'xla', "
+                             f"got {self.tile_table!r}")
         if self.num_ctas is not None and self.num_ctas < 1:
             raise ValueError(f"MosaicTiling.num_ctas must be >= 1 or None, got {self.num_ctas}")
         if self.kv_splits is not None and not 1 <= self.kv_splits <= _MAX_SPLITS:
@@ -711,18 +718,21 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
 
 
 def prefill_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-                      out, *, sm_scale: float, tiling: MosaicTiling):
+                      out, *, sm_scale: float, tiling: MosaicTiling,
+                      layout: TileLayout | None = None):
     """The rows of the prefill chunks. `out` [T, N, H]: they are written into it in place (the
     buffer is aliased) and the other rows are left as they are. `out=None` (a prefill-only
     call: no decode kernel ran): a fresh buffer with the prefill rows, zeros in the padding
-    rows and nothing written in decode rows. Returns [T, N, H]. Inputs validated by the
-    caller."""
+    rows and nothing written in decode rows. `layout`: the tile table if built already (only
+    its first `count` entries are read), else `tile_layout` builds it. Returns [T, N, H].
+    Inputs validated by the caller."""
     t, n, h = q.shape
     _, k, p, _ = k_cache.shape
     s, m = block_tables.shape
     g = n // k
     bkv, stages = tiling.block_kv, tiling.stages
-    layout = tile_layout(query_start_loc, kv_lens, num_seqs, t=t, s=s, n=n, k=k)
+    if layout is None:
+        layout = tile_layout(query_start_loc, kv_lens, num_seqs, t=t, s=s, n=n, k=k)
     splits = kv_splits(t, k, g, tiling)
     n_groups = grid_clusters(t, s, k, g, splits, tiling)
     dtype = q.dtype

@@ -653,12 +653,15 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
                 row["check_mosaic"] = runner.check(step, pool, tiling, with_bundled=False,
                                                    prefill="mosaic")
                 variants, tilings = {}, {}
-                for bkv, ctas, sp, ov in itertools.product(
+                for bkv, ctas, sp, ov, tab in itertools.product(
                         runner.args.mosaic_block_kv, runner.args.mosaic_ctas,
-                        runner.args.mosaic_splits, runner.args.mosaic_overlap):
+                        runner.args.mosaic_splits, runner.args.mosaic_overlap,
+                        runner.args.mosaic_table):
                     mt = MosaicTiling(block_kv=bkv, **_cta_mode(ctas), overlap=ov,
-                                      kv_splits=None if sp == "auto" else int(sp))
-                    key = (bkv, ctas, sp) + (("ov",) if ov else ())
+                                      kv_splits=None if sp == "auto" else int(sp),
+                                      tile_table=tab)
+                    key = ((bkv, ctas, sp) + (("ov",) if ov else ())
+                           + (("xla",) if tab == "xla" else ()))
                     tilings[key] = dataclasses.replace(tiling, mosaic=mt)
                     variants[key] = runner.ours(step, pool, 2, tilings[key],
                                                 prefill="mosaic")
@@ -680,7 +683,8 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
                 only = best[-1] == "only"  # the fastest was a prefill_only call
                 row["ours_mosaic"] = dict(variants[best], block_kv=best[0], ctas=best[1],
                                           kv_splits=best[2], prefill_only=only,
-                                          overlap="ov" in best)
+                                          overlap="ov" in best,
+                                          tile_table="xla" if "xla" in best else "triton")
                 tm = _ms(row["ours_mosaic"])
                 row["mosaic_flops_frac_of_matmul"] = row["flops"] / (tm * 1e-3) / \
                     runner.ceil["matmul_flops_per_s"]
@@ -872,6 +876,10 @@ def main() -> None:
                     "softmax, P.V in turn), 1 (Q.K^T of step i with P.V of step i-1 over the "
                     "softmax), e.g. 0,1; with 1 among them, the correctness cases also run "
                     "with overlap")
+    ap.add_argument("--mosaic-table", type=lambda x: x.split(","), default=["triton"],
+                    help="MosaicTiling.tile_table values to time: triton (the table from "
+                    "Triton programs: in the decode kernel, or a launch of its own in a "
+                    "prefill_only call), xla (XLA ops before the call), e.g. triton,xla")
     ap.add_argument("--prefill-filter", default="",
                     help="only prefill-grid shapes whose '<kind> <chunk>@<ctx>' contains one "
                          "of these comma-separated texts")

@@ -1,6 +1,7 @@
 """The Mosaic GPU prefill kernel on the CPU: what can be checked without a Hopper GPU.
 
-- The tile layout (built by XLA before the kernel): the live tiles, heaviest first, cover every
+- The tile layout (`tile_layout`, XLA ops; the Triton programs that build it by default give
+  the same entries): the live tiles, heaviest first, cover every
   prefill row exactly once. The kernel's writes are emulated (each tile's live tokens, cut into
   the power-of-two chunks its TMA stores use) into an output whose prefill rows are poisoned
   with NaN and whose decode and padding rows hold what the decode kernel leaves there.
@@ -94,6 +95,43 @@ def test_rank_order_is_the_stable_sort(monkeypatch):
     np.testing.assert_array_equal(mgpu.tile_layout(*args, **kw).table, ranked.table)
 
 
+@pytest.mark.parametrize("n,k,q_lens,ctx_lens,pad_slots,pad_tokens", [
+    (32, 8, [1, 1, 37, 300, 17, 64, 2], [15, 3000, 0, 500, 1234, 63, 1], 2, 2),
+    (16, 2, [1, 129, 8, 250], [40, 0, 31, 777], 0, 4),
+    (4, 4, [3, 200, 1, 100], [0, 64, 10, 129], 1, 0),
+    (8, 8, [1, 1, 1], [5, 6, 7], 0, 5),  # decode only: no tile
+    (32, 8, [33, 32, 64, 31], [32, 0, 0, 64], 0, 0),  # tiles reaching equally far: ties
+    (32, 8, [2] * 40, [5] * 40, 3, 6),  # more tiles than one table program places
+])
+def test_triton_tile_table_is_the_xla_one(n, k, q_lens, ctx_lens, pad_slots, pad_tokens):
+    """The tile table built by Triton programs (its own launch for prefill-only calls; extra
+    programs of the decode kernel otherwise; Pallas interpret mode) holds the entries of
+    `tile_layout`'s, in the same order, and the decode rows are unchanged by the extra
+    programs."""
+    from jaxengine.pallas_kernels import ragged_paged_attention_gpu as rpa
+
+    rng = np.random.default_rng(len(q_lens) * n)
+    b = make_batch(rng, q_lens=q_lens, ctx_lens=ctx_lens, num_heads=n, num_kv_heads=k,
+                   head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=pad_slots,
+                   pad_tokens=pad_tokens)
+    t, s = b.q.shape[0], b.block_tables.shape[0]
+    meta = (b.query_start_loc, b.kv_lens, b.num_seqs)
+    want = mgpu.tile_layout(*meta, t=t, s=s, n=n, k=k)
+    count = int(want.count[0])
+    dims = rpa._make_dims(b.q, b.k_cache, b.block_tables, Tiling())
+    kw = dict(dims=dims, sm_scale=0.25, soft_cap=None, window=None, tiling=Tiling(),
+              interpret=True, zero_padding=True)
+    rows, none = rpa._decode_rows(*b.args(), table=False, **kw)
+    rows_t, in_decode = rpa._decode_rows(*b.args(), table=True, **kw)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(rows_t), np.asarray(rows))
+    for got in (rpa.tile_table(*meta, t=t, n=n, k=k, interpret=True), in_decode):
+        assert int(got.count[0]) == count
+        table = np.asarray(got.table)
+        np.testing.assert_array_equal(table[:count], np.asarray(want.table)[:count])
+        assert len(table) >= len(want.table) and (table[count:, 0] == -1).all()
+
+
 def _emulate_split_merge(b, layout, out, *, g: int, bkv: int, splits: int, sm_scale: float):
     """What the kernel writes with KV splits: for each live tile, KV head and warpgroup, each
     split CTA's 64 rows (row jj * TQ + r: head jj, token r) over its share of the keys,
@@ -167,8 +205,9 @@ def test_kv_split_rows_merge_to_the_reference(n, k, splits, q_lens, ctx_lens):
 
 
 def test_one_tile_table_per_program_however_many_layers():
-    """Every layer traces its own tile table from the same step metadata; XLA keeps one (inlining
-    plus CSE), so the table costs one step, not one per layer. Checked on the CPU pipeline."""
+    """With tile_table="xla", every layer traces its own tile table from the same step
+    metadata; XLA keeps one (inlining plus CSE), so the table costs one step, not one per
+    layer. Checked on the CPU pipeline."""
     def program(n_layers):
         def layers(qsl, kv_lens, num_seqs, x):
             for _ in range(n_layers):
@@ -292,13 +331,17 @@ def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, grid, splits, prefill_only):
         prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "mosaic_gpu" in text
+    # The tile table comes from Triton programs, not XLA reductions.
+    assert "stablehlo.reduce" not in text and "stablehlo.sort" not in text
     if prefill_only:
-        # One launch: no decode kernel before it; the kernel fills a fresh buffer.
-        assert "rpa_decode" not in text
+        # No decode kernel before it (the table has a launch of its own); the kernel fills a
+        # fresh buffer.
+        assert "rpa_decode" not in text and "rpa_tile_table" in text
         assert "output_operand_alias" not in text.split("mosaic_gpu", 1)[1]
     else:
-        # The Mosaic kernel writes its rows into the decode kernel's output in place.
-        assert "rpa_decode" in text
+        # The decode kernel builds the table; the Mosaic kernel writes its rows into the
+        # decode kernel's output in place.
+        assert "rpa_decode" in text and "rpa_tile_table" not in text
         assert "output_operand_alias" in text.split("mosaic_gpu", 1)[1]
 
 
@@ -375,6 +418,8 @@ def test_kernel_choice_errors(rows):
 def test_prefill_option_errors():
     with pytest.raises(ValueError, match="block_kv must be a multiple of 64"):
         mgpu.MosaicTiling(block_kv=96)
+    with pytest.raises(ValueError, match="tile_table must be 'triton' or 'xla'"):
+        mgpu.MosaicTiling(tile_table="sort")
     assert EngineConfig(attention_backend="pallas-mosaic").attention_backend == "pallas-mosaic"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(attention_backend="mosaic")
