@@ -208,29 +208,42 @@ class _TableDims:
     tt: int      # tokens per tile (mgpu.tile_tokens)
     nt: int      # table length (mgpu.num_tiles, a static bound on live tiles)
     sp: int      # slots padded to a power of two (one vector per metadata array)
-    chunks: int  # table programs: TABLE_TILES tiles of the sequence-order list each
+    per: int     # tiles of the sequence-order list that one table program places
+    chunks: int  # table programs
 
     @staticmethod
     def make(t: int, s: int, g: int) -> _TableDims:
         nt = mgpu.num_tiles(t, s, g)
-        return _TableDims(tt=mgpu.tile_tokens(g), nt=nt, sp=_next_pow2(s),
-                          chunks=_cdiv(nt, TABLE_TILES))
+        sp = _next_pow2(s)
+        # [per, S] working set of at most TABLE_ELEMENTS: the table programs share the decode
+        # kernel's register budget, so wide slot counts place fewer tiles per program.
+        per = max(1, min(TABLE_TILES, TABLE_ELEMENTS // sp))
+        return _TableDims(tt=mgpu.tile_tokens(g), nt=nt, sp=sp, per=per, chunks=_cdiv(nt, per))
+
+    @property
+    def length(self) -> int:
+        """Entries of each table column (>= nt)."""
+        return self.chunks * self.per
 
 
-TABLE_TILES = 16  # tiles of the sequence-order list that one table program places
+TABLE_TILES = 16  # tiles of the sequence-order list that one table program places, at most
+TABLE_ELEMENTS = 4096  # and its [tiles, slots] comparisons at most this many elements
+# Slots (padded to a power of two) up to which the decode kernel's own programs build the table:
+# 256 (the engine's default max_num_seqs) measured no slower decode work beside them on the H100.
+FUSED_TABLE_MAX_SLOTS = 256
 
 
 def _tile_table_program(c, qsl_ref, kvl_ref, ns_ref, seq_ref, t0_ref, qend_ref, fpos_ref,
                         cnt_ref, *, s: int, td: _TableDims):
     """Program c of the tile table (`mgpu.tile_layout`'s contract, without its XLA fusions):
-    tiles [c * TABLE_TILES, (c + 1) * TABLE_TILES) of the sequence-order list, each written
-    at its place in the heaviest-first order. The table has chunks * TABLE_TILES >= NT
-    entries; those past the live count hold seq -1 (no work) and zeros.
+    tiles [c * per, (c + 1) * per) of the sequence-order list, each written at its place in
+    the heaviest-first order. The table has chunks * per >= NT entries; those past the live
+    count hold seq -1 (no work) and zeros.
 
     A tile's place is how many tiles go before it: those reaching further into the KV (larger
     first position), and those reaching equally far from an earlier sequence. Sequence b's
     tiles start at positions fp_b + j * TT, j < tiles_b, so how many of them lie above a
-    position x is a closed form per sequence: one [TABLE_TILES, S] pass, no sort and no
+    position x is a closed form per sequence: one [per, S] pass, no sort and no
     ordering of the whole table in one place.
     """
     b = jnp.arange(td.sp, dtype=jnp.int32)
@@ -245,7 +258,7 @@ def _tile_table_program(c, qsl_ref, kvl_ref, ns_ref, seq_ref, t0_ref, qend_ref, 
     total = jnp.sum(tiles)
     fp0 = kv_len - q_len  # KV position of each sequence's first new token
 
-    i = c * TABLE_TILES + jnp.arange(TABLE_TILES, dtype=jnp.int32)
+    i = c * td.per + jnp.arange(td.per, dtype=jnp.int32)
     seq = jnp.minimum(jnp.sum((ends[None, :] <= i[:, None]).astype(jnp.int32), axis=1), s - 1)
     mine = b[None, :] == seq[:, None]  # [tiles, slots]: each tile's sequence
 
@@ -276,7 +289,7 @@ def _tile_table_program(c, qsl_ref, kvl_ref, ns_ref, seq_ref, t0_ref, qend_ref, 
 
 
 def _table_shapes(td: _TableDims) -> tuple:
-    return (jax.ShapeDtypeStruct((td.chunks * TABLE_TILES,), jnp.int32),) * 4 + (
+    return (jax.ShapeDtypeStruct((td.length,), jnp.int32),) * 4 + (
         jax.ShapeDtypeStruct((1,), jnp.int32),)
 
 
@@ -642,12 +655,17 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
                              mosaic=mosaic, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                              tiling=tiling, interpret=interpret)
     # With the Mosaic prefill kernel next, the decode kernel's extra programs build its tile
-    # table (one launch fewer than XLA's three fusions, running beside the decode work).
+    # table (one launch fewer than XLA's three fusions, running beside the decode work); for
+    # more slots than FUSED_TABLE_MAX_SLOTS the table has a launch of its own, so that its
+    # slot-wide vectors do not weigh on the decode programs' registers.
     table = mosaic and tiling.mosaic.tile_table == "triton"
+    fused = table and _next_pow2(dims.s) <= FUSED_TABLE_MAX_SLOTS
     out, layout = _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                                num_seqs, dims=dims, sm_scale=sm_scale, soft_cap=soft_cap,
                                window=window, tiling=tiling, interpret=interpret,
-                               zero_padding=zero_padding, table=table)
+                               zero_padding=zero_padding, table=fused)
+    if table and not fused:
+        layout = tile_table(query_start_loc, kv_lens, num_seqs, t=dims.t, n=dims.n, k=dims.k)
     if decode_only:
         return out.reshape(dims.t, dims.n, dims.h)
     return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,

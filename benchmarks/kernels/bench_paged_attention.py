@@ -230,6 +230,11 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
         dict(name="chunks G4 H128 P16, 256 rows", q_lens=[1, 200, 48],
              ctx_lens=[100, 1500, 0], n=32, k=8, h=128, p=16, dtype=jnp.bfloat16,
              pad_slots=1, pad_tokens=7),
+        # 300 slots (more than FUSED_TABLE_MAX_SLOTS): the Mosaic tile table gets a launch of
+        # its own, 8 tiles per table program.
+        dict(name="300 slots: 150 decodes + 120 chunks G4 H128 P16", q_lens=[1] * 150 + [3] * 120,
+             ctx_lens=list(rng.integers(0, 600, 270)), n=32, k=8, h=128, p=16,
+             dtype=jnp.bfloat16, pad_slots=30, pad_tokens=2),
     ]
     if smoke:
         cases = [dict(c, q_lens=[min(x, 9) for x in c["q_lens"]][:6],

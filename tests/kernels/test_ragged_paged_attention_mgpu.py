@@ -102,6 +102,7 @@ def test_rank_order_is_the_stable_sort(monkeypatch):
     (8, 8, [1, 1, 1], [5, 6, 7], 0, 5),  # decode only: no tile
     (32, 8, [33, 32, 64, 31], [32, 0, 0, 64], 0, 0),  # tiles reaching equally far: ties
     (32, 8, [2] * 40, [5] * 40, 3, 6),  # more tiles than one table program places
+    (8, 8, [1] * 150 + [3] * 120, [4] * 150 + [7] * 120, 30, 0),  # 300 slots: 8 tiles a program
 ])
 def test_triton_tile_table_is_the_xla_one(n, k, q_lens, ctx_lens, pad_slots, pad_tokens):
     """The tile table built by Triton programs (its own launch for prefill-only calls; extra
@@ -343,6 +344,26 @@ def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, grid, splits, prefill_only):
         # decode kernel's output in place.
         assert "rpa_decode" in text and "rpa_tile_table" not in text
         assert "output_operand_alias" in text.split("mosaic_gpu", 1)[1]
+
+
+def test_wide_slot_counts_give_the_table_a_launch_of_its_own():
+    """Up to FUSED_TABLE_MAX_SLOTS slots the decode kernel's programs build the tile table; for
+    more, `rpa_tile_table` runs beside it (its slot-wide vectors stay out of the decode
+    kernel's registers)."""
+    from jaxengine.pallas_kernels import ragged_paged_attention_gpu as rpa
+
+    def kernels(s):
+        t, m, blocks, n, k, h, p = 512, 8, 64, 32, 8, 128, 16
+        sd = jax.ShapeDtypeStruct
+        args = (sd((t, n, h), jnp.bfloat16), sd((blocks, k, p, h), jnp.bfloat16),
+                sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
+                sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
+        text = ragged_paged_attention_gpu.trace(*args, sm_scale=h ** -0.5, prefill="mosaic"
+                                                ).lower(lowering_platforms=("cuda",)).as_text()
+        return "rpa_decode" in text, "rpa_tile_table" in text
+
+    assert kernels(rpa.FUSED_TABLE_MAX_SLOTS) == (True, False)
+    assert kernels(rpa.FUSED_TABLE_MAX_SLOTS + 1) == (True, True)
 
 
 def test_profiling_is_off_unless_a_folder_is_given():
