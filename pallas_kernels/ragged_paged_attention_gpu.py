@@ -632,12 +632,10 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
         # No decode kernel: the Mosaic kernel fills a fresh buffer (zeroing the padding rows
         # itself); the Triton prefill kernel writes prefill and padding rows into zeros.
         out = None if mosaic else jnp.zeros((dims.t * dims.n, dims.h), q.dtype)
-        layout = (tile_table(query_start_loc, kv_lens, num_seqs, t=dims.t, n=dims.n, k=dims.k)
-                  if mosaic and tiling.mosaic.tile_table == "triton" else None)
         return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                              num_seqs, dims=dims, mosaic=mosaic, sm_scale=sm_scale,
                              soft_cap=soft_cap, window=window, tiling=tiling,
-                             interpret=interpret, layout=layout)
+                             interpret=interpret)
     # The decode kernel zeroes the padding rows when the Mosaic prefill kernel follows (it
     # writes its own rows only) or when no prefill kernel follows.
     zero_padding = mosaic or decode_only
@@ -655,17 +653,15 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
                              mosaic=mosaic, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                              tiling=tiling, interpret=interpret)
     # With the Mosaic prefill kernel next, the decode kernel's extra programs build its tile
-    # table (one launch fewer than XLA's three fusions, running beside the decode work); for
-    # more slots than FUSED_TABLE_MAX_SLOTS the table has a launch of its own, so that its
-    # slot-wide vectors do not weigh on the decode programs' registers.
-    table = mosaic and tiling.mosaic.tile_table == "triton"
-    fused = table and _next_pow2(dims.s) <= FUSED_TABLE_MAX_SLOTS
+    # table (one launch fewer than XLA's three fusions, running beside the decode work), up
+    # to FUSED_TABLE_MAX_SLOTS slots: beyond, its slot-wide vectors would weigh on the decode
+    # programs' registers, and `_prefill_rows` gives it a launch of its own.
+    fused = (mosaic and tiling.mosaic.tile_table == "triton"
+             and _next_pow2(dims.s) <= FUSED_TABLE_MAX_SLOTS)
     out, layout = _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                                num_seqs, dims=dims, sm_scale=sm_scale, soft_cap=soft_cap,
                                window=window, tiling=tiling, interpret=interpret,
                                zero_padding=zero_padding, table=fused)
-    if table and not fused:
-        layout = tile_table(query_start_loc, kv_lens, num_seqs, t=dims.t, n=dims.n, k=dims.k)
     if decode_only:
         return out.reshape(dims.t, dims.n, dims.h)
     return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
@@ -712,10 +708,14 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
     """Writes the prefill rows (and, on the Triton path, zero padding rows) into `out`
     [T * N, H], which holds the decode rows, in place; returns [T, N, H]. `out=None` (Mosaic
     path, prefill-only call): a fresh buffer, padding rows zeroed by the Mosaic kernel.
-    `layout`: the Mosaic kernel's tile table, if built already."""
+    `layout`: the Mosaic kernel's tile table, if the decode kernel built it; else one Triton
+    launch builds it (MosaicTiling.tile_table "triton") or XLA ops do ("xla")."""
     if mosaic:
         # The decode kernel wrote the decode rows and zeroed the padding rows; the Mosaic
         # kernel writes the prefill rows into the same buffer, in place.
+        if layout is None and tiling.mosaic.tile_table == "triton":
+            layout = tile_table(query_start_loc, kv_lens, num_seqs, t=dims.t, n=dims.n,
+                                k=dims.k, interpret=interpret)
         out3 = None if out is None else out.reshape(dims.t, dims.n, dims.h)
         return mgpu.prefill_attention(q, k_cache, v_cache, kv_lens, block_tables,
                                       query_start_loc, num_seqs, out3, sm_scale=sm_scale,

@@ -82,9 +82,10 @@ class MosaicTiling:
     profile_dir: diagnostics: a directory where each call writes a Chrome trace of every
       warpgroup's phases (Mosaic GPU's in-kernel profiler; benchmarks/kernels/mosaic_phases.py
       sums them). Empty: off, and the kernel is unchanged.
-    tile_table: who builds the tile table (`tile_layout`'s contract) on the Triton decode path:
-      "triton": extra programs of the Triton decode kernel (one Triton launch of its own in a
-      prefill-only call); "xla": XLA ops before the call (three fusions).
+    tile_table: who builds the tile table (`tile_layout`'s contract): "triton": extra programs
+      of the Triton decode kernel, else (a prefill-only call, the Mosaic decode kernel, more
+      than 256 slots) one Triton launch of its own; "xla": XLA ops before the call (three
+      fusions).
     """
 
     block_kv: int = 128
