@@ -25,9 +25,10 @@ memory; after a cluster barrier CTA 0 reads them across the cluster (distributed
 memory), merges them with its own and stores the tile; a second cluster barrier keeps the
 other CTAs' buffers until it has read them. One launch: no side buffers, no merge kernel.
 
-The tile list is built by XLA before the call (`tile_layout`: one row per live tile, the tiles
-that attend to the most keys first). The kernel writes its rows in place into the [T, N, H]
-output the decode kernel filled (input/output aliasing): per query head, the tile's live tokens
+The tile list is built before the call (one row per live tile, the tiles that attend to the
+most keys first): by Triton programs (ragged_paged_attention_gpu.tile_table, the default) or by
+XLA ops (`tile_layout`). The kernel writes its rows in place into the [T, N, H] output the
+decode kernel filled (input/output aliasing): per query head, the tile's live tokens
 go out by TMA from an untiled staging buffer in power-of-two row chunks, so no row past the
 sequence's end (another tile's) is touched and no gather or select follows the kernel.
 

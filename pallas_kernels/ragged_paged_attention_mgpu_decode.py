@@ -10,9 +10,10 @@ into the rows of one 64-row tile (GQA packing: each page is read once per KV hea
 Grid: (K, W) clusters of C CTAs. Cluster (kh, w) walks the slots w, w + W, w + 2W, ... of KV
 head kh; the C CTAs of a cluster cut each decode row's KV steps into C ranges (flash-decoding
 splits, `split_steps`), so a small batch still fills the GPU. Each CTA has two warpgroups:
-- a memory warpgroup streams the K and V pages of its range by TMA (one copy per page of P keys,
-  the block ids fetched 256 at a time by one copy), `stages` steps of `block_kv` keys in flight;
-  it runs on across the CTA's rows, so the next row's pages load while this one is finished;
+- a memory warpgroup streams the K and V pages of its range by TMA (one copy per page of P keys;
+  the block ids by copies too: the whole table row, fetched while the row's metadata loads, or
+  256 at a time), `stages` steps of `block_kv` keys in flight; it runs on across the CTA's rows,
+  so the next row's pages load while this one is finished, and then zeroes the padding rows;
 - a compute warpgroup computes Q.K^T and P.V with wgmma and the online softmax.
 With C > 1 (`merge_splits` in the kernel): CTAs 1..C-1 send their first 8 rows (normalised by
 their own softmax sum; the G live ones and finite filler) to global scratch by TMA; after a
@@ -51,6 +52,7 @@ from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
 _PROFILE_RANGES = 32  # phases recorded per warpgroup when profiling (its shared memory is tight)
 _BT_WINDOW = 256  # block ids fetched per copy by the memory warpgroup
+_BT_ROW_MAX = 1024  # table rows up to this many block ids are fetched whole (`bt_row_copies`)
 _HEADS_T = 16  # transposed form: query heads padded to 16 wgmma columns (32-byte rows)
 _SWIZZLE32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # 16-bit tiles
 # Mosaic GPU stores registers through a transposed view of a swizzled buffer from jax 0.11.
@@ -111,12 +113,22 @@ def bt_window(m: int, pages: int) -> int:
     return window if m % 4 == 0 and window >= pages else 0
 
 
+def bt_row_copies(m: int) -> int:
+    """Copies (of up to 256 ids each) that fetch a whole table row of `m` block ids at a row's
+    start, before its metadata is read, so that the two round trips overlap; 0: the row is
+    fetched by windows from the split's first step on (`bt_window`), which needs the row's
+    KV length first. Needs rows of a multiple of 32 ids (whole 128-byte copies; then every
+    step's pages lie inside the row) and at most _BT_ROW_MAX of them."""
+    return _cdiv(m, _BT_WINDOW) if m % 32 == 0 and m <= _BT_ROW_MAX else 0
+
+
 def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
     """Shared memory of one CTA: K/V stages, Q (swizzled, also the split merge's tile in the
-    row form, + staging), the merge's log-sum-exps, a zero tile and the block-id window; in the
-    transposed form also P and the merge tiles O^T of up to 8 splits."""
+    row form, + staging), the merge's log-sum-exps, a zero tile and the block ids (a window,
+    or a whole row of up to _BT_ROW_MAX); in the transposed form also P and the merge tiles
+    O^T of up to 8 splits."""
     common = (2 * tiling.stages * tiling.block_kv * head_dim * itemsize
-              + 2 * _ROWS * head_dim * itemsize + 8 * head_dim * itemsize + _BT_WINDOW * 4
+              + 2 * _ROWS * head_dim * itemsize + 8 * head_dim * itemsize + _BT_ROW_MAX * 4
               + 1024)
     if tiling.transposed is not False and _TRANSPOSED_STORE:  # it may be used
         return (common + _HEADS_T * 4 + tiling.block_kv * _HEADS_T * itemsize
@@ -240,19 +252,6 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             # is finite: the merge matmul multiplies the filler ones by zero weights.
             q_stage[...] = jnp.zeros((_ROWS, h), dtype)
             plgpu.commit_smem()
-        if zero_padding:
-            # Padding rows (tokens from query_start_loc[num_seqs] on) get zeros for this KV
-            # head's G heads: cluster w takes padding tokens w, w + W, ...
-            pad0 = qsl_ref[n_live]
-            zero_smem[...] = jnp.zeros((8, h), dtype)
-            plgpu.commit_smem()
-
-            @pl.when(c == 0)
-            def _():
-                @pl.loop(0, _cdiv(jnp.maximum(t - pad0 - w, 0), walkers))
-                def _(i):
-                    plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, g)],
-                                            out_ref.at[pad0 + w + i * walkers, pl.ds(kh * g, g)])
 
         def load_q(tok):
             """This row's G query heads into rows 0..G-1 of the swizzled Q tile (through the
@@ -476,17 +475,34 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
 
     @pl.when(wg == 1)
     def _memory():
-        window = bt_window(m, pages)
+        row_copies = bt_row_copies(m)
+        window = 0 if row_copies else bt_window(m, pages)
         steps_per_window = max(window // pages, 1)
 
+        def fetch_row(slot):
+            """The whole table row of `slot` into the block-id buffer (not waited for)."""
+            plgpu.commit_smem()  # the previous row's scalar reads of the buffer come first
+            for i0 in range(0, m, _BT_WINDOW):
+                size = min(_BT_WINDOW, m - i0)
+                plgpu.copy_gmem_to_smem(bt_ref.at[slot, pl.ds(i0, size)],
+                                        bt_smem.at[pl.ds(i0, size)], bt_bar)
+
         def row_body(j, base):
+            if row_copies:
+                # Issued before the row's metadata loads: the two round trips overlap, and the
+                # first K/V copies wait for one of them, not for both in turn.
+                fetch_row(w + j * walkers)
             slot, _, _, _, lo, hi = row(j)
+            if row_copies:
+                plgpu.barrier_wait(bt_bar)
 
             with jax.named_scope("kv_issue"):
                 @pl.loop(lo, hi)
                 def _(step):
                     n = base + step - lo
-                    if window:
+                    if row_copies:  # m is a multiple of `pages`: every step's ids are in the row
+                        blks = [bt_smem[step * pages + jj] for jj in range(pages)]
+                    elif window:
                         @pl.when(lax.rem(step - lo, steps_per_window) == 0)
                         def _():
                             # The block ids of the next steps in one copy (ids past the table's
@@ -507,6 +523,24 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             return base + (hi - lo)
 
         lax.fori_loop(0, my_rows, row_body, jnp.int32(0))
+        if zero_padding:
+            # Padding rows (tokens from query_start_loc[num_seqs] on) get zeros for this KV
+            # head's G heads, cluster w taking padding tokens w, w + W, ...: here, after the
+            # last K/V copies are issued, so that the two dependent loads this needs do not
+            # delay the first ones (nor the compute warpgroup's Q load).
+            zero_smem[...] = jnp.zeros((8, h), dtype)
+            plgpu.commit_smem()
+
+            @pl.when(c == 0)
+            def _():
+                pad0 = qsl_ref[n_live]
+
+                @pl.loop(0, _cdiv(jnp.maximum(t - pad0 - w, 0), walkers))
+                def _(i):
+                    plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, g)],
+                                            out_ref.at[pad0 + w + i * walkers, pl.ds(kh * g, g)])
+
+            plgpu.wait_smem_to_gmem(0)
 
 
 def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
@@ -536,7 +570,8 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                 # its log-sum-exps, one per row (transposed: column), read across the cluster
                 plgpu.SMEM((_HEADS_T if transposed else _ROWS,), jnp.float32),
                 plgpu.SMEM((8, h), dtype),
-                plgpu.SMEM((_BT_WINDOW,), jnp.int32))
+                plgpu.SMEM((max(_BT_WINDOW, m) if bt_row_copies(m) else _BT_WINDOW,),
+                           jnp.int32))
         if transposed:  # P, and the merge tiles O^T (this CTA's, then the other splits')
             smem += (plgpu.SMEM((_HEADS_T, bkv), dtype, transforms=mma_transforms(bkv, dtype)),
                      plgpu.SMEM((splits, h, _HEADS_T), dtype, transforms=_SWIZZLE32))
@@ -544,7 +579,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                  plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=1),
                  plgpu.Barrier(num_arrivals=max(splits - 1, 1)),  # CTA 0's fetches
-                 plgpu.Barrier(num_arrivals=1))
+                 plgpu.Barrier(num_arrivals=max(bt_row_copies(m), 1)))  # block ids
         free = (plgpu.Barrier(num_arrivals=1, num_barriers=stages),) * 2
         extra = []
         if splits > 1:

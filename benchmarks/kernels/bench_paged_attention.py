@@ -235,6 +235,14 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
         dict(name="300 slots: 150 decodes + 120 chunks G4 H128 P16", q_lens=[1] * 150 + [3] * 120,
              ctx_lens=list(rng.integers(0, 600, 270)), n=32, k=8, h=128, p=16,
              dtype=jnp.bfloat16, pad_slots=30, pad_tokens=2),
+        # Block tables of a multiple of 32 ids: the Mosaic decode kernel fetches each row's
+        # whole table (2 copies of 256 ids at M 512; 1 at M 64) beside its metadata.
+        dict(name="4 decodes, M 512 tables G4 H128 P16", q_lens=[1, 1, 1, 1],
+             ctx_lens=[8100, 0, 130, 2000], n=32, k=8, h=128, p=16, dtype=jnp.bfloat16,
+             pad_tokens=3, max_blocks=512),
+        dict(name="2 decodes + chunk, M 64 tables G4 H128 P16", q_lens=[1, 1, 24],
+             ctx_lens=[1000, 5, 10], n=32, k=8, h=128, p=16, dtype=jnp.bfloat16,
+             pad_tokens=6, max_blocks=64),
     ]
     if smoke:
         cases = [dict(c, q_lens=[min(x, 9) for x in c["q_lens"]][:6],
@@ -250,7 +258,7 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
             b = make_batch(rng, q_lens=c["q_lens"], ctx_lens=[int(x) for x in c["ctx_lens"]],
                            num_heads=c["n"], num_kv_heads=c["k"], head_dim=c["h"],
                            block_size=c["p"], dtype=c["dtype"], pad_slots=c.get("pad_slots", 0),
-                           pad_tokens=c.get("pad_tokens", 0))
+                           pad_tokens=c.get("pad_tokens", 0), max_blocks=c.get("max_blocks"))
             kw = dict(sm_scale=c["h"] ** -0.5, soft_cap=c.get("soft_cap"),
                       sliding_window=c.get("sliding_window"))
             out = ragged_paged_attention_gpu(*b.args(), **kw, interpret=interpret,

@@ -1,7 +1,8 @@
 """The Mosaic GPU decode kernel on the CPU: what can be checked without a Hopper GPU.
 
 - The kernel lowers for CUDA (Mosaic GPU's layout, TMA and cluster checks run at lowering):
-  one split and a cluster of splits, block ids by copy and by scalar reads, zeroed padding rows
+  one split and a cluster of splits, block ids by whole-row copies (one and two per row), by
+  windows and by scalar reads, zeroed padding rows
   (before the Mosaic prefill kernel), decode-only calls; the transposed form (heads as columns)
   where jax >= 0.11.
 - Its static choices: splits per row, row-walking clusters, the block-id window, the shared
@@ -42,9 +43,11 @@ def _lower(t, s, m, n, k, h, p, *, prefill="triton", decode_only=False, **tiling
 
 
 @pytest.mark.parametrize("t,s,m,n,k,h,p,prefill,decode_only", [
-    (1, 1, 64, 32, 8, 128, 16, "triton", False),   # 8 splits (a cluster), block ids by copy
+    (1, 1, 64, 32, 8, 128, 16, "triton", False),   # 8 splits (a cluster), whole-row block ids
     (8, 8, 13, 16, 2, 64, 32, "mosaic", False),    # splits, scalar block ids, zeroed padding
     (64, 64, 128, 32, 8, 128, 16, "triton", True),  # 1 split, decode-only
+    (8, 2, 512, 32, 8, 128, 16, "mosaic", False),  # whole rows by 2 copies, zeroed padding
+    (2, 2, 300, 32, 8, 128, 16, "triton", True),   # block ids by windows of 256
 ])
 def test_mosaic_decode_lowers_for_cuda(t, s, m, n, k, h, p, prefill, decode_only):
     text = _lower(t, s, m, n, k, h, p, prefill=prefill, decode_only=decode_only)
@@ -99,6 +102,10 @@ def test_splits_walkers_and_block_id_window():
     assert dec.bt_window(132, 16) == 128
     assert dec.bt_window(16, 8) == 0    # under one 128-byte copy: scalar reads
     assert dec.bt_window(130, 8) == 0   # rows not 16-byte aligned: scalar reads
+    # Whole table rows (fetched beside the row's metadata): multiples of 32 ids up to 1024,
+    # in copies of up to 256 ids.
+    assert [dec.bt_row_copies(m) for m in (32, 64, 256, 512, 544, 1024)] == [1, 1, 1, 2, 3, 4]
+    assert [dec.bt_row_copies(m) for m in (13, 16, 132, 300, 1056)] == [0] * 5
 
 
 def test_split_ranges_cover_every_step_once():
