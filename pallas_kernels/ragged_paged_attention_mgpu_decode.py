@@ -113,13 +113,13 @@ def bt_window(m: int, pages: int) -> int:
     return window if m % 4 == 0 and window >= pages else 0
 
 
-def bt_row_copies(m: int) -> int:
+def bt_row_copies(m: int, pages: int) -> int:
     """Copies (of up to 256 ids each) that fetch a whole table row of `m` block ids at a row's
     start, before its metadata is read, so that the two round trips overlap; 0: the row is
     fetched by windows from the split's first step on (`bt_window`), which needs the row's
-    KV length first. Needs rows of a multiple of 32 ids (whole 128-byte copies; then every
-    step's pages lie inside the row) and at most _BT_ROW_MAX of them."""
-    return _cdiv(m, _BT_WINDOW) if m % 32 == 0 and m <= _BT_ROW_MAX else 0
+    KV length first. Needs rows of a multiple of 32 ids (whole 128-byte copies) and of the
+    `pages` ids of one step (so every step's ids lie inside the row), at most _BT_ROW_MAX."""
+    return _cdiv(m, _BT_WINDOW) if m % max(32, pages) == 0 and m <= _BT_ROW_MAX else 0
 
 
 def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
@@ -475,7 +475,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
 
     @pl.when(wg == 1)
     def _memory():
-        row_copies = bt_row_copies(m)
+        row_copies = bt_row_copies(m, pages)
         window = 0 if row_copies else bt_window(m, pages)
         steps_per_window = max(window // pages, 1)
 
@@ -500,7 +500,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                 @pl.loop(lo, hi)
                 def _(step):
                     n = base + step - lo
-                    if row_copies:  # m is a multiple of `pages`: every step's ids are in the row
+                    if row_copies:  # every step's ids are in the row
                         blks = [bt_smem[step * pages + jj] for jj in range(pages)]
                     elif window:
                         @pl.when(lax.rem(step - lo, steps_per_window) == 0)
@@ -559,6 +559,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
     walkers = num_row_walkers(rows, k, splits, tiling)
     dtype = q.dtype
     transposed = use_transposed(splits, tiling)
+    row_copies = bt_row_copies(m, bkv // p)
     # Both operands of a wgmma share one swizzle (128 bytes for H = 128 and for P [16, BKV]).
     transforms = mma_transforms(h, dtype)
 
@@ -570,8 +571,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                 # its log-sum-exps, one per row (transposed: column), read across the cluster
                 plgpu.SMEM((_HEADS_T if transposed else _ROWS,), jnp.float32),
                 plgpu.SMEM((8, h), dtype),
-                plgpu.SMEM((max(_BT_WINDOW, m) if bt_row_copies(m) else _BT_WINDOW,),
-                           jnp.int32))
+                plgpu.SMEM((max(_BT_WINDOW, m) if row_copies else _BT_WINDOW,), jnp.int32))
         if transposed:  # P, and the merge tiles O^T (this CTA's, then the other splits')
             smem += (plgpu.SMEM((_HEADS_T, bkv), dtype, transforms=mma_transforms(bkv, dtype)),
                      plgpu.SMEM((splits, h, _HEADS_T), dtype, transforms=_SWIZZLE32))
@@ -579,7 +579,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                  plgpu.Barrier(num_arrivals=bkv // p, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=1),
                  plgpu.Barrier(num_arrivals=max(splits - 1, 1)),  # CTA 0's fetches
-                 plgpu.Barrier(num_arrivals=max(bt_row_copies(m), 1)))  # block ids
+                 plgpu.Barrier(num_arrivals=max(row_copies, 1)))  # block ids
         free = (plgpu.Barrier(num_arrivals=1, num_barriers=stages),) * 2
         extra = []
         if splits > 1:

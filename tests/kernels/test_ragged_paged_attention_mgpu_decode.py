@@ -104,8 +104,9 @@ def test_splits_walkers_and_block_id_window():
     assert dec.bt_window(130, 8) == 0   # rows not 16-byte aligned: scalar reads
     # Whole table rows (fetched beside the row's metadata): multiples of 32 ids up to 1024,
     # in copies of up to 256 ids.
-    assert [dec.bt_row_copies(m) for m in (32, 64, 256, 512, 544, 1024)] == [1, 1, 1, 2, 3, 4]
-    assert [dec.bt_row_copies(m) for m in (13, 16, 132, 300, 1056)] == [0] * 5
+    assert [dec.bt_row_copies(m, 8) for m in (32, 64, 256, 512, 544, 1024)] == [1, 1, 1, 2, 3, 4]
+    assert [dec.bt_row_copies(m, 8) for m in (13, 16, 132, 300, 1056)] == [0] * 5
+    assert dec.bt_row_copies(32, 64) == 0 and dec.bt_row_copies(128, 64) == 1  # whole steps
 
 
 def test_split_ranges_cover_every_step_once():
