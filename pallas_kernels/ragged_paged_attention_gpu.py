@@ -295,9 +295,10 @@ def _table_shapes(td: _TableDims) -> tuple:
 
 def tile_table(query_start_loc, kv_lens, num_seqs, *, t: int, n: int, k: int,
                interpret: bool = False) -> mgpu.TileLayout:
-    """The Mosaic prefill kernel's tile table by one Triton launch (prefill-only calls; the
-    default call builds it in extra programs of the decode kernel). Same first `count`
-    entries as `mgpu.tile_layout`; after them, entries with seq -1 (no work)."""
+    """The Mosaic prefill kernel's tile table by one Triton launch, where the Triton decode
+    kernel's extra programs do not build it (prefill-only calls, the Mosaic decode kernel,
+    more than FUSED_TABLE_MAX_SLOTS slots). Same first `count` entries as `mgpu.tile_layout`;
+    after them, entries with seq -1 (no work)."""
     s = kv_lens.shape[0]
     td = _TableDims.make(t, s, n // k)
 

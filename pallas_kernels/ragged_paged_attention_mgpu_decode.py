@@ -221,7 +221,7 @@ def num_row_walkers(rows: int, k: int, splits: int, tiling: DecodeTiling) -> int
 def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, scoped,
             *, g: int, p: int, m: int, h: int, t: int, s: int, rows: int, walkers: int,
             splits: int, transposed: bool, bkv: int, stages: int, sm_scale: float, dtype,
-            zero_padding: bool):
+            zero_padding: bool, row_copies: int):
     pages = bkv // p
     kh = lax.axis_index("kv")
     w = lax.axis_index("walker")
@@ -475,7 +475,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
 
     @pl.when(wg == 1)
     def _memory():
-        row_copies = bt_row_copies(m, pages)
+        # row_copies (`bt_row_copies`): whole table rows, else windows or scalar reads.
         window = 0 if row_copies else bt_window(m, pages)
         steps_per_window = max(window // pages, 1)
 
@@ -591,7 +591,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                     (smem_, ready_, free_, rest[0] if rest else None), g=g, p=p, m=m, h=h, t=t,
                     s=s, rows=rows, walkers=walkers, splits=splits, transposed=transposed,
                     bkv=bkv, stages=stages, sm_scale=sm_scale, dtype=dtype,
-                    zero_padding=zero_padding)
+                    zero_padding=zero_padding, row_copies=row_copies)
 
         pl.run_scoped(body, smem, ready, free, *extra, collective_axes="wg")
 
