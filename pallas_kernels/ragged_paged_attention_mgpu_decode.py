@@ -66,9 +66,9 @@ class DecodeTiling:
 
     block_kv: keys per pipeline step (multiple of 64 and of the block size).
     stages: K/V steps buffered in shared memory.
-    splits: CTAs (one cluster) per decode row. None: as many as fill `sm_count` SMs with
-      K x min(S, T) rows (up to 8; 1 once the rows alone fill the GPU), and no more than the
-      KV steps of the longest row the block table can hold.
+    splits: CTAs (one cluster) per decode row. None: as many as fill half of `sm_count`
+      SMs with K x min(S, T) rows (up to 8; 1 once the rows alone fill half the GPU), and no
+      more than the KV steps of the longest row the block table can hold (`num_splits`).
     rows_per_sm: clusters launched per KV head are capped at rows_per_sm x sm_count /
       (K x splits); each walks several rows (the grid does not grow with the slot count).
     sm_count: streaming multiprocessors of the GPU (132 on an H100 SXM).
@@ -202,12 +202,14 @@ def supported(dtype, head_dim: int, group: int, block_size: int, soft_cap, windo
 
 
 def num_splits(rows: int, k: int, tiling: DecodeTiling, max_steps: int | None = None) -> int:
-    """CTAs per decode row (static): fill the SMs with the K x `rows` row items, but no more
-    than `max_steps`, the KV steps of the longest row the block table can hold (more splits
-    would only be empty ones, and each adds to the merge)."""
+    """CTAs per decode row (static): enough for the K x `rows` row items to fill half the SMs
+    (64 CTAs on the H100 stream K/V as fast as 128: `probe_paged_read.py`, so a split that
+    only adds CTAs past that buys nothing and costs its merge), but no more than `max_steps`,
+    the KV steps of the longest row the block table can hold (more splits would only be
+    empty ones, and each adds to the merge)."""
     if tiling.splits is not None:
         return tiling.splits
-    fill = min(_MAX_CLUSTER, max(1, tiling.sm_count // (k * rows)))
+    fill = min(_MAX_CLUSTER, max(1, tiling.sm_count // 2 // (k * rows)))
     return int(fill if max_steps is None else max(1, min(fill, max_steps)))
 
 

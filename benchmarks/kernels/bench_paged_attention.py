@@ -578,75 +578,75 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
     ctxs = [256] if smoke else [512, 1024, 2048, 4096, 8192]
     reps = runner.args.reps
     rows = []
-    for b in batches:
-        for ctx in ctxs:
-            if runner.args.decode_filter and f"{b}x{ctx}" not in \
-                    runner.args.decode_filter.split(","):
-                continue
-            row = {"batch": b, "ctx": ctx, "kv_bytes": kv_bytes([ctx] * b)}
-            if runner.over_budget():
-                row["skipped"] = "budget"
-                rows.append(row)
-                continue
-            try:
-                step = build_step(rng, pool, [1] * b, [ctx - 1] * b,
-                                  n_sets=n_sets_for(row["kv_bytes"], reps))
-                row["n_sets"] = step["n_sets"]
-                row["rotation_bytes"] = row["kv_bytes"] * min(step["n_sets"], reps)
-                row["check"] = runner.check(step, pool, tiling, with_bundled=True)
-                row["ours"] = runner.ours(step, pool, reps, tiling)
-                row["bundled"] = runner.bundled(step, pool, reps)
-                if runner.args.mosaic_decode:
-                    variants = {}
-                    for name in runner.args.decode_variants:
-                        vt, kw = decode_variant(tiling, name)
-                        v = runner.ours(step, pool, reps, vt, **kw)
-                        v["check"] = runner.check(step, pool, vt, False, **kw)
-                        if (b, ctx) in ((1, 512), (1, 8192), (8, 2048)):
-                            v["breakdown_us"] = kernel_breakdown(
-                                runner.timer, chain_ours(reps, vt, False, **kw),
-                                (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
-                                 step["qsl"], step["num_seqs"]), reps)
-                        variants[name] = v
-                    mosaic = [k for k in variants if k.startswith("mosaic")]
-                    best = min(mosaic or variants, key=lambda k: _ms(variants[k]))
-                    row["mosaic_decode_variants"] = variants
-                    row["ours_mosaic_decode"] = dict(variants[best], variant=best)
-                    if runner.args.mosaic_profile:  # every Mosaic variant; "phases": the best's
-                        for name in mosaic:
-                            vt, kw = decode_variant(tiling, name)
-                            variants[name]["phases"] = runner.profile(
-                                f"decode_{b}x{ctx}_{name.replace(':', '_')}", step, pool, vt,
-                                **kw)
-                        if best.startswith("mosaic"):
-                            row["phases"] = variants[best]["phases"]
-                    row["check_mosaic_decode"] = variants[best]["check"]
-                    row["mosaic_decode_speedup_vs_bundled"] = (
-                        _ms(row["bundled"]) / _ms(row["ours_mosaic_decode"]))
-                    row["mosaic_decode_bw_frac_of_copy"] = row["kv_bytes"] / (
-                        _ms(row["ours_mosaic_decode"]) * 1e-3) / runner.ceil["copy_bytes_per_s"]
-                if not runner.args.skip_reference_timing:
-                    row["reference"] = runner.reference(step, pool, 2)
-                if (b, ctx) in ((1, 512), (8, 512), (32, 2048), (1, 8192)):
-                    targs = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
-                             step["qsl"], step["num_seqs"])
-                    bargs = (step["q"], pool.k_t, pool.v_t, step["kv_lens"], step["tables"])
-                    row["breakdown_us"] = {
-                        "ours": kernel_breakdown(runner.timer, chain_ours(reps, tiling, False),
-                                                 targs, reps),
-                        "bundled": kernel_breakdown(runner.timer, chain_bundled(reps, False),
-                                                    bargs, reps)}
-                t = _ms(row["ours"])
-                row["ours_bw_frac_of_copy"] = row["kv_bytes"] / (t * 1e-3) / \
-                    runner.ceil["copy_bytes_per_s"]
-                row["speedup_vs_bundled"] = _ms(row["bundled"]) / t
-                if "reference" in row:
-                    row["speedup_vs_reference"] = _ms(row["reference"]) / t
-            except Exception as e:  # noqa: BLE001
-                row["error"] = repr(e)
-                row["trace"] = traceback.format_exc()[-1500:]
-            log("decode", json.dumps(row)[:500])
+    shapes = itertools.product(batches, ctxs)
+    if runner.args.decode_filter:  # exactly these rows, grid or not (e.g. 2x1024)
+        shapes = [tuple(int(x) for x in name.split("x"))
+                  for name in runner.args.decode_filter.split(",")]
+    for b, ctx in shapes:
+        row = {"batch": b, "ctx": ctx, "kv_bytes": kv_bytes([ctx] * b)}
+        if runner.over_budget():
+            row["skipped"] = "budget"
             rows.append(row)
+            continue
+        try:
+            step = build_step(rng, pool, [1] * b, [ctx - 1] * b,
+                              n_sets=n_sets_for(row["kv_bytes"], reps))
+            row["n_sets"] = step["n_sets"]
+            row["rotation_bytes"] = row["kv_bytes"] * min(step["n_sets"], reps)
+            row["check"] = runner.check(step, pool, tiling, with_bundled=True)
+            row["ours"] = runner.ours(step, pool, reps, tiling)
+            row["bundled"] = runner.bundled(step, pool, reps)
+            if runner.args.mosaic_decode:
+                variants = {}
+                for name in runner.args.decode_variants:
+                    vt, kw = decode_variant(tiling, name)
+                    v = runner.ours(step, pool, reps, vt, **kw)
+                    v["check"] = runner.check(step, pool, vt, False, **kw)
+                    if (b, ctx) in ((1, 512), (1, 8192), (8, 2048)):
+                        v["breakdown_us"] = kernel_breakdown(
+                            runner.timer, chain_ours(reps, vt, False, **kw),
+                            (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
+                             step["qsl"], step["num_seqs"]), reps)
+                    variants[name] = v
+                mosaic = [k for k in variants if k.startswith("mosaic")]
+                best = min(mosaic or variants, key=lambda k: _ms(variants[k]))
+                row["mosaic_decode_variants"] = variants
+                row["ours_mosaic_decode"] = dict(variants[best], variant=best)
+                if runner.args.mosaic_profile:  # every Mosaic variant; "phases": the best's
+                    for name in mosaic:
+                        vt, kw = decode_variant(tiling, name)
+                        variants[name]["phases"] = runner.profile(
+                            f"decode_{b}x{ctx}_{name.replace(':', '_')}", step, pool, vt,
+                            **kw)
+                    if best.startswith("mosaic"):
+                        row["phases"] = variants[best]["phases"]
+                row["check_mosaic_decode"] = variants[best]["check"]
+                row["mosaic_decode_speedup_vs_bundled"] = (
+                    _ms(row["bundled"]) / _ms(row["ours_mosaic_decode"]))
+                row["mosaic_decode_bw_frac_of_copy"] = row["kv_bytes"] / (
+                    _ms(row["ours_mosaic_decode"]) * 1e-3) / runner.ceil["copy_bytes_per_s"]
+            if not runner.args.skip_reference_timing:
+                row["reference"] = runner.reference(step, pool, 2)
+            if (b, ctx) in ((1, 512), (8, 512), (32, 2048), (1, 8192)):
+                targs = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
+                         step["qsl"], step["num_seqs"])
+                bargs = (step["q"], pool.k_t, pool.v_t, step["kv_lens"], step["tables"])
+                row["breakdown_us"] = {
+                    "ours": kernel_breakdown(runner.timer, chain_ours(reps, tiling, False),
+                                             targs, reps),
+                    "bundled": kernel_breakdown(runner.timer, chain_bundled(reps, False),
+                                                bargs, reps)}
+            t = _ms(row["ours"])
+            row["ours_bw_frac_of_copy"] = row["kv_bytes"] / (t * 1e-3) / \
+                runner.ceil["copy_bytes_per_s"]
+            row["speedup_vs_bundled"] = _ms(row["bundled"]) / t
+            if "reference" in row:
+                row["speedup_vs_reference"] = _ms(row["reference"]) / t
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)
+            row["trace"] = traceback.format_exc()[-1500:]
+        log("decode", json.dumps(row)[:500])
+        rows.append(row)
     return rows
 
 
@@ -892,8 +892,8 @@ def main() -> None:
                     help="with --mosaic-decode: one more correctness pass (decode=auto) with "
                          "DecodeTiling.transposed (the heads as wgmma columns)")
     ap.add_argument("--decode-filter", default="",
-                    help="only decode-grid rows whose '<batch>x<ctx>' is in this "
-                         "comma-separated list")
+                    help="only these decode rows, '<batch>x<ctx>' comma-separated (rows "
+                         "outside the grid too, e.g. 2x1024)")
     ap.add_argument("--mosaic-ctas", type=lambda x: x.split(","), default=["sm"],
                     help="Mosaic prefill grids to try: sm (one persistent CTA per SM, the "
                          "default), all (one CTA per work item)")

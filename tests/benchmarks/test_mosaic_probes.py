@@ -27,3 +27,23 @@ def test_async_store_probe_lowers(tile):
     f, x = probe.kernel(tile, 1)
     assert x.shape == probe.TILES[tile][0]
     assert "mosaic_gpu" in jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_paged_read_probe_lowers_and_tables_are_disjoint():
+    """The copy-only probe (the decode kernel's K/V copies, no compute) lowers for CUDA; its
+    tables hold distinct live block ids, zero-padded to whole 128-byte rows."""
+    import numpy as np
+
+    from benchmarks.kernels import probe_paged_read as probe
+
+    kc = jax.ShapeDtypeStruct((64, 8, 16, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((16, 32), jnp.int32)
+    text = jax.jit(lambda k, v, t: probe.paged_read(k, v, t, keys=512, bkv=128, stages=2)).trace(
+        kc, kc, table).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    tabs = probe.tables_for(np.random.default_rng(0), 4096, rows=8, used=16, n_sets=3,
+                            order="random")
+    ids = np.stack([np.asarray(t) for t in tabs])
+    assert ids.shape == (3, 8, 32) and (ids[:, :, 16:] == 0).all()
+    live = ids[:, :, :16].ravel()
+    assert (live > 0).all() and len(set(live.tolist())) == live.size

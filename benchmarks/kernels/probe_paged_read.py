@@ -1,0 +1,229 @@
+"""Probe (Hopper GPU): how fast can the Mosaic decode kernel's K/V copies run with no compute?
+
+The decode kernel's memory warpgroup streams a row's K and V pages by TMA, one copy per page of
+P keys ([P, H] of one KV head: 4 KB at P = 16, H = 128, bf16), `stages` steps of `block_kv`
+keys in flight. This probe keeps exactly that (the same `load_kv_step`, the same swizzled
+buffers, the same table-row copy) and replaces the compute warpgroup with one that only waits
+for each step and frees it. Its time is the floor of the kernel's copy side for a batch shape:
+the kernel's time minus it is what compute, the split merge and the stores add.
+
+Work: CTA (kh, w) of a (K, W) grid reads `keys` keys of KV head kh from the pages of table row
+w; a batch x context decode call with C splits per row is W = batch x C, keys = context / C.
+Page orders: "random" (a permutation of the pool, as the bench's tables) or "sequential"
+(consecutive block ids per row). Every call of a timed chain reads its own blocks where the
+pool allows, so the data come from HBM, as in the bench. The decode kernel itself is timed on
+the same rows in the same run (decode_only, Mosaic decode kernel, with the shape's splits).
+
+    python benchmarks/kernels/probe_paged_read.py --out DIR   # GPU; prints a table last
+    python benchmarks/kernels/probe_paged_read.py --lower     # lower for CUDA only (any host)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from benchmarks.kernels import bench_paged_attention as bench  # noqa: E402  (maps jaxengine.*)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (  # noqa: E402
+    DecodeTiling, Tiling)
+from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (  # noqa: E402
+    load_kv_step, mma_transforms)
+
+_BT_COPY = 256  # block ids per table copy (TMA: at most 256 elements per dimension)
+
+# (name, batch, context, splits): the decode kernel's CTAs for these rows are K x batch x splits.
+SHAPES = [("1x2048", 1, 2048, 8), ("1x8192", 1, 8192, 8), ("8x1024", 8, 1024, 2),
+          ("8x2048", 8, 2048, 2), ("8x8192", 8, 8192, 2),
+          ("8x1024s1", 8, 1024, 1), ("8x2048s1", 8, 2048, 1), ("8x8192s1", 8, 8192, 1)]
+PIPELINES = [(128, 2), (64, 4), (128, 3), (64, 2)]  # (block_kv, stages)
+
+
+def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int):
+    """Reads `keys` keys of every KV head from the pages of each table row, as the decode
+    kernel's memory warpgroup does; returns 8 rows of K of each CTA's last step."""
+    _, k, p, h = k_cache.shape
+    w_rows, m = table.shape
+    pages, steps = bkv // p, keys // bkv
+    assert keys % bkv == 0 and m >= keys // p and m % 32 == 0, (keys, bkv, m)
+    dtype = k_cache.dtype
+    transforms = mma_transforms(h, dtype)
+
+    def body(k_ref, v_ref, bt_ref, out_ref, k_smem, v_smem, bt_smem, k_bars, v_bars, bt_bar,
+             k_free, v_free):
+        kh = lax.axis_index("kv")
+        w = lax.axis_index("walker")
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 0)
+        def _consumer():
+            @pl.loop(0, steps)
+            def _(i):
+                st = lax.rem(i, stages)
+                plgpu.barrier_wait(k_bars.at[st])
+                plgpu.barrier_arrive(k_free.at[st])
+                plgpu.barrier_wait(v_bars.at[st])
+                plgpu.barrier_arrive(v_free.at[st])
+
+            plgpu.copy_smem_to_gmem(k_smem.at[(steps - 1) % stages, pl.ds(0, 8)],
+                                    out_ref.at[kh, w])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _memory():
+            for i0 in range(0, m, _BT_COPY):
+                size = min(_BT_COPY, m - i0)
+                plgpu.copy_gmem_to_smem(bt_ref.at[w, pl.ds(i0, size)],
+                                        bt_smem.at[pl.ds(i0, size)], bt_bar)
+            plgpu.barrier_wait(bt_bar)
+
+            @pl.loop(0, steps)
+            def _(step):
+                blks = [bt_smem[step * pages + jj] for jj in range(pages)]
+                load_kv_step(k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_free, v_free,
+                             blks=blks, kh=kh, n=step, slot=lax.rem(step, stages), p=p,
+                             stages=stages)
+
+    def entry(k_ref, v_ref, bt_ref, out_ref):
+        pl.run_scoped(
+            lambda *scoped: body(k_ref, v_ref, bt_ref, out_ref, *scoped),
+            plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
+            plgpu.SMEM((max(m, _BT_COPY),), jnp.int32),
+            plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=math.ceil(m / _BT_COPY)),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            collective_axes="wg")
+
+    return pl.kernel(
+        entry, out_type=jax.ShapeDtypeStruct((k, w_rows, 8, h), dtype),
+        mesh=plgpu.Mesh(grid=(k, w_rows), grid_names=("kv", "walker"), num_threads=2,
+                        thread_name="wg"),
+        name="probe_paged_read")(k_cache, v_cache, table)
+
+
+def tables_for(rng, num_blocks: int, rows: int, used: int, n_sets: int, order: str) -> list:
+    """n_sets tables [rows, M] of disjoint block ids (1.. ; 0 is the null block), `used` ids
+    per row, M rounded up to a multiple of 32 (whole 128-byte table copies) with zeros."""
+    ids = np.arange(1, num_blocks, dtype=np.int32)
+    if order == "random":
+        ids = rng.permutation(ids)
+    n_sets = max(1, min(n_sets, len(ids) // (rows * used)))
+    m = -(-used // 32) * 32
+    tables = []
+    for j in range(n_sets):
+        t = np.zeros((rows, m), np.int32)
+        t[:, :used] = ids[j * rows * used:(j + 1) * rows * used].reshape(rows, used)
+        tables.append(jnp.asarray(t))
+    return tables
+
+
+def chain(reps: int, fn):
+    @jax.jit
+    def f(kc, vc, tables):
+        return [fn(kc, vc, tables[i % len(tables)]) for i in range(reps)]
+    return f
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/probe_out"))
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (all: empty)")
+    ap.add_argument("--pipelines", default="",
+                    help="comma-separated BKVxSTAGES of PIPELINES (all: empty)")
+    ap.add_argument("--lower", action="store_true", help="lower one probe for CUDA and stop")
+    args = ap.parse_args()
+    if args.lower:
+        kc = jnp.zeros((64, 8, 16, 128), jnp.bfloat16)
+        for keys, bkv, stages, m in ((512, 128, 2, 32), (256, 64, 4, 32), (4096, 128, 3, 256)):
+            table = jnp.zeros((16, m), jnp.int32)
+            jax.jit(lambda k, v, t: paged_read(k, v, t, keys=keys, bkv=bkv, stages=stages)
+                    ).trace(kc, kc, table).lower(lowering_platforms=("cuda",))
+        print("lowered")
+        return
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    timer = bench.Timer(args.iters, use_cupti=True)
+    res = {"facts": bench.device_facts(), "ceilings": bench.ceilings(timer, False),
+           "reps": args.reps, "iters": args.iters, "rows": []}
+    copy_bps = res["ceilings"]["copy_bytes_per_s"]
+    bench.log("ceilings", res["ceilings"]["copy_bytes_per_s"] / 1e12, "TB/s",
+              res["ceilings"]["matmul_flops_per_s"] / 1e12, "TFLOP/s")
+    num_blocks = 65536  # 2 x 2 GiB of bf16 K/V at K 8, P 16, H 128
+    pool = bench.make_pool(num_blocks, with_transposed=False)
+    rng = np.random.default_rng(0)
+    k_heads, p = bench.N_KV, bench.BLOCK
+    for name, batch, ctx, splits in SHAPES:
+        if args.shapes and name not in args.shapes.split(","):
+            continue
+        w_rows, keys = batch * splits, ctx // splits
+        nbytes = k_heads * w_rows * keys * bench.HEAD_DIM * 2 * 2
+        n_sets = bench.n_sets_for(nbytes, args.reps)
+        row = {"shape": name, "batch": batch, "ctx": ctx, "splits": splits,
+               "ctas": k_heads * w_rows, "keys_per_cta": keys, "kv_bytes": nbytes,
+               "floor_us": nbytes / copy_bps * 1e6, "probe": {}}
+        for order in ("random", "sequential"):
+            tables = tuple(tables_for(rng, num_blocks, w_rows, keys // p, n_sets, order))
+            for bkv, stages in PIPELINES:
+                if order == "sequential" and (bkv, stages) != (128, 2):
+                    continue
+                if args.pipelines and f"{bkv}x{stages}" not in args.pipelines.split(","):
+                    continue
+                key = f"{order}:{bkv}x{stages}"
+                try:
+                    fn = chain(args.reps, lambda kc, vc, t, bkv=bkv, stages=stages: paged_read(
+                        kc, vc, t, keys=keys, bkv=bkv, stages=stages))
+                    t = timer(fn, (pool.k, pool.v, tables))
+                    us = bench._ms(t) * 1e3 / args.reps
+                    row["probe"][key] = {"us": us, "frac_of_copy": nbytes / (us * 1e-6) / copy_bps,
+                                         "n_sets": len(tables), "timing": t}
+                except Exception as e:  # noqa: BLE001
+                    row["probe"][key] = {"error": repr(e)[:500]}
+        # The decode kernel on the same rows (decode_only, default decode tiling).
+        try:
+            step = bench.build_step(rng, pool, [1] * batch, [ctx - 1] * batch, n_sets=n_sets)
+            tiling = Tiling(mosaic_decode=DecodeTiling(splits=splits))
+            f = bench.chain_ours(args.reps, tiling, False, decode="mosaic", decode_only=True)
+            t = timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
+                          step["qsl"], step["num_seqs"]))
+            us = bench._ms(t) * 1e3 / args.reps
+            row["decode_kernel"] = {"us": us, "frac_of_copy": nbytes / (us * 1e-6) / copy_bps,
+                                    "tiling": repr(tiling.mosaic_decode), "timing": t}
+        except Exception as e:  # noqa: BLE001
+            row["decode_kernel"] = {"error": repr(e)[:500]}
+        bench.log("row", json.dumps(row)[:600])
+        res["rows"].append(row)
+    res["elapsed_s"] = time.time() - t0
+    with open(os.path.join(args.out, "probe_paged_read.json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    keys = sorted({k for r in res["rows"] for k in r["probe"]})
+    print("\nshape | floor us | decode kernel us | " + " | ".join(keys))
+    for r in res["rows"]:
+        cells = [f"{r['probe'][k]['us']:.2f} ({r['probe'][k]['frac_of_copy']:.0%})"
+                 if "us" in r["probe"].get(k, {}) else "-" for k in keys]
+        dk = r.get("decode_kernel", {})
+        dks = f"{dk['us']:.2f} ({dk['frac_of_copy']:.0%})" if "us" in dk else "err"
+        print(f"{r['shape']} | {r['floor_us']:.2f} | {dks} | " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
