@@ -9,7 +9,9 @@ into the rows of one 64-row tile (GQA packing: each page is read once per KV hea
 
 Grid: (K, W) clusters of C CTAs. Cluster (kh, w) walks the slots w, w + W, w + 2W, ... of KV
 head kh; the C CTAs of a cluster cut each decode row's KV steps into C ranges (flash-decoding
-splits, `split_steps`), so a small batch still fills the GPU. Each CTA has two warpgroups:
+splits, `split_steps`), so a small batch still fills half the SMs (as many as stream K/V at the
+full rate on the H100; more would add only merge work: `num_splits`). Each CTA has two
+warpgroups:
 - a memory warpgroup streams the K and V pages of its range by TMA (one copy per page of P keys;
   the block ids by copies too: the whole table row, fetched while the row's metadata loads, or
   256 at a time), `stages` steps of `block_kv` keys in flight; it runs on across the CTA's rows,
