@@ -124,6 +124,15 @@ def bt_row_copies(m: int, pages: int) -> int:
     return _cdiv(m, _BT_WINDOW) if m % max(32, pages) == 0 and m <= _BT_ROW_MAX else 0
 
 
+def copy_table_row(bt_ref, slot, bt_smem, bar, m: int) -> None:
+    """Issues the copies of table row `slot` ([m] block ids) into `bt_smem`, `bt_row_copies`
+    of them (up to 256 ids each), all arriving on `bar`; not waited for."""
+    for i0 in range(0, m, _BT_WINDOW):
+        size = min(_BT_WINDOW, m - i0)
+        plgpu.copy_gmem_to_smem(bt_ref.at[slot, pl.ds(i0, size)], bt_smem.at[pl.ds(i0, size)],
+                                bar)
+
+
 def smem_bytes(head_dim: int, itemsize: int, tiling: DecodeTiling) -> int:
     """Shared memory of one CTA: K/V stages, Q (swizzled, also the split merge's tile in the
     row form, + staging), the merge's log-sum-exps, a zero tile and the block ids (a window,
@@ -486,10 +495,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
         def fetch_row(slot):
             """The whole table row of `slot` into the block-id buffer (not waited for)."""
             plgpu.commit_smem()  # the previous row's scalar reads of the buffer come first
-            for i0 in range(0, m, _BT_WINDOW):
-                size = min(_BT_WINDOW, m - i0)
-                plgpu.copy_gmem_to_smem(bt_ref.at[slot, pl.ds(i0, size)],
-                                        bt_smem.at[pl.ds(i0, size)], bt_bar)
+            copy_table_row(bt_ref, slot, bt_smem, bt_bar, m)
 
         def row_body(j, base):
             if row_copies:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -45,12 +44,11 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
+from jaxengine.pallas_kernels import ragged_paged_attention_mgpu_decode as dec  # noqa: E402
 from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (  # noqa: E402
     DecodeTiling, Tiling)
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (  # noqa: E402
     load_kv_step, mma_transforms)
-
-_BT_COPY = 256  # block ids per table copy (TMA: at most 256 elements per dimension)
 
 # (name, batch, context, splits): the decode kernel's CTAs for these rows are K x batch x splits.
 SHAPES = [("1x2048", 1, 2048, 8), ("1x8192", 1, 8192, 8), ("8x1024", 8, 1024, 2),
@@ -65,7 +63,8 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int):
     _, k, p, h = k_cache.shape
     w_rows, m = table.shape
     pages, steps = bkv // p, keys // bkv
-    assert keys % bkv == 0 and m >= keys // p and m % 32 == 0, (keys, bkv, m)
+    row_copies = dec.bt_row_copies(m, pages)  # the kernel's whole-row table fetch
+    assert keys % bkv == 0 and m >= keys // p and row_copies, (keys, bkv, m)
     dtype = k_cache.dtype
     transforms = mma_transforms(h, dtype)
 
@@ -91,10 +90,7 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int):
 
         @pl.when(wg == 1)
         def _memory():
-            for i0 in range(0, m, _BT_COPY):
-                size = min(_BT_COPY, m - i0)
-                plgpu.copy_gmem_to_smem(bt_ref.at[w, pl.ds(i0, size)],
-                                        bt_smem.at[pl.ds(i0, size)], bt_bar)
+            dec.copy_table_row(bt_ref, w, bt_smem, bt_bar, m)
             plgpu.barrier_wait(bt_bar)
 
             @pl.loop(0, steps)
@@ -109,10 +105,10 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int):
             lambda *scoped: body(k_ref, v_ref, bt_ref, out_ref, *scoped),
             plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
             plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
-            plgpu.SMEM((max(m, _BT_COPY),), jnp.int32),
+            plgpu.SMEM((m,), jnp.int32),
             plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
             plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=math.ceil(m / _BT_COPY)),
+            plgpu.Barrier(num_arrivals=row_copies),
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
             collective_axes="wg")
