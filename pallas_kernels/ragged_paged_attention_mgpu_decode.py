@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
-    _LOG2E, _ROWS, _cdiv, _load, compiler_params, in_scope, load_kv_step,
+    _LOG2E, _ROWS, _cdiv, _load, compiler_params, in_scope, load_kv_step, load_pages,
     mma_transforms, softmax_step, split_steps)
 
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
@@ -80,6 +80,9 @@ class DecodeTiling:
       softmax work per key (`row_body_transposed` in the kernel). None: where measured faster
       on the H100, i.e. clusters of up to 4 splits (`use_transposed`). Needs jax >= 0.11 (the
       P tile is stored through a transposed view of a swizzled buffer).
+    k_ahead: the memory warpgroup issues each step's K one step ahead of its V (where whole
+      table rows are fetched, `bt_row_copies`), so that the last step's V is the only copy
+      the compute side still waits for at a row's end.
     """
 
     block_kv: int = 128
@@ -89,6 +92,7 @@ class DecodeTiling:
     sm_count: int = 132
     profile_dir: str = ""
     transposed: bool | None = None
+    k_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or self.block_kv < 64:
@@ -234,7 +238,7 @@ def num_row_walkers(rows: int, k: int, splits: int, tiling: DecodeTiling) -> int
 def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, scoped,
             *, g: int, p: int, m: int, h: int, t: int, s: int, rows: int, walkers: int,
             splits: int, transposed: bool, bkv: int, stages: int, sm_scale: float, dtype,
-            zero_padding: bool, row_copies: int):
+            zero_padding: bool, row_copies: int, k_ahead: bool):
     pages = bkv // p
     kh = lax.axis_index("kv")
     w = lax.axis_index("walker")
@@ -298,7 +302,8 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             def kv_step(i, carry, masked: bool):
                 acc, m_i, l_i = carry
                 st = lax.rem(base + i, stages)
-                plgpu.barrier_wait(k_bars.at[st])
+                with jax.named_scope("k_wait"):  # profiled: when each step's K landed
+                    plgpu.barrier_wait(k_bars.at[st])
 
                 def compute_qk(acc_ref):
                     qk(acc_ref, st)
@@ -311,7 +316,8 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                                                   layout=plgpu.Layout.WGMMA)
                     sc = jnp.where((lo + i) * bkv + keys < kv_len, sc, -jnp.inf)
                 acc, m_new, l_i, p16 = softmax(sc, acc, m_i, l_i)
-                plgpu.barrier_wait(v_bars.at[st])
+                with jax.named_scope("v_wait"):
+                    plgpu.barrier_wait(v_bars.at[st])
                 acc = pl.run_state(lambda acc_ref: pv(acc_ref, st, p16))(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[st])
                 return acc, m_new, l_i
@@ -506,6 +512,28 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             if row_copies:
                 plgpu.barrier_wait(bt_bar)
 
+            def issue(operand, step):
+                """K (0) or V (1) of step `step` of this row (ids from the whole row)."""
+                n = base + step - lo
+                blks = [bt_smem[step * pages + jj] for jj in range(pages)]
+                src, dst, bars, free = ((k_ref, k_smem, k_bars, k_free), (v_ref, v_smem, v_bars,
+                                                                          v_free))[operand]
+                load_pages(src, dst, bars, free, blks=blks, kh=kh, n=n,
+                           slot=lax.rem(n, stages), p=p, stages=stages)
+
+            if row_copies and k_ahead:
+                # K one step ahead of V: K(lo), then K(s + 1), V(s) for each step s, so that a
+                # step's K lands well before its V and the last step's Q.K^T and softmax run
+                # while its V is still arriving.
+                with jax.named_scope("kv_issue"):
+                    pl.when(hi > lo)(lambda: issue(0, lo))
+
+                    @pl.loop(lo, hi)
+                    def _(step):
+                        pl.when(step + 1 < hi)(lambda: issue(0, step + 1))
+                        issue(1, step)
+                return base + (hi - lo)
+
             with jax.named_scope("kv_issue"):
                 @pl.loop(lo, hi)
                 def _(step):
@@ -601,7 +629,8 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                     (smem_, ready_, free_, rest[0] if rest else None), g=g, p=p, m=m, h=h, t=t,
                     s=s, rows=rows, walkers=walkers, splits=splits, transposed=transposed,
                     bkv=bkv, stages=stages, sm_scale=sm_scale, dtype=dtype,
-                    zero_padding=zero_padding, row_copies=row_copies)
+                    zero_padding=zero_padding, row_copies=row_copies,
+                    k_ahead=tiling.k_ahead)
 
         pl.run_scoped(body, smem, ready, free, *extra, collective_axes="wg")
 

@@ -37,6 +37,7 @@ def phases(trace: dict, warpgroups: int, roles: list[str]) -> dict:
         lambda: collections.defaultdict(float))
     span: dict[int, list[float]] = {}
     open_: dict[int, list[tuple[str, float]]] = collections.defaultdict(list)
+    events: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
     for e in trace["traceEvents"]:
         cta, wg = divmod(int(e["tid"]) - 1, warpgroups)
         ts = float(e["ts"])
@@ -50,6 +51,7 @@ def phases(trace: dict, warpgroups: int, roles: list[str]) -> dict:
         if name != e["name"]:
             raise ValueError(f"phase {e['name']!r} ends inside {name!r} (trace id {e['tid']})")
         per[(roles[wg], name)].append(ts - start)
+        events[cta].append((start, ts, f"{roles[wg]}/{name}"))
         cta_phase[cta][f"{roles[wg]}/{name}"] += ts - start
     if not span:
         return {"ctas": 0}
@@ -63,7 +65,13 @@ def phases(trace: dict, warpgroups: int, roles: list[str]) -> dict:
             "phases": dict(table),
             "last_cta": {"cta": last_cta, "start_us": span[last_cta][0] - first,
                          "span_kcyc": span[last_cta][1] - span[last_cta][0],
-                         "phases_kcyc": dict(cta_phase[last_cta])}}
+                         "phases_kcyc": dict(cta_phase[last_cta]),
+                         # every phase of that CTA in start order: [start, end] in kcyc from
+                         # its first stamp (one warpgroup's clock; the others' within a few
+                         # cycles), e.g. when each K/V step landed (k_wait / v_wait ends)
+                         "timeline": [[name, round(a - span[last_cta][0], 3),
+                                       round(b - span[last_cta][0], 3)]
+                                      for a, b, name in sorted(events[last_cta])]}}
 
 
 def main() -> None:
@@ -73,6 +81,8 @@ def main() -> None:
                     help="warpgroups per CTA: 3 for the prefill kernel, 2 for the decode kernel")
     ap.add_argument("--roles", default="compute,compute,memory",
                     help="comma-separated role per warpgroup index (decode: compute,memory)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also list every phase of the CTA that ended last, in start order")
     args = ap.parse_args()
     roles = args.roles.split(",")
     for path in sorted(glob.glob(os.path.join(args.dir, "*trace.json"))):
@@ -89,6 +99,9 @@ def main() -> None:
             print(f"  last CTA {lc['cta']}: starts {lc['start_us']:.1f} us, spans "
                   f"{lc['span_kcyc']:.1f} kcyc: " + ", ".join(
                       f"{k} {v:.1f}" for k, v in sorted(lc["phases_kcyc"].items())))
+            if args.timeline:
+                for name, a, b in lc["timeline"]:
+                    print(f"    {a:8.2f} - {b:8.2f} kcyc  {name}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ def test_phases_sum_per_role_and_name_the_last_cta():
     assert last["span_kcyc"] == pytest.approx(8.0)
     assert last["phases_kcyc"]["compute/kv_loop"] == pytest.approx(7.0)
     assert last["phases_kcyc"]["memory/kv_issue"] == pytest.approx(6.0)
+    # its phases in start order, from its first stamp (12.0)
+    assert last["timeline"] == [["compute/q_load", 0.0, 1.0], ["memory/kv_issue", 0.0, 6.0],
+                                ["compute/kv_loop", 1.0, 8.0], ["compute/inner", 1.5, 2.0]]
 
 
 def test_bad_traces_and_roles_are_errors():
@@ -57,8 +60,9 @@ def test_bad_traces_and_roles_are_errors():
 
 def test_cli_prints_each_trace(tmp_path, capsys, monkeypatch):
     (tmp_path / "1-trace.json").write_text(json.dumps(_trace()))
-    monkeypatch.setattr("sys.argv", ["mosaic_phases.py", str(tmp_path)])
+    monkeypatch.setattr("sys.argv", ["mosaic_phases.py", str(tmp_path), "--timeline"])
     main()
     out = capsys.readouterr().out
     assert "1-trace.json: kernel 10.0 kcyc, 2 CTAs" in out
     assert "last CTA 1" in out and "compute/kv_loop 7.0" in out
+    assert "1.50 -     2.00 kcyc  compute/inner" in out
