@@ -167,23 +167,18 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def load_pages(src_ref, smem, bars, free, *, blks, kh, n, slot, p: int, stages: int):
-    """Memory warpgroup, one operand (K or V) of pipeline step n into `slot`: once the slot is
-    free (from step `stages` on), one TMA copy per page `blks[j]` of KV head `kh`, all
-    arriving on `bars[slot]`."""
-    pl.when(n >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-    for jj, blk in enumerate(blks):
-        plgpu.copy_gmem_to_smem(src_ref.at[blk, kh], smem.at[slot, pl.ds(jj * p, p)],
-                                bars.at[slot])
-
-
 def load_kv_step(k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_free, v_free, *, blks, kh,
                  n, slot, p: int, stages: int):
-    """Memory warpgroup, pipeline step n into `slot`: K's pages, then V's (`load_pages`)."""
-    load_pages(k_ref, k_smem, k_bars, k_free, blks=blks, kh=kh, n=n, slot=slot, p=p,
-               stages=stages)
-    load_pages(v_ref, v_smem, v_bars, v_free, blks=blks, kh=kh, n=n, slot=slot, p=p,
-               stages=stages)
+    """Memory warpgroup, pipeline step n into `slot`: once the slot is free (from step
+    `stages` on), one TMA copy per page `blks[j]` of KV head `kh` for K, then for V."""
+    pl.when(n >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+    for jj, blk in enumerate(blks):
+        plgpu.copy_gmem_to_smem(k_ref.at[blk, kh], k_smem.at[slot, pl.ds(jj * p, p)],
+                                k_bars.at[slot])
+    pl.when(n >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+    for jj, blk in enumerate(blks):
+        plgpu.copy_gmem_to_smem(v_ref.at[blk, kh], v_smem.at[slot, pl.ds(jj * p, p)],
+                                v_bars.at[slot])
 
 
 def softmax_step(s, scale, acc, m_i, l_i, dtype):

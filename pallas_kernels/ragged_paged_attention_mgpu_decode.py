@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
-    _LOG2E, _ROWS, _cdiv, _load, compiler_params, in_scope, load_kv_step, load_pages,
+    _LOG2E, _ROWS, _cdiv, _load, compiler_params, in_scope, load_kv_step,
     mma_transforms, softmax_step, split_steps)
 
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
@@ -80,9 +80,6 @@ class DecodeTiling:
       softmax work per key (`row_body_transposed` in the kernel). None: where measured faster
       on the H100, i.e. clusters of up to 4 splits (`use_transposed`). Needs jax >= 0.11 (the
       P tile is stored through a transposed view of a swizzled buffer).
-    k_ahead: the memory warpgroup issues each step's K one step ahead of its V (where whole
-      table rows are fetched, `bt_row_copies`), so that the last step's V is the only copy
-      the compute side still waits for at a row's end.
     """
 
     block_kv: int = 128
@@ -92,7 +89,6 @@ class DecodeTiling:
     sm_count: int = 132
     profile_dir: str = ""
     transposed: bool | None = None
-    k_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or self.block_kv < 64:
@@ -238,7 +234,7 @@ def num_row_walkers(rows: int, k: int, splits: int, tiling: DecodeTiling) -> int
 def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, scoped,
             *, g: int, p: int, m: int, h: int, t: int, s: int, rows: int, walkers: int,
             splits: int, transposed: bool, bkv: int, stages: int, sm_scale: float, dtype,
-            zero_padding: bool, row_copies: int, k_ahead: bool):
+            zero_padding: bool, row_copies: int):
     pages = bkv // p
     kh = lax.axis_index("kv")
     w = lax.axis_index("walker")
@@ -290,13 +286,16 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                                         out_ref.at[tok, pl.ds(kh * g, g)])
             return store
 
-        def kv_loop(base, lo, hi, kv_len, *, scores, keys_axis, acc_shape, qk, softmax, pv):
+        def kv_loop(base, lo, hi, kv_len, *, scores, keys_axis, acc_shape, qk, softmax, pv,
+                    lazy_sum: bool = False):
             """The compute side of the K/V pipeline over this CTA's steps [lo, hi) of a row:
             per step, wait for K, `qk` into a `scores`-shaped accumulator, free K, mask the
             keys past kv_len (along `keys_axis`) in the last steps, `softmax`, wait for V, `pv`,
             free V. Shared by both forms, so the barrier order stays that of the memory
             warpgroup. Starts from a zero `acc_shape` accumulator, a running max of -inf and a
-            sum of 0 per query head (the scores' other axis); returns the three at the end."""
+            sum of 0 per query head (the scores' other axis); returns the three at the end.
+            lazy_sum: the sum is carried unreduced, `scores`-shaped (each thread's own terms,
+            rescaled per step), and reduced once after the last step."""
             n_full = jnp.clip(kv_len // bkv, lo, hi) - lo  # steps with every key valid
 
             def kv_step(i, carry, masked: bool):
@@ -326,11 +325,15 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             m_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), -jnp.inf, jnp.float32),
                                     heads)
             l_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), 0, jnp.float32), heads)
+            if lazy_sum:
+                l_i = plgpu.layout_cast(jnp.full(scores, 0, jnp.float32), plgpu.Layout.WGMMA)
             acc = plgpu.layout_cast(jnp.full(acc_shape, 0, jnp.float32), plgpu.Layout.WGMMA)
             with jax.named_scope("kv_loop"):
                 carry = lax.fori_loop(0, n_full, lambda i, cr: kv_step(i, cr, False),
                                       (acc, m_i, l_i))
-                return lax.fori_loop(n_full, hi - lo, lambda i, cr: kv_step(i, cr, True), carry)
+                acc, m_i, l_i = lax.fori_loop(n_full, hi - lo,
+                                              lambda i, cr: kv_step(i, cr, True), carry)
+            return acc, m_i, (l_i.sum(axis=keys_axis) if lazy_sum else l_i)
 
         def rows_out(mm):
             """out [64, H] from a zero accumulator and the wgmmas `mm` issues, stored."""
@@ -443,7 +446,9 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     alpha = jnp.exp2(m_i - m_new)
                     pr = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, [1]))
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-                    l_i = l_i * alpha + pr.sum(axis=0)
+                    # the sum stays unreduced (`kv_loop`'s lazy_sum): no reduction across
+                    # the warps per step
+                    l_i = l_i * lax.broadcast_in_dim(alpha, sc.shape, [1]) + pr
                     plgpu.transpose_ref(p_smem, (1, 0))[...] = pr.astype(dtype)  # P [16, BKV]
                     plgpu.commit_smem()
                     return acc, m_new, l_i, None
@@ -455,7 +460,8 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     softmax=softmax_columns,
                     pv=lambda acc_ref, st, _: plgpu.wgmma(
                         acc_ref, plgpu.transpose_ref(v_smem.at[st], (1, 0)),
-                        plgpu.transpose_ref(p_smem, (1, 0))))
+                        plgpu.transpose_ref(p_smem, (1, 0))),
+                    lazy_sum=True)
                 with jax.named_scope("epilogue"):
                     col = plgpu.Layout.WGMMA.reduce(0)  # a value per head (column)
                     l_safe = jnp.maximum(l_i, 1e-30)
@@ -511,28 +517,6 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             slot, _, _, _, lo, hi = row(j)
             if row_copies:
                 plgpu.barrier_wait(bt_bar)
-
-            def issue(operand, step):
-                """K (0) or V (1) of step `step` of this row (ids from the whole row)."""
-                n = base + step - lo
-                blks = [bt_smem[step * pages + jj] for jj in range(pages)]
-                src, dst, bars, free = ((k_ref, k_smem, k_bars, k_free), (v_ref, v_smem, v_bars,
-                                                                          v_free))[operand]
-                load_pages(src, dst, bars, free, blks=blks, kh=kh, n=n,
-                           slot=lax.rem(n, stages), p=p, stages=stages)
-
-            if row_copies and k_ahead:
-                # K one step ahead of V: K(lo), then K(s + 1), V(s) for each step s, so that a
-                # step's K lands well before its V and the last step's Q.K^T and softmax run
-                # while its V is still arriving.
-                with jax.named_scope("kv_issue"):
-                    pl.when(hi > lo)(lambda: issue(0, lo))
-
-                    @pl.loop(lo, hi)
-                    def _(step):
-                        pl.when(step + 1 < hi)(lambda: issue(0, step + 1))
-                        issue(1, step)
-                return base + (hi - lo)
 
             with jax.named_scope("kv_issue"):
                 @pl.loop(lo, hi)
@@ -629,8 +613,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                     (smem_, ready_, free_, rest[0] if rest else None), g=g, p=p, m=m, h=h, t=t,
                     s=s, rows=rows, walkers=walkers, splits=splits, transposed=transposed,
                     bkv=bkv, stages=stages, sm_scale=sm_scale, dtype=dtype,
-                    zero_padding=zero_padding, row_copies=row_copies,
-                    k_ahead=tiling.k_ahead)
+                    zero_padding=zero_padding, row_copies=row_copies)
 
         pl.run_scoped(body, smem, ready, free, *extra, collective_axes="wg")
 

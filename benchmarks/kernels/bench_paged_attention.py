@@ -491,24 +491,19 @@ class Runner:
 
 
 def decode_variant(tiling: Tiling, name: str) -> tuple[Tiling, dict]:
-    """A decode path to time, by name: triton | triton-only |
-    mosaic:BKVxSTAGES[xSPLITS][:FLAGS] | mosaic-only:... ("-only": decode_only=True, no
-    prefill kernel launched; FLAGS letters: "t" / "r": DecodeTiling.transposed True / False,
-    the heads as wgmma columns / rows, neither: the default choice; "k": k_ahead), e.g.
-    mosaic-only:64x4, mosaic:128x2x8, mosaic-only:128x2:t or mosaic-only:128x2:tk. Returns
+    """A decode path to time, by name: triton | triton-only | mosaic:BKVxSTAGES[xSPLITS][:t|:r]
+    | mosaic-only:... ("-only": decode_only=True, no prefill kernel launched; ":t" / ":r":
+    DecodeTiling.transposed True / False, the heads as wgmma columns / rows; neither: the
+    default choice), e.g. mosaic-only:64x4, mosaic:128x2x8 or mosaic-only:128x2:t. Returns
     the tiling and the call's keywords."""
     kind, _, shape = name.partition(":")
-    shape, _, flags = shape.partition(":")
+    shape, _, flag = shape.partition(":")
     kw = {"decode": kind.split("-")[0], "decode_only": kind.endswith("-only")}
-    if set(flags) - set("trk") or {"t", "r"} <= set(flags):
-        raise ValueError(f"decode variant {name!r}: flags are t or r, and k")
     if shape:
         parts = [int(x) for x in shape.split("x")]
         dt = dataclasses.replace(tiling.mosaic_decode, block_kv=parts[0], stages=parts[1],
                                  splits=parts[2] if len(parts) > 2 else None,
-                                 transposed=(True if "t" in flags else
-                                             False if "r" in flags else None),
-                                 k_ahead="k" in flags)
+                                 transposed={"t": True, "r": False}.get(flag))
         tiling = dataclasses.replace(tiling, mosaic_decode=dt)
     return tiling, kw
 

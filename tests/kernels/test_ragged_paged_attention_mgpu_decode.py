@@ -209,16 +209,3 @@ def test_bench_decode_variant_names():
     assert (tiling.mosaic_decode.block_kv, tiling.mosaic_decode.stages,
             tiling.mosaic_decode.splits, tiling.mosaic_decode.transposed) == (64, 4, 8, None)
     assert decode_variant(Tiling(), "triton-only")[1] == {"decode": "triton", "decode_only": True}
-    tiling, _ = decode_variant(Tiling(), "mosaic-only:128x2:rk")
-    assert tiling.mosaic_decode.k_ahead and tiling.mosaic_decode.transposed is False
-    with pytest.raises(ValueError, match="flags"):
-        decode_variant(Tiling(), "mosaic-only:128x2:tr")
-
-
-@pytest.mark.parametrize("t,s,m", [(8, 8, 64), (1, 1, 64)])  # 1 split; 8 splits (a cluster)
-def test_k_ahead_issue_order_lowers_for_cuda(t, s, m):
-    """K one step ahead of V (DecodeTiling.k_ahead) lowers, and changes the kernel."""
-    kw = dict(decode_only=True, transposed=False if not _NEW_JAX else None)
-    ahead = _lower(t, s, m, 32, 8, 128, 16, k_ahead=True, **kw)
-    assert "rpa_decode_mosaic" in ahead
-    assert ahead != _lower(t, s, m, 32, 8, 128, 16, **kw)
