@@ -52,7 +52,7 @@ from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
     mma_transforms, softmax_step, split_steps)
 
 _MAX_CLUSTER = 8  # portable cluster size on Hopper
-_PROFILE_RANGES = 32  # phases recorded per warpgroup when profiling (its shared memory is tight)
+_PROFILE_RANGES = 64  # phases recorded per warpgroup when profiling (in shared memory)
 _BT_WINDOW = 256  # block ids fetched per copy by the memory warpgroup
 _BT_ROW_MAX = 1024  # table rows up to this many block ids are fetched whole (`bt_row_copies`)
 _HEADS_T = 16  # transposed form: query heads padded to 16 wgmma columns (32-byte rows)
@@ -89,6 +89,7 @@ class DecodeTiling:
     sm_count: int = 132
     profile_dir: str = ""
     transposed: bool | None = None
+    direct_out: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or self.block_kv < 64:
@@ -234,7 +235,7 @@ def num_row_walkers(rows: int, k: int, splits: int, tiling: DecodeTiling) -> int
 def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, scoped,
             *, g: int, p: int, m: int, h: int, t: int, s: int, rows: int, walkers: int,
             splits: int, transposed: bool, bkv: int, stages: int, sm_scale: float, dtype,
-            zero_padding: bool, row_copies: int):
+            zero_padding: bool, row_copies: int, direct_out: bool):
     pages = bkv // p
     kh = lax.axis_index("kv")
     w = lax.axis_index("walker")
@@ -280,10 +281,11 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
 
         def store_rows(tok):
             def store(val):
-                q_stage[...] = val.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(0, g)],
-                                        out_ref.at[tok, pl.ds(kh * g, g)])
+                with jax.named_scope("out_store"):
+                    q_stage[...] = val.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(0, g)],
+                                            out_ref.at[tok, pl.ds(kh * g, g)])
             return store
 
         def kv_loop(base, lo, hi, kv_len, *, scores, keys_axis, acc_shape, qk, softmax, pv,
@@ -308,7 +310,8 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     qk(acc_ref, st)
                     return acc_ref[...]
 
-                sc = pl.run_scoped(compute_qk, plgpu.ACC(scores, jnp.float32))
+                with jax.named_scope("qk"):
+                    sc = pl.run_scoped(compute_qk, plgpu.ACC(scores, jnp.float32))
                 plgpu.barrier_arrive(k_free.at[st])
                 if masked:
                     keys = plgpu.broadcasted_iota(jnp.int32, scores, keys_axis,
@@ -338,7 +341,8 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
         def rows_out(mm):
             """out [64, H] from a zero accumulator and the wgmmas `mm` issues, stored."""
             zero = plgpu.layout_cast(jnp.full((_ROWS, h), 0, jnp.float32), plgpu.Layout.WGMMA)
-            return pl.run_state(mm)(plgpu.ACC.init(zero))
+            with jax.named_scope("out_mm"):
+                return pl.run_state(mm)(plgpu.ACC.init(zero))
 
         def merge_splits(slot, lse, own, part, heads, weights, finish):
             """The split merge of one decode row, both forms. Every CTA has its partial result
@@ -465,9 +469,20 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                 with jax.named_scope("epilogue"):
                     col = plgpu.Layout.WGMMA.reduce(0)  # a value per head (column)
                     l_safe = jnp.maximum(l_i, 1e-30)
-                    t_smem.at[0][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
-                                         ).astype(dtype)  # O^T; 0 for an empty split
+                    o_t = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
+                           ).astype(dtype)  # O^T; 0 for an empty split
                     store = store_rows(tok)
+                    if splits == 1 and direct_out:
+                        # O^T straight into rows 0..15 of the untiled staging buffer through a
+                        # transposed view, then out: no matmul back to rows.
+                        with jax.named_scope("out_store"):
+                            plgpu.transpose_ref(q_stage.at[pl.ds(0, _HEADS_T)], (1, 0))[...] = o_t
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(0, g)],
+                                                    out_ref.at[tok, pl.ds(kh * g, g)])
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        return
+                    t_smem.at[0][...] = o_t
 
                     def out_rows(weights):
                         """out [64, H] = sum_c W_c @ (tile c)^T, W_c as 16-bit parts."""
@@ -613,7 +628,8 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                     (smem_, ready_, free_, rest[0] if rest else None), g=g, p=p, m=m, h=h, t=t,
                     s=s, rows=rows, walkers=walkers, splits=splits, transposed=transposed,
                     bkv=bkv, stages=stages, sm_scale=sm_scale, dtype=dtype,
-                    zero_padding=zero_padding, row_copies=row_copies)
+                    zero_padding=zero_padding, row_copies=row_copies,
+                    direct_out=tiling.direct_out)
 
         pl.run_scoped(body, smem, ready, free, *extra, collective_axes="wg")
 
