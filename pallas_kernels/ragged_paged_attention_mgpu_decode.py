@@ -89,7 +89,6 @@ class DecodeTiling:
     sm_count: int = 132
     profile_dir: str = ""
     transposed: bool | None = None
-    sum_in_pv: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or self.block_kv < 64:
@@ -235,7 +234,7 @@ def num_row_walkers(rows: int, k: int, splits: int, tiling: DecodeTiling) -> int
 def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part_ref, scoped,
             *, g: int, p: int, m: int, h: int, t: int, s: int, rows: int, walkers: int,
             splits: int, transposed: bool, bkv: int, stages: int, sm_scale: float, dtype,
-            zero_padding: bool, row_copies: int, sum_in_pv: bool):
+            zero_padding: bool, row_copies: int):
     pages = bkv // p
     kh = lax.axis_index("kv")
     w = lax.axis_index("walker")
@@ -289,7 +288,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             return store
 
         def kv_loop(base, lo, hi, kv_len, *, scores, keys_axis, acc_shape, qk, softmax, pv,
-                    lazy_sum: bool = False, sum_in_pv: bool = False):
+                    lazy_sum: bool = False):
             """The compute side of the K/V pipeline over this CTA's steps [lo, hi) of a row:
             per step, wait for K, `qk` into a `scores`-shaped accumulator, free K, mask the
             keys past kv_len (along `keys_axis`) in the last steps, `softmax`, wait for V, `pv`,
@@ -297,13 +296,11 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             warpgroup. Starts from a zero `acc_shape` accumulator, a running max of -inf and a
             sum of 0 per query head (the scores' other axis); returns the three at the end.
             lazy_sum: the sum is carried unreduced, `scores`-shaped (each thread's own terms,
-            rescaled per step), and reduced once after the last step; with sum_in_pv, every
-            step reduces it while its P.V runs on the tensor cores (into a fresh accumulator,
-            added after), so that no reduction is left after the last step."""
+            rescaled per step), and reduced once after the last step."""
             n_full = jnp.clip(kv_len // bkv, lo, hi) - lo  # steps with every key valid
 
             def kv_step(i, carry, masked: bool):
-                acc, m_i, l_i, l_red = carry
+                acc, m_i, l_i = carry
                 st = lax.rem(base + i, stages)
                 with jax.named_scope("k_wait"):  # profiled: when each step's K landed
                     plgpu.barrier_wait(k_bars.at[st])
@@ -322,35 +319,22 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                 acc, m_new, l_i, p16 = softmax(sc, acc, m_i, l_i)
                 with jax.named_scope("v_wait"):
                     plgpu.barrier_wait(v_bars.at[st])
-                if sum_in_pv:
-                    def pv_and_sum(acc_ref):
-                        pv(acc_ref, st, p16)  # issued; the reduction runs beside it
-                        red = l_i.sum(axis=keys_axis)
-                        return acc_ref[...], red
-
-                    o, l_red = pl.run_scoped(pv_and_sum, plgpu.ACC(acc_shape, jnp.float32))
-                    acc = acc + o
-                else:
-                    acc = pl.run_state(lambda acc_ref: pv(acc_ref, st, p16))(
-                        plgpu.ACC.init(acc))
+                acc = pl.run_state(lambda acc_ref: pv(acc_ref, st, p16))(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[st])
-                return acc, m_new, l_i, l_red
+                return acc, m_new, l_i
 
             heads = plgpu.Layout.WGMMA.reduce(keys_axis)
             m_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), -jnp.inf, jnp.float32),
                                     heads)
-            l_i = l_red = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), 0, jnp.float32),
-                                            heads)
+            l_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), 0, jnp.float32), heads)
             if lazy_sum:
                 l_i = plgpu.layout_cast(jnp.full(scores, 0, jnp.float32), plgpu.Layout.WGMMA)
             acc = plgpu.layout_cast(jnp.full(acc_shape, 0, jnp.float32), plgpu.Layout.WGMMA)
             with jax.named_scope("kv_loop"):
                 carry = lax.fori_loop(0, n_full, lambda i, cr: kv_step(i, cr, False),
-                                      (acc, m_i, l_i, l_red))
-                acc, m_i, l_i, l_red = lax.fori_loop(n_full, hi - lo,
-                                                     lambda i, cr: kv_step(i, cr, True), carry)
-            if sum_in_pv:
-                return acc, m_i, l_red
+                                      (acc, m_i, l_i))
+                acc, m_i, l_i = lax.fori_loop(n_full, hi - lo,
+                                              lambda i, cr: kv_step(i, cr, True), carry)
             return acc, m_i, (l_i.sum(axis=keys_axis) if lazy_sum else l_i)
 
         def rows_out(mm):
@@ -483,7 +467,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                     pv=lambda acc_ref, st, _: plgpu.wgmma(
                         acc_ref, plgpu.transpose_ref(v_smem.at[st], (1, 0)),
                         plgpu.transpose_ref(p_smem, (1, 0))),
-                    lazy_sum=True, sum_in_pv=sum_in_pv)
+                    lazy_sum=True)
                 with jax.named_scope("epilogue"):
                     l_safe = jnp.maximum(l_i, 1e-30)
                     o_t = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
@@ -640,8 +624,7 @@ def decode_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc
                     (smem_, ready_, free_, rest[0] if rest else None), g=g, p=p, m=m, h=h, t=t,
                     s=s, rows=rows, walkers=walkers, splits=splits, transposed=transposed,
                     bkv=bkv, stages=stages, sm_scale=sm_scale, dtype=dtype,
-                    zero_padding=zero_padding, row_copies=row_copies,
-                    sum_in_pv=tiling.sum_in_pv)
+                    zero_padding=zero_padding, row_copies=row_copies)
 
         pl.run_scoped(body, smem, ready, free, *extra, collective_axes="wg")
 

@@ -503,8 +503,7 @@ def decode_variant(tiling: Tiling, name: str) -> tuple[Tiling, dict]:
         parts = [int(x) for x in shape.split("x")]
         dt = dataclasses.replace(tiling.mosaic_decode, block_kv=parts[0], stages=parts[1],
                                  splits=parts[2] if len(parts) > 2 else None,
-                                 transposed={"t": True, "r": False}.get(flag.replace("s", "")),
-                                 sum_in_pv="s" in flag)
+                                 transposed={"t": True, "r": False}.get(flag))
         tiling = dataclasses.replace(tiling, mosaic_decode=dt)
     return tiling, kw
 
