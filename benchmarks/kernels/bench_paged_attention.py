@@ -358,6 +358,13 @@ def build_step(rng, pool: Pool, q_lens, ctx_lens, *, slots: int | None = None,
                 num_seqs=jnp.asarray([live], jnp.int32), n_sets=n_sets)
 
 
+def chain_args(step: dict, pool: Pool) -> tuple:
+    """The arguments of a chain of calls (`chain_ours`, `chain_reference`) over a step's
+    tables: q, the K/V pool, the lengths, the tables, query_start_loc and num_seqs."""
+    return (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"], step["qsl"],
+            step["num_seqs"])
+
+
 @functools.cache
 def _l2_evictor():
     buf = jnp.ones((L2_ROTATION_BYTES // 4,), jnp.float32)  # 256 MiB, 5x the H100's L2
@@ -422,8 +429,7 @@ class Runner:
              decode: str = "triton", decode_only: bool = False,
              prefill_only: bool = False) -> dict:
         f = chain_ours(reps, tiling, self.interpret, prefill, decode, decode_only, prefill_only)
-        t = self.timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
-                           step["qsl"], step["num_seqs"]))
+        t = self.timer(f, chain_args(step, pool))
         return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
                 for k, v in t.items()}
 
@@ -435,8 +441,7 @@ class Runner:
         tiling = dataclasses.replace(
             tiling, mosaic=dataclasses.replace(tiling.mosaic, profile_dir=out),
             mosaic_decode=dataclasses.replace(tiling.mosaic_decode, profile_dir=out))
-        args = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"], step["qsl"],
-                step["num_seqs"])
+        args = chain_args(step, pool)
         f = chain_ours(1, tiling, self.interpret, **kw).lower(*args).compile()
         if self.args.mosaic_profile_cold:
             # The timed chains rotate their K/V through HBM; a lone call right after them
@@ -459,8 +464,7 @@ class Runner:
 
     def reference(self, step, pool, reps) -> dict:
         f = chain_reference(reps)
-        t = self.timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
-                           step["qsl"], step["num_seqs"]), iters=3)
+        t = self.timer(f, chain_args(step, pool), iters=3)
         return {k: (v / reps if k in ("kernel_ms", "wall_ms") and v is not None else v)
                 for k, v in t.items()}
 
@@ -605,8 +609,7 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
                     if (b, ctx) in ((1, 512), (1, 8192), (8, 2048)):
                         v["breakdown_us"] = kernel_breakdown(
                             runner.timer, chain_ours(reps, vt, False, **kw),
-                            (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
-                             step["qsl"], step["num_seqs"]), reps)
+                            chain_args(step, pool), reps)
                     variants[name] = v
                 mosaic = [k for k in variants if k.startswith("mosaic")]
                 best = min(mosaic or variants, key=lambda k: _ms(variants[k]))
@@ -628,8 +631,7 @@ def decode_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) ->
             if not runner.args.skip_reference_timing:
                 row["reference"] = runner.reference(step, pool, 2)
             if (b, ctx) in ((1, 512), (8, 512), (32, 2048), (1, 8192)):
-                targs = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
-                         step["qsl"], step["num_seqs"])
+                targs = chain_args(step, pool)
                 bargs = (step["q"], pool.k_t, pool.v_t, step["kv_lens"], step["tables"])
                 row["breakdown_us"] = {
                     "ours": kernel_breakdown(runner.timer, chain_ours(reps, tiling, False),
@@ -721,8 +723,7 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
                     runner.ceil["matmul_flops_per_s"]
                 row["mosaic_vs_triton"] = _ms(row["ours"]) / tm
                 tb = tilings[best]
-                args = (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"], step["qsl"],
-                        step["num_seqs"])
+                args = chain_args(step, pool)
                 row["breakdown_us"] = {
                     "triton": kernel_breakdown(runner.timer, chain_ours(2, tiling, False), args, 2),
                     "mosaic": kernel_breakdown(
@@ -738,8 +739,7 @@ def prefill_grid(runner: Runner, pool: Pool, rng, tiling: Tiling, smoke: bool) -
             row["ours_bw_frac_of_copy"] = row["kv_bytes"] / (t * 1e-3) / \
                 runner.ceil["copy_bytes_per_s"]
             if "reference" in row:
-                if "reference" in row:
-                    row["speedup_vs_reference"] = _ms(row["reference"]) / t
+                row["speedup_vs_reference"] = _ms(row["reference"]) / t
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)
             row["trace"] = traceback.format_exc()[-1500:]

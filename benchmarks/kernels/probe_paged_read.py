@@ -204,8 +204,7 @@ def main() -> None:
             step = bench.build_step(rng, pool, [1] * batch, [ctx - 1] * batch, n_sets=n_sets)
             tiling = Tiling(mosaic_decode=DecodeTiling(splits=splits))
             f = bench.chain_ours(args.reps, tiling, False, decode="mosaic", decode_only=True)
-            t = timer(f, (step["q"], pool.k, pool.v, step["kv_lens"], step["tables"],
-                          step["qsl"], step["num_seqs"]))
+            t = timer(f, bench.chain_args(step, pool))
             us = bench._ms(t) * 1e3 / args.reps
             row["decode_kernel"] = {"us": us, "frac_of_copy": nbytes / (us * 1e-6) / copy_bps,
                                     "tiling": repr(tiling.mosaic_decode), "timing": t}
