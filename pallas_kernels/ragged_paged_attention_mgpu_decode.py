@@ -326,9 +326,11 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             heads = plgpu.Layout.WGMMA.reduce(keys_axis)
             m_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), -jnp.inf, jnp.float32),
                                     heads)
-            l_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), 0, jnp.float32), heads)
             if lazy_sum:
                 l_i = plgpu.layout_cast(jnp.full(scores, 0, jnp.float32), plgpu.Layout.WGMMA)
+            else:
+                l_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), 0, jnp.float32),
+                                        heads)
             acc = plgpu.layout_cast(jnp.full(acc_shape, 0, jnp.float32), plgpu.Layout.WGMMA)
             with jax.named_scope("kv_loop"):
                 carry = lax.fori_loop(0, n_full, lambda i, cr: kv_step(i, cr, False),
