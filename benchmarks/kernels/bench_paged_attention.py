@@ -243,6 +243,15 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
         dict(name="2 decodes + chunk, M 64 tables G4 H128 P16", q_lens=[1, 1, 24],
              ctx_lens=[1000, 5, 10], n=32, k=8, h=128, p=16, dtype=jnp.bfloat16,
              pad_tokens=6, max_blocks=64),
+        # Keys that grow along the sequence, so that the running max rises at every step and
+        # every step rescales what came before: by ~100 (base 2) per 128 keys (8 rows: the
+        # Mosaic decode kernel's one split) and by a few units (4 rows: 2 splits).
+        dict(name="8 decodes, fast-growing keys G4 H128 P16", q_lens=[1] * 8,
+             ctx_lens=[300, 2000, 4000, 129, 1, 17, 1000, 2500], n=32, k=8, h=128, p=16,
+             dtype=jnp.bfloat16, pad_tokens=2, key_growth=0.25),
+        dict(name="4 decodes, slow-growing keys G4 H128 P16", q_lens=[1] * 4,
+             ctx_lens=[1000, 3000, 64, 2500], n=32, k=8, h=128, p=16, dtype=jnp.bfloat16,
+             pad_slots=1, key_growth=0.02),
     ]
     if smoke:
         cases = [dict(c, q_lens=[min(x, 9) for x in c["q_lens"]][:6],
@@ -258,7 +267,8 @@ def correctness(interpret: bool, smoke: bool, prefill: str = "triton",
             b = make_batch(rng, q_lens=c["q_lens"], ctx_lens=[int(x) for x in c["ctx_lens"]],
                            num_heads=c["n"], num_kv_heads=c["k"], head_dim=c["h"],
                            block_size=c["p"], dtype=c["dtype"], pad_slots=c.get("pad_slots", 0),
-                           pad_tokens=c.get("pad_tokens", 0), max_blocks=c.get("max_blocks"))
+                           pad_tokens=c.get("pad_tokens", 0), max_blocks=c.get("max_blocks"),
+                           key_growth=c.get("key_growth", 0.0))
             kw = dict(sm_scale=c["h"] ** -0.5, soft_cap=c.get("soft_cap"),
                       sliding_window=c.get("sliding_window"))
             out = ragged_paged_attention_gpu(*b.args(), **kw, interpret=interpret,

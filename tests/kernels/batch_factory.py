@@ -31,8 +31,11 @@ class Batch:
 def make_batch(rng: np.random.Generator, *, q_lens: list[int], ctx_lens: list[int],
                num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                dtype=jnp.bfloat16, pad_slots: int = 0, pad_tokens: int = 0,
-               extra_blocks: int = 3, max_blocks: int | None = None) -> Batch:
-    """q_lens[i] new tokens after ctx_lens[i] cached ones for each live sequence."""
+               extra_blocks: int = 3, max_blocks: int | None = None,
+               key_growth: float = 0.0) -> Batch:
+    """q_lens[i] new tokens after ctx_lens[i] cached ones for each live sequence. key_growth:
+    each sequence's key at position j is scaled by 1 + key_growth * j, so that later keys
+    score ever higher (a running max that keeps rising, far past the earlier keys' scores)."""
     assert len(q_lens) == len(ctx_lens)
     kv = [c + q for c, q in zip(ctx_lens, q_lens)]
     need = [-(-x // block_size) for x in kv]
@@ -52,9 +55,16 @@ def make_batch(rng: np.random.Generator, *, q_lens: list[int], ctx_lens: list[in
     kv_lens = np.zeros(s, np.int32)
     kv_lens[:len(kv)] = kv
     shape = (n_blocks, num_kv_heads, block_size, head_dim)
+    q = rng.standard_normal((t, num_heads, head_dim))
+    k = rng.standard_normal(shape)
+    if key_growth:
+        pos = np.arange(block_size)
+        for i, nb in enumerate(need):
+            for j in range(nb):
+                k[tables[i, j]] *= (1 + key_growth * (j * block_size + pos))[None, :, None]
     return Batch(
-        q=jnp.asarray(rng.standard_normal((t, num_heads, head_dim)), dtype),
-        k_cache=jnp.asarray(rng.standard_normal(shape), dtype),
+        q=jnp.asarray(q, dtype),
+        k_cache=jnp.asarray(k, dtype),
         v_cache=jnp.asarray(rng.standard_normal(shape), dtype),
         kv_lens=jnp.asarray(kv_lens), block_tables=jnp.asarray(tables),
         query_start_loc=jnp.asarray(qsl), num_seqs=jnp.asarray([len(q_lens)], jnp.int32))

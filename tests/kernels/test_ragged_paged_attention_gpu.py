@@ -84,6 +84,20 @@ def test_split_counts(target):
     _check(b, sm_scale=0.125, tiling=Tiling(target_programs=target, max_splits=8))
 
 
+@pytest.mark.parametrize("growth", [0.02, 0.5])
+def test_rising_max_rescales_every_step(growth):
+    """Keys scaled by 1 + growth x position: each KV step's scores pass the earlier ones (by a
+    few units, or by ~100 in base 2: an unrescaled sum would overflow float32), so the online
+    softmax rescales what it has at every step, decode rows and chunks alike, with and
+    without splits."""
+    rng = np.random.default_rng(int(growth * 100))
+    b = make_batch(rng, q_lens=[1, 1, 7, 20], ctx_lens=[300, 90, 150, 40], num_heads=8,
+                   num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float32, pad_tokens=3,
+                   key_growth=growth)
+    _check(b, sm_scale=0.125)
+    _check(b, sm_scale=0.125, tiling=Tiling(target_programs=100_000, max_splits=8))
+
+
 def test_many_splits_merge_in_chunks():
     """G = 8 and up to 64 splits: the merging split combines partials in several chunks."""
     rng = np.random.default_rng(21)
