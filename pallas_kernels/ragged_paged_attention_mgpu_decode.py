@@ -27,9 +27,11 @@ co-scheduled, so the waits cannot deadlock.
 
 The transposed form (`DecodeTiling.transposed`; by default for clusters of up to 4 CTAs) puts the
 keys in the tile rows and the heads in 16 columns: S^T = K Q^T, P.V as O^T = V^T P^T, a quarter
-of the tensor and exp work at G = 4. Its merge: split c's O^T [H, 16] (16-bit) goes to global
-scratch and into CTA 0's tile c; out [64, H] = sum_c W_c @ (tile c)^T, W_c [64, 16] split c's
-weight of each head on the diagonal, so the rows come back out of the tensor cores.
+of the tensor and exp work at G = 4. Its softmax sum comes from the tensor cores (ones @ P^T
+beside P.V), and without splits its output leaves straight from the registers. Its merge: split
+c's O^T [H, 16] (16-bit) goes to global scratch and into CTA 0's tile c; out [64, H] = sum_c
+W_c @ (tile c)^T, W_c [64, 16] split c's weight of each head on the diagonal, so the rows come
+back out of the tensor cores.
 
 Scope: that of the Mosaic prefill kernel (`in_scope`: bf16 or f16, H in {64, 128}, G in
 {1, 2, 4, 8}, P a multiple of 8 dividing block_kv, no soft cap, no sliding window; `supported()`);
@@ -43,9 +45,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, memref, vector
 
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import (
     _LOG2E, _ROWS, _cdiv, _load, compiler_params, in_scope, load_kv_step,
@@ -191,6 +197,44 @@ def hi_lo(w, dtype):
     return hi, (w - hi.astype(jnp.float32)).astype(dtype)
 
 
+@plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA,),
+    return_type=plgpu.ShapeDtypeStruct((_HEADS_T,), jnp.float32,
+                                       layout=plgpu.Layout.WGMMA.reduce(0)))
+def equal_rows_as_vector(ctx, x):
+    """x [64, 16] (WGMMA layout) whose rows are all equal (column sums from the tensor cores)
+    as one [16] vector, each thread keeping the values of its own first row: its columns are
+    those it holds of every row, so no value crosses a thread (`x.max(axis=0)` would exchange
+    them across the warps)."""
+    del ctx
+    rows = x.layout.tiling.tile_dimension(0)  # the register dims along the rows
+    first = tuple(slice(0, 1) if r else slice(None) for r in rows)
+    cols = x.layout.reduce((0,))
+    regs = x.registers[first]
+    return type(x)(_registers=regs.reshape(cols.registers_shape((x.shape[1],))), _layout=cols,
+                   _is_signed=None)
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+def store_columns_as_rows(ctx, x, out_ref):
+    """out_ref [G, H] (global memory) = the first G columns of x [H, 16] (WGMMA layout, 16-bit)
+    as rows: each thread stores its own elements of those columns, one scalar store each,
+    with no staging buffer, fence, barrier or TMA copy (writes of a few KB per call)."""
+    del ctx
+    g = ir.MemRefType(out_ref.type).shape[0]
+    index = ir.IndexType.get()
+    [vec_len] = ir.VectorType(x.registers.flat[0].type).shape
+    for reg_idx, (r, c) in zip(np.ndindex(x.registers.shape), x.layout.thread_idxs(x.shape)):
+        reg = x.registers[reg_idx]
+        for v in range(vec_len):
+            col = arith.addi(c, arith.constant(index, v))
+            live = arith.cmpi(arith.CmpIPredicate.ult, col, arith.constant(index, g))
+            with mgpu_utils.when(live):
+                memref.store(vector.extract(reg, dynamic_position=[],
+                                            static_position=ir.DenseI64ArrayAttr.get([v])),
+                             out_ref, [col, r])
+
+
 _wgmma_iota = functools.partial(plgpu.broadcasted_iota, layout=plgpu.Layout.WGMMA)
 
 
@@ -288,15 +332,16 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             return store
 
         def kv_loop(base, lo, hi, kv_len, *, scores, keys_axis, acc_shape, qk, softmax, pv,
-                    lazy_sum: bool = False):
+                    sum_shape=None):
             """The compute side of the K/V pipeline over this CTA's steps [lo, hi) of a row:
             per step, wait for K, `qk` into a `scores`-shaped accumulator, free K, mask the
             keys past kv_len (along `keys_axis`) in the last steps, `softmax`, wait for V, `pv`,
             free V. Shared by both forms, so the barrier order stays that of the memory
             warpgroup. Starts from a zero `acc_shape` accumulator, a running max of -inf and a
             sum of 0 per query head (the scores' other axis); returns the three at the end.
-            lazy_sum: the sum is carried unreduced, `scores`-shaped (each thread's own terms,
-            rescaled per step), and reduced once after the last step."""
+            sum_shape: the sum is a second tensor-core accumulator of this shape (WGMMA
+            layout), which `pv(acc_ref, sum_ref, st, p16)` adds to beside the product and
+            `softmax` only rescales; without it `pv(acc_ref, st, p16)`."""
             n_full = jnp.clip(kv_len // bkv, lo, hi) - lo  # steps with every key valid
 
             def kv_step(i, carry, masked: bool):
@@ -319,15 +364,20 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                 acc, m_new, l_i, p16 = softmax(sc, acc, m_i, l_i)
                 with jax.named_scope("v_wait"):
                     plgpu.barrier_wait(v_bars.at[st])
-                acc = pl.run_state(lambda acc_ref: pv(acc_ref, st, p16))(plgpu.ACC.init(acc))
+                if sum_shape is None:
+                    acc = pl.run_state(lambda acc_ref: pv(acc_ref, st, p16))(
+                        plgpu.ACC.init(acc))
+                else:
+                    acc, l_i = pl.run_state(lambda refs: pv(*refs, st, p16))(
+                        (plgpu.ACC.init(acc), plgpu.ACC.init(l_i)))
                 plgpu.barrier_arrive(v_free.at[st])
                 return acc, m_new, l_i
 
             heads = plgpu.Layout.WGMMA.reduce(keys_axis)
             m_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), -jnp.inf, jnp.float32),
                                     heads)
-            if lazy_sum:
-                l_i = plgpu.layout_cast(jnp.full(scores, 0, jnp.float32), plgpu.Layout.WGMMA)
+            if sum_shape is not None:
+                l_i = plgpu.layout_cast(jnp.full(sum_shape, 0, jnp.float32), plgpu.Layout.WGMMA)
             else:
                 l_i = plgpu.layout_cast(jnp.full((scores[1 - keys_axis],), 0, jnp.float32),
                                         heads)
@@ -335,9 +385,7 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             with jax.named_scope("kv_loop"):
                 carry = lax.fori_loop(0, n_full, lambda i, cr: kv_step(i, cr, False),
                                       (acc, m_i, l_i))
-                acc, m_i, l_i = lax.fori_loop(n_full, hi - lo,
-                                              lambda i, cr: kv_step(i, cr, True), carry)
-            return acc, m_i, (l_i.sum(axis=keys_axis) if lazy_sum else l_i)
+                return lax.fori_loop(n_full, hi - lo, lambda i, cr: kv_step(i, cr, True), carry)
 
         def rows_out(mm):
             """out [64, H] from a zero accumulator and the wgmmas `mm` issues, stored."""
@@ -432,13 +480,14 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
             online softmax down the columns (over the keys; its reductions cross the warps),
             P^T stored as P [16, BKV] (through a transposed view, so that V and P share the
             128-byte swizzle: a 32-byte one on V made its TMA loads measurably slower) and
-            O^T [H, 16] += V^T @ P^T; the softmax sum is reduced once, after the last step
-            (`kv_loop`'s lazy_sum). The result O^T (normalised, 16-bit): without splits, stored
-            through a transposed view of the untiled staging buffer as rows and sent out; with
-            splits, into merge tile 0, and the rows come back out of the tensor cores: out
-            [64, H] = sum over splits c of W_c [64, 16] @ (tile c)^T, W_c split c's weight of
-            each head on the diagonal (`column_weights`). Split c > 0 sends its tile to global
-            scratch; CTA 0 fetches it into tile c."""
+            O^T [H, 16] += V^T @ P^T, and the softmax sum from the tensor cores beside it (ones
+            [64, BKV] @ P^T: every row the column sums, so no reduction across the warps). The
+            result O^T (normalised, 16-bit): without splits, its first G columns stored from
+            the registers straight to the output rows (`store_columns_as_rows`); with splits,
+            into merge tile 0, and the rows come back out of the tensor cores: out [64, H] =
+            sum over splits c of W_c [64, 16] @ (tile c)^T, W_c split c's weight of each head
+            on the diagonal (`column_weights`). Split c > 0 sends its tile to global scratch;
+            CTA 0 fetches it into tile c."""
             p_smem, *t_smem = cols_smem
             t_smem = t_smem[0] if t_smem else None  # the merge tiles (splits > 1)
             slot, live, tok, kv_len, lo, hi = row(j)
@@ -449,40 +498,39 @@ def _kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, part
                 q_t = plgpu.transpose_ref(qo_smem.at[pl.ds(0, _HEADS_T)], (1, 0))  # [H, 16]
 
                 def softmax_columns(sc, acc, m_i, l_i):
-                    """`softmax_step` down the columns of S^T; P goes to shared memory."""
+                    """`softmax_step` down the columns of S^T; P goes to shared memory. The
+                    sum l_i [64, 16] is the tensor cores' (every row the column sums: `pv`
+                    adds ones [64, BKV] @ P^T): here it is only rescaled."""
                     m_new = jnp.maximum(m_i, sc.max(axis=0) * scale)
                     alpha = jnp.exp2(m_i - m_new)
                     pr = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, [1]))
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-                    # the sum stays unreduced (`kv_loop`'s lazy_sum): no reduction across
-                    # the warps per step
-                    l_i = l_i * lax.broadcast_in_dim(alpha, sc.shape, [1]) + pr
+                    l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [1])
                     plgpu.transpose_ref(p_smem, (1, 0))[...] = pr.astype(dtype)  # P [16, BKV]
                     plgpu.commit_smem()
                     return acc, m_new, l_i, None
+
+                def pv_and_sum(acc_ref, sum_ref, st, _):
+                    p_t = plgpu.transpose_ref(p_smem, (1, 0))
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_smem.at[st], (1, 0)), p_t)
+                    ones = plgpu.layout_cast(jnp.full((_ROWS, bkv), 1, dtype),
+                                             plgpu.Layout.WGMMA)
+                    plgpu.wgmma(sum_ref, ones, p_t)
 
                 acc, m_i, l_i = kv_loop(
                     base, lo, hi, kv_len, scores=(bkv, _HEADS_T), keys_axis=0,
                     acc_shape=(h, _HEADS_T),
                     qk=lambda acc_ref, st: plgpu.wgmma(acc_ref, k_smem.at[st], q_t),
-                    softmax=softmax_columns,
-                    pv=lambda acc_ref, st, _: plgpu.wgmma(
-                        acc_ref, plgpu.transpose_ref(v_smem.at[st], (1, 0)),
-                        plgpu.transpose_ref(p_smem, (1, 0))),
-                    lazy_sum=True)
+                    softmax=softmax_columns, pv=pv_and_sum, sum_shape=(_ROWS, _HEADS_T))
                 with jax.named_scope("epilogue"):
-                    l_safe = jnp.maximum(l_i, 1e-30)
+                    l_safe = jnp.maximum(equal_rows_as_vector(l_i), 1e-30)
                     o_t = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])
                            ).astype(dtype)  # O^T; 0 for an empty split
                     if splits == 1:
-                        # O^T straight into rows 0..15 of the untiled staging buffer through a
-                        # transposed view, then out: no matmul back to rows (0.2 kcyc less
-                        # than one).
+                        # O^T's first G columns straight from the registers to the output
+                        # rows: no staging buffer, fence, barrier or TMA copy.
                         with jax.named_scope("out_store"):
-                            plgpu.transpose_ref(q_stage.at[pl.ds(0, _HEADS_T)], (1, 0))[...] = o_t
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(q_stage.at[pl.ds(0, g)],
-                                                    out_ref.at[tok, pl.ds(kh * g, g)])
+                            store_columns_as_rows(o_t, out_ref.at[tok, pl.ds(kh * g, g)])
                     else:
                         t_smem.at[0][...] = o_t
 
