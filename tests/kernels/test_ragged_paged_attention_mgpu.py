@@ -27,6 +27,7 @@ from jaxengine.pallas_kernels.ragged_paged_attention import (
 from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
     Tiling, ragged_paged_attention_gpu)
 from tests.kernels.batch_factory import make_batch
+from tests.kernels.cuda_target import abstract_h100
 
 
 def _emulate_kernel(layout, ref: np.ndarray, out: np.ndarray, *, g: int) -> np.ndarray:
@@ -327,9 +328,10 @@ def test_mosaic_prefill_lowers_for_cuda(n, k, h, p, grid, splits, prefill_only):
             sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
             sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
     tiling = Tiling(mosaic=mgpu.MosaicTiling(kv_splits=splits, **grid))
-    lowered = ragged_paged_attention_gpu.trace(
-        *args, sm_scale=h ** -0.5, prefill="mosaic", tiling=tiling,
-        prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
+    with abstract_h100():
+        lowered = ragged_paged_attention_gpu.trace(
+            *args, sm_scale=h ** -0.5, prefill="mosaic", tiling=tiling,
+            prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "mosaic_gpu" in text
     # The tile table comes from Triton programs, not XLA reductions.
@@ -358,8 +360,9 @@ def test_wide_slot_counts_give_the_table_a_launch_of_its_own():
         args = (sd((t, n, h), jnp.bfloat16), sd((blocks, k, p, h), jnp.bfloat16),
                 sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
                 sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
-        text = ragged_paged_attention_gpu.trace(*args, sm_scale=h ** -0.5, prefill="mosaic"
-                                                ).lower(lowering_platforms=("cuda",)).as_text()
+        with abstract_h100():
+            text = ragged_paged_attention_gpu.trace(*args, sm_scale=h ** -0.5, prefill="mosaic"
+                                                    ).lower(lowering_platforms=("cuda",)).as_text()
         return "rpa_decode" in text, "rpa_tile_table" in text
 
     assert kernels(rpa.FUSED_TABLE_MAX_SLOTS) == (True, False)
@@ -380,6 +383,7 @@ def test_named_phases_leave_the_kernels_unchanged(monkeypatch):
     off: the Mosaic modules (decode, prefill, prefill-only), printed without debug info, are
     the same with the scopes as with every scope made a no-op."""
     import contextlib
+    import re
 
     core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
     if not hasattr(core, "_run_serde_pass"):
@@ -396,15 +400,18 @@ def test_named_phases_leave_the_kernels_unchanged(monkeypatch):
         serde = core._run_serde_pass
 
         def capture(module, **kw):
-            seen.append(module.operation.get_asm(enable_debug_info=False))
+            # newer jax numbers each module's dump name by a process-wide counter
+            seen.append(re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', "",
+                               module.operation.get_asm(enable_debug_info=False)))
             return serde(module, **kw)
 
         with monkeypatch.context() as mp:
             mp.setattr(core, "_run_serde_pass", capture)
             for prefill_only in (False, True):
-                ragged_paged_attention_gpu.trace(
-                    *args, sm_scale=h ** -0.5, prefill="mosaic", decode="mosaic",
-                    prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
+                with abstract_h100():
+                    ragged_paged_attention_gpu.trace(
+                        *args, sm_scale=h ** -0.5, prefill="mosaic", decode="mosaic",
+                        prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
         return seen
 
     with_scopes = modules()
