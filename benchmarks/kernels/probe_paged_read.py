@@ -26,6 +26,7 @@ decode kernel's split count follows from it (`num_splits`: half the SMs).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -57,9 +58,14 @@ SHAPES = [("1x2048", 1, 2048, 8), ("1x8192", 1, 8192, 8), ("8x1024", 8, 1024, 2)
 PIPELINES = [(128, 2), (64, 4), (128, 3), (64, 2)]  # (block_kv, stages)
 
 
-def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int):
+def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
+               cluster: str = "none"):
     """Reads `keys` keys of every KV head from the pages of each table row, as the decode
-    kernel's memory warpgroup does; returns 8 rows of K of each CTA's last step."""
+    kernel's memory warpgroup does; returns 8 rows of K of each CTA's last step.
+
+    cluster: "none"; "heads": the K CTAs of one table row (its KV heads, which read slices of
+    the same blocks) launched as one cluster, so that they run in one GPC; "rows": the CTAs
+    of one KV head launched in clusters of up to 8 rows (the same launch, no shared blocks)."""
     _, k, p, h = k_cache.shape
     w_rows, m = table.shape
     pages, steps = bkv // p, keys // bkv
@@ -67,11 +73,19 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int):
     assert keys % bkv == 0 and m >= keys // p and row_copies, (keys, bkv, m)
     dtype = k_cache.dtype
     transforms = mma_transforms(h, dtype)
+    rows_c = min(8, w_rows)
+    if cluster == "rows" and w_rows % rows_c:
+        raise ValueError(f"cluster='rows' needs the rows ({w_rows}) in whole clusters of 8")
 
     def body(k_ref, v_ref, bt_ref, out_ref, k_smem, v_smem, bt_smem, k_bars, v_bars, bt_bar,
              k_free, v_free):
-        kh = lax.axis_index("kv")
-        w = lax.axis_index("walker")
+        if cluster == "heads":
+            kh, w = lax.axis_index("kvc"), lax.axis_index("walker")
+        elif cluster == "rows":
+            kh = lax.axis_index("kv")
+            w = lax.axis_index("walker") * rows_c + lax.axis_index("rowc")
+        else:
+            kh, w = lax.axis_index("kv"), lax.axis_index("walker")
         wg = lax.axis_index("wg")
 
         @pl.when(wg == 0)
@@ -113,11 +127,19 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int):
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
             collective_axes="wg")
 
+    if cluster == "heads":
+        mesh = plgpu.Mesh(grid=(w_rows,), grid_names=("walker",), cluster=(k,),
+                          cluster_names=("kvc",), num_threads=2, thread_name="wg")
+    elif cluster == "rows":
+        mesh = plgpu.Mesh(grid=(k, w_rows // rows_c), grid_names=("kv", "walker"),
+                          cluster=(rows_c,), cluster_names=("rowc",), num_threads=2,
+                          thread_name="wg")
+    else:
+        mesh = plgpu.Mesh(grid=(k, w_rows), grid_names=("kv", "walker"), num_threads=2,
+                          thread_name="wg")
     return pl.kernel(
-        entry, out_type=jax.ShapeDtypeStruct((k, w_rows, 8, h), dtype),
-        mesh=plgpu.Mesh(grid=(k, w_rows), grid_names=("kv", "walker"), num_threads=2,
-                        thread_name="wg"),
-        name="probe_paged_read")(k_cache, v_cache, table)
+        entry, out_type=jax.ShapeDtypeStruct((k, w_rows, 8, h), dtype), mesh=mesh,
+        name=f"probe_paged_read_{cluster}")(k_cache, v_cache, table)
 
 
 def tables_for(rng, num_blocks: int, rows: int, used: int, n_sets: int, order: str) -> list:
@@ -151,13 +173,17 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (all: empty)")
     ap.add_argument("--pipelines", default="",
                     help="comma-separated BKVxSTAGES of PIPELINES (all: empty)")
+    ap.add_argument("--clusters", default="none",
+                    help="comma-separated cluster launches of the probe: none, heads, rows")
     ap.add_argument("--lower", action="store_true", help="lower one probe for CUDA and stop")
     args = ap.parse_args()
     if args.lower:
         kc = jnp.zeros((64, 8, 16, 128), jnp.bfloat16)
-        for keys, bkv, stages, m in ((512, 128, 2, 32), (256, 64, 4, 32), (4096, 128, 3, 256)):
+        for keys, bkv, stages, m, cl in ((512, 128, 2, 32, "none"), (256, 64, 4, 32, "heads"),
+                                         (4096, 128, 3, 256, "rows")):
             table = jnp.zeros((16, m), jnp.int32)
-            jax.jit(lambda k, v, t: paged_read(k, v, t, keys=keys, bkv=bkv, stages=stages)
+            jax.jit(lambda k, v, t: paged_read(k, v, t, keys=keys, bkv=bkv, stages=stages,
+                                               cluster=cl)
                     ).trace(kc, kc, table).lower(lowering_platforms=("cuda",))
         print("lowered")
         return
@@ -184,15 +210,17 @@ def main() -> None:
                "floor_us": nbytes / copy_bps * 1e6, "probe": {}}
         for order in ("random", "sequential"):
             tables = tuple(tables_for(rng, num_blocks, w_rows, keys // p, n_sets, order))
-            for bkv, stages in PIPELINES:
+            for (bkv, stages), cluster in itertools.product(PIPELINES,
+                                                            args.clusters.split(",")):
                 if order == "sequential" and (bkv, stages) != (128, 2):
                     continue
                 if args.pipelines and f"{bkv}x{stages}" not in args.pipelines.split(","):
                     continue
-                key = f"{order}:{bkv}x{stages}"
+                key = f"{order}:{bkv}x{stages}" + ("" if cluster == "none" else f":{cluster}")
                 try:
-                    fn = chain(args.reps, lambda kc, vc, t, bkv=bkv, stages=stages: paged_read(
-                        kc, vc, t, keys=keys, bkv=bkv, stages=stages))
+                    fn = chain(args.reps, lambda kc, vc, t, bkv=bkv, stages=stages,
+                               cluster=cluster: paged_read(kc, vc, t, keys=keys, bkv=bkv,
+                                                           stages=stages, cluster=cluster))
                     t = timer(fn, (pool.k, pool.v, tables))
                     us = bench._ms(t) * 1e3 / args.reps
                     row["probe"][key] = {"us": us, "frac_of_copy": nbytes / (us * 1e-6) / copy_bps,

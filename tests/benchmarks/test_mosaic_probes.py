@@ -47,3 +47,34 @@ def test_paged_read_probe_lowers_and_tables_are_disjoint():
     assert ids.shape == (3, 8, 32) and (ids[:, :, 16:] == 0).all()
     live = ids[:, :, :16].ravel()
     assert (live > 0).all() and len(set(live.tolist())) == live.size
+
+
+@pytest.mark.parametrize("cluster", ["heads", "rows"])
+def test_paged_read_probe_cluster_launches_lower(cluster):
+    """The copy-only probe launched in clusters: a row's KV-head CTAs together ("heads"), or
+    8 rows of one KV head ("rows")."""
+    from benchmarks.kernels import probe_paged_read as probe
+
+    kc = jax.ShapeDtypeStruct((64, 8, 16, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((16, 32), jnp.int32)
+    text = jax.jit(lambda k, v, t: probe.paged_read(k, v, t, keys=256, bkv=128, stages=2,
+                                                    cluster=cluster)).trace(
+        kc, kc, table).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    with pytest.raises(ValueError, match="whole clusters"):
+        jax.jit(lambda k, v, t: probe.paged_read(k, v, t, keys=256, bkv=128, stages=2,
+                                                 cluster="rows")).trace(
+            kc, kc, jax.ShapeDtypeStruct((12, 32), jnp.int32))
+
+
+def test_fixed_cost_probe_kernels_lower():
+    """Every Mosaic kernel of the fixed-cost probe (empty launches, the table round trip by
+    TMA and by scalar loads) lowers for CUDA on the decode kernel's batch-8 grid."""
+    from benchmarks.kernels import probe_fixed_cost as probe
+
+    kc = jax.ShapeDtypeStruct((64, 8, 16, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((8, 32), jnp.int32)
+    for mode in probe.FIXED_MODES:
+        text = jax.jit(lambda k, t, mode=mode: probe.fixed_kernel(k, t, mode=mode)).trace(
+            kc, table).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu") >= 1, mode
