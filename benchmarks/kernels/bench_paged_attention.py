@@ -179,6 +179,16 @@ def ceilings(timer: Timer, smoke: bool) -> dict:
             "matmul_flops_per_s": flops, "matmul_timing": t2, "matmul_dim": d}
 
 
+def probe_start(iters: int, **params) -> tuple[Timer, dict]:
+    """A probe run's CUPTI timer (`iters` timed iterations) and its result dict: the device
+    facts and the ceilings measured first (logged), `iters`, then `params`."""
+    timer = Timer(iters, use_cupti=True)
+    res = {"facts": device_facts(), "ceilings": ceilings(timer, False), "iters": iters, **params}
+    log("ceilings", res["ceilings"]["copy_bytes_per_s"] / 1e12, "TB/s",
+        res["ceilings"]["matmul_flops_per_s"] / 1e12, "TFLOP/s")
+    return timer, res
+
+
 def rel_err(a, b) -> float:
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)

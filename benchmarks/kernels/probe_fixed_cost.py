@@ -172,13 +172,10 @@ def main() -> None:
         return
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    timer = bench.Timer(args.iters, use_cupti=True)
-    res = {"facts": bench.device_facts(), "ceilings": bench.ceilings(timer, False),
-           "reps": args.reps, "iters": args.iters, "batch": args.batch,
-           "grid": [k_heads, args.batch], "tiling": f"{BKV}x{STAGES}", "rows": {}}
+    timer, res = bench.probe_start(args.iters, reps=args.reps,
+                                   batch=args.batch, grid=[k_heads, args.batch],
+                                   tiling=f"{BKV}x{STAGES}", rows={})
     copy_bps = res["ceilings"]["copy_bytes_per_s"]
-    bench.log("ceilings", copy_bps / 1e12, "TB/s",
-              res["ceilings"]["matmul_flops_per_s"] / 1e12, "TFLOP/s")
     num_blocks = 65536
     pool = bench.make_pool(num_blocks, with_transposed=False)
     rng = np.random.default_rng(0)

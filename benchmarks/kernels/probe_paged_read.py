@@ -189,12 +189,8 @@ def main() -> None:
         return
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    timer = bench.Timer(args.iters, use_cupti=True)
-    res = {"facts": bench.device_facts(), "ceilings": bench.ceilings(timer, False),
-           "reps": args.reps, "iters": args.iters, "rows": []}
+    timer, res = bench.probe_start(args.iters, reps=args.reps, rows=[])
     copy_bps = res["ceilings"]["copy_bytes_per_s"]
-    bench.log("ceilings", res["ceilings"]["copy_bytes_per_s"] / 1e12, "TB/s",
-              res["ceilings"]["matmul_flops_per_s"] / 1e12, "TFLOP/s")
     num_blocks = 65536  # 2 x 2 GiB of bf16 K/V at K 8, P 16, H 128
     pool = bench.make_pool(num_blocks, with_transposed=False)
     rng = np.random.default_rng(0)
