@@ -74,6 +74,8 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
     dtype = k_cache.dtype
     transforms = mma_transforms(h, dtype)
     rows_c = min(8, w_rows)
+    if cluster not in ("none", "heads", "rows"):
+        raise ValueError(f"cluster must be 'none', 'heads' or 'rows', got {cluster!r}")
     if cluster == "rows" and w_rows % rows_c:
         raise ValueError(f"cluster='rows' needs the rows ({w_rows}) in whole clusters of 8")
 

@@ -65,6 +65,8 @@ def test_paged_read_probe_cluster_launches_lower(cluster):
         jax.jit(lambda k, v, t: probe.paged_read(k, v, t, keys=256, bkv=128, stages=2,
                                                  cluster="rows")).trace(
             kc, kc, jax.ShapeDtypeStruct((12, 32), jnp.int32))
+    with pytest.raises(ValueError, match="cluster must be"):
+        probe.paged_read(kc, kc, table, keys=256, bkv=128, stages=2, cluster="gpc")
 
 
 def test_fixed_cost_probe_kernels_lower():
