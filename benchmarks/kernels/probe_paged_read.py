@@ -44,6 +44,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+from jaxlib.mlir import ir  # noqa: E402
+from jaxlib.mlir.dialects import llvm  # noqa: E402
 
 from jaxengine.pallas_kernels import ragged_paged_attention_mgpu_decode as dec  # noqa: E402
 from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (  # noqa: E402
@@ -58,14 +60,40 @@ SHAPES = [("1x2048", 1, 2048, 8), ("1x8192", 1, 8192, 8), ("8x1024", 8, 1024, 2)
 PIPELINES = [(128, 2), (64, 4), (128, 3), (64, 2)]  # (block_kv, stages)
 
 
+def spin(cycles: int) -> None:
+    """Busy-waits about `cycles` SM clock cycles (every thread of the warpgroup)."""
+    if cycles <= 0:
+        return
+
+    @plgpu.inline_mgpu()
+    def wait(ctx):
+        del ctx
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"), [],
+            "{ .reg .u64 t0, t1; .reg .pred p; mov.u64 t0, %clock64; "
+            f"SPIN${{:uid}}: mov.u64 t1, %clock64; sub.u64 t1, t1, t0; "
+            f"setp.lt.u64 p, t1, {int(cycles)}; @p bra SPIN${{:uid}}; }}",
+            "", has_side_effects=True)
+
+    wait()
+
+
+# The decode kernel's compute per 128-key step at 8 x 1024 (v17-v18 profiles), in SM cycles:
+# K held through Q.K^T, then the softmax, then V held through P.V.
+HOLD_CYCLES = (400, 630, 700)
+
+
 def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
-               cluster: str = "none"):
+               cluster: str = "none", hold: tuple[int, int, int] = (0, 0, 0)):
     """Reads `keys` keys of every KV head from the pages of each table row, as the decode
     kernel's memory warpgroup does; returns 8 rows of K of each CTA's last step.
 
     cluster: "none"; "heads": the K CTAs of one table row (its KV heads, which read slices of
     the same blocks) launched as one cluster, so that they run in one GPC; "rows": the CTAs
-    of one KV head launched in clusters of up to 8 rows (the same launch, no shared blocks)."""
+    of one KV head launched in clusters of up to 8 rows (the same launch, no shared blocks).
+    hold: cycles the consumer holds each step's K before freeing it, then waits before its V
+    wait, then holds V (`HOLD_CYCLES`: the decode kernel's Q.K^T, softmax and P.V); zeros:
+    every slot freed as soon as it lands."""
     _, k, p, h = k_cache.shape
     w_rows, m = table.shape
     pages, steps = bkv // p, keys // bkv
@@ -96,8 +124,11 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
             def _(i):
                 st = lax.rem(i, stages)
                 plgpu.barrier_wait(k_bars.at[st])
+                spin(hold[0])
                 plgpu.barrier_arrive(k_free.at[st])
+                spin(hold[1])
                 plgpu.barrier_wait(v_bars.at[st])
+                spin(hold[2])
                 plgpu.barrier_arrive(v_free.at[st])
 
             plgpu.copy_smem_to_gmem(k_smem.at[(steps - 1) % stages, pl.ds(0, 8)],
@@ -175,6 +206,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (all: empty)")
     ap.add_argument("--pipelines", default="",
                     help="comma-separated BKVxSTAGES of PIPELINES (all: empty)")
+    ap.add_argument("--holds", default="0",
+                    help="comma-separated consumer holds: 0 (free at once), 1 (HOLD_CYCLES), "
+                         "N > 1 (HOLD_CYCLES x N: a check that the spin waits)")
     ap.add_argument("--clusters", default="none",
                     help="comma-separated cluster launches of the probe: none, heads, rows")
     ap.add_argument("--lower", action="store_true", help="lower one probe for CUDA and stop")
@@ -208,17 +242,20 @@ def main() -> None:
                "floor_us": nbytes / copy_bps * 1e6, "probe": {}}
         for order in ("random", "sequential"):
             tables = tuple(tables_for(rng, num_blocks, w_rows, keys // p, n_sets, order))
-            for (bkv, stages), cluster in itertools.product(PIPELINES,
-                                                            args.clusters.split(",")):
+            for (bkv, stages), cluster, held in itertools.product(
+                    PIPELINES, args.clusters.split(","), args.holds.split(",")):
+                hold = tuple(c * int(held) for c in HOLD_CYCLES)
                 if order == "sequential" and (bkv, stages) != (128, 2):
                     continue
                 if args.pipelines and f"{bkv}x{stages}" not in args.pipelines.split(","):
                     continue
-                key = f"{order}:{bkv}x{stages}" + ("" if cluster == "none" else f":{cluster}")
+                key = (f"{order}:{bkv}x{stages}" + ("" if cluster == "none" else f":{cluster}")
+                       + ("" if held == "0" else ":hold" if held == "1" else f":hold{held}"))
                 try:
                     fn = chain(args.reps, lambda kc, vc, t, bkv=bkv, stages=stages,
-                               cluster=cluster: paged_read(kc, vc, t, keys=keys, bkv=bkv,
-                                                           stages=stages, cluster=cluster))
+                               cluster=cluster, hold=hold: paged_read(
+                                   kc, vc, t, keys=keys, bkv=bkv, stages=stages,
+                                   cluster=cluster, hold=hold))
                     t = timer(fn, (pool.k, pool.v, tables))
                     us = bench._ms(t) * 1e3 / args.reps
                     row["probe"][key] = {"us": us, "frac_of_copy": nbytes / (us * 1e-6) / copy_bps,

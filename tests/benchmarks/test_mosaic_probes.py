@@ -80,3 +80,20 @@ def test_fixed_cost_probe_kernels_lower():
         text = jax.jit(lambda k, t, mode=mode: probe.fixed_kernel(k, t, mode=mode)).trace(
             kc, table).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("mosaic_gpu") >= 1, mode
+
+
+def test_paged_read_probe_holds_spin():
+    """With `hold`, the probe's consumer spins on the SM clock while it holds each slot (the
+    decode kernel's compute stand-in): the spin loops are in the kernel, and absent without."""
+    from benchmarks.kernels import probe_paged_read as probe
+
+    kc = jax.ShapeDtypeStruct((64, 8, 16, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((8, 32), jnp.int32)
+
+    def text(hold):
+        return jax.jit(lambda k, v, t: probe.paged_read(k, v, t, keys=256, bkv=128, stages=2,
+                                                        hold=hold)).trace(
+            kc, kc, table).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert text((0, 0, 0)).count("%clock64") == 0
+    assert text(probe.HOLD_CYCLES).count("%clock64") >= 3
