@@ -60,29 +60,26 @@ STEPS = (1, 2, 4, 8, 16)
 
 def fixed_kernel(k_cache, table, *, mode: str):
     """A kernel of the decode grid (K x W CTAs, two warpgroups) that does only the part named
-    by `mode` ("empty", "empty_smem", "table", "table_scalar"); returns [K, W, 8] int32 (block
-    ids read, or zeros; "empty" leaves it unwritten)."""
+    by `mode` (FIXED_MODES): "empty" nothing; "empty_1cta" nothing in one CTA; "empty_1wg"
+    nothing with one warpgroup per CTA; "empty_cluster8" nothing in clusters of 8 CTAs (batch
+    1's 8 splits); "empty_smem" nothing beside the decode kernel's shared memory and barriers;
+    "table" / "table_scalar" the first step's block ids by the table row's TMA / by scalar
+    loads. Returns [K, W, 8] int32 (the ids read; the "empty" modes leave it unwritten)."""
     _, k, _, h = k_cache.shape
     w_rows, m = table.shape
     pages = BKV // k_cache.shape[2]
     dtype = k_cache.dtype
     transforms = mma_transforms(h, dtype)
-    mesh = plgpu.Mesh(grid=(k, w_rows), grid_names=("kv", "walker"), num_threads=2,
-                      thread_name="wg")
+    grid, cluster = (k, w_rows), {}
+    if mode == "empty_1cta":
+        grid = (1, 1)
+    elif mode == "empty_cluster8":
+        grid, cluster = (k, w_rows // 8), {"cluster": (8,), "cluster_names": ("split",)}
+    mesh = plgpu.Mesh(grid=grid, grid_names=("kv", "walker"),
+                      num_threads=1 if mode == "empty_1wg" else 2, thread_name="wg", **cluster)
     out_type = jax.ShapeDtypeStruct((k, w_rows, 8), jnp.int32)
 
     if mode.startswith("empty") and mode != "empty_smem":
-        # "empty": the decode grid; "empty_1cta": one CTA of two warpgroups; "empty_1wg": the
-        # decode grid with one warpgroup per CTA; "empty_cluster8": the decode grid launched
-        # in clusters of 8 CTAs (batch 1's 8 splits).
-        grid = (1, 1) if mode == "empty_1cta" else (k, w_rows)
-        cluster = {}
-        if mode == "empty_cluster8":
-            grid, cluster = (k, w_rows // 8), {"cluster": (8,), "cluster_names": ("split",)}
-        mesh = plgpu.Mesh(grid=grid, grid_names=("kv", "walker"),
-                          num_threads=1 if mode == "empty_1wg" else 2, thread_name="wg",
-                          **cluster)
-
         def entry(bt_ref, out_ref):
             del bt_ref, out_ref
         return pl.kernel(entry, out_type=out_type, mesh=mesh, name=f"probe_{mode}")(table)
@@ -180,13 +177,17 @@ def main() -> None:
     pool = bench.make_pool(num_blocks, with_transposed=False)
     rng = np.random.default_rng(0)
 
-    def record(name, fn, fargs, nbytes=0, **extra):
+    def record(name, fn, fargs, nbytes=0, kernels=False):
+        """Times `fn` (a chain of args.reps calls) into res["rows"][name]; with `kernels`, also
+        each kernel's time and count (`breakdown`)."""
         try:
             t = timer(fn, fargs)
             us = bench._ms(t) * 1e3 / args.reps
-            row = {"us": us, "kv_bytes": nbytes, "timing": t, **extra}
+            row = {"us": us, "kv_bytes": nbytes, "timing": t}
             if nbytes:
                 row["frac_of_copy"] = nbytes / (us * 1e-6) / copy_bps
+            if kernels:
+                row["kernels"] = breakdown(fn, fargs)
         except Exception as e:  # noqa: BLE001
             row = {"error": repr(e)[:500]}
         res["rows"][name] = row
@@ -214,21 +215,18 @@ def main() -> None:
 
     x = jnp.ones((1024,), jnp.float32)
     tiny = dependent_chain(lambda v: v * 1.0001)
-    record("xla_tiny", tiny, (x,))
-    res["rows"]["xla_tiny"]["kernels"] = breakdown(tiny, (x,))
+    record("xla_tiny", tiny, (x,), kernels=True)
     for (programs, fence) in ((1, ""), (64, ""), (1, _MBARRIER_INIT_FENCE),
                               (64, _MBARRIER_INIT_FENCE)):
         xt = jnp.ones((8 * programs, 128), jnp.float32)
         fn = dependent_chain(lambda v, programs=programs, fence=fence: triton_kernel(
             v, programs=programs, asm=fence))
-        name = f"triton_copy_{programs}" + ("_fence" if fence else "")
-        record(name, fn, (xt,))
-        res["rows"][name]["kernels"] = breakdown(fn, (xt,))
+        record(f"triton_copy_{programs}" + ("_fence" if fence else ""), fn, (xt,),
+               kernels=True)
     tables = tuple(probe.tables_for(rng, num_blocks, args.batch, 16 * BKV // p, 8, "random"))
     for mode in FIXED_MODES:
         fn = probe.chain(args.reps, lambda kc, vc, t, mode=mode: fixed_kernel(kc, t, mode=mode))
-        record(mode, fn, (pool.k, pool.v, tables))
-        res["rows"][mode]["kernels"] = breakdown(fn, (pool.k, pool.v, tables))
+        record(mode, fn, (pool.k, pool.v, tables), kernels=True)
     for n in [int(x) for x in args.steps.split(",") if x]:
         keys = n * BKV
         nbytes = k_heads * args.batch * keys * bench.HEAD_DIM * 2 * 2

@@ -10,6 +10,13 @@ import pytest
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
+# The probes' K/V pool (64 blocks, 8 KV heads, block 16, head dim 128) and block tables.
+_KC = jax.ShapeDtypeStruct((64, 8, 16, 128), jnp.bfloat16)
+
+
+def _table(rows: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((rows, 32), jnp.int32)
+
 
 def test_transposed_decode_step_lowers():
     from benchmarks.kernels import probe_transposed_decode as probe
@@ -36,10 +43,8 @@ def test_paged_read_probe_lowers_and_tables_are_disjoint():
 
     from benchmarks.kernels import probe_paged_read as probe
 
-    kc = jax.ShapeDtypeStruct((64, 8, 16, 128), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((16, 32), jnp.int32)
     text = jax.jit(lambda k, v, t: probe.paged_read(k, v, t, keys=512, bkv=128, stages=2)).trace(
-        kc, kc, table).lower(lowering_platforms=("cuda",)).as_text()
+        _KC, _KC, _table(16)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     tabs = probe.tables_for(np.random.default_rng(0), 4096, rows=8, used=16, n_sets=3,
                             order="random")
@@ -55,18 +60,15 @@ def test_paged_read_probe_cluster_launches_lower(cluster):
     8 rows of one KV head ("rows")."""
     from benchmarks.kernels import probe_paged_read as probe
 
-    kc = jax.ShapeDtypeStruct((64, 8, 16, 128), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((16, 32), jnp.int32)
     text = jax.jit(lambda k, v, t: probe.paged_read(k, v, t, keys=256, bkv=128, stages=2,
                                                     cluster=cluster)).trace(
-        kc, kc, table).lower(lowering_platforms=("cuda",)).as_text()
+        _KC, _KC, _table(16)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     with pytest.raises(ValueError, match="whole clusters"):
         jax.jit(lambda k, v, t: probe.paged_read(k, v, t, keys=256, bkv=128, stages=2,
-                                                 cluster="rows")).trace(
-            kc, kc, jax.ShapeDtypeStruct((12, 32), jnp.int32))
+                                                 cluster="rows")).trace(_KC, _KC, _table(12))
     with pytest.raises(ValueError, match="cluster must be"):
-        probe.paged_read(kc, kc, table, keys=256, bkv=128, stages=2, cluster="gpc")
+        probe.paged_read(_KC, _KC, _table(16), keys=256, bkv=128, stages=2, cluster="gpc")
 
 
 def test_fixed_cost_probe_kernels_lower():
@@ -74,11 +76,9 @@ def test_fixed_cost_probe_kernels_lower():
     TMA and by scalar loads) lowers for CUDA on the decode kernel's batch-8 grid."""
     from benchmarks.kernels import probe_fixed_cost as probe
 
-    kc = jax.ShapeDtypeStruct((64, 8, 16, 128), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((8, 32), jnp.int32)
     for mode in probe.FIXED_MODES:
         text = jax.jit(lambda k, t, mode=mode: probe.fixed_kernel(k, t, mode=mode)).trace(
-            kc, table).lower(lowering_platforms=("cuda",)).as_text()
+            _KC, _table(8)).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("mosaic_gpu") >= 1, mode
 
 
@@ -87,13 +87,10 @@ def test_paged_read_probe_holds_spin():
     decode kernel's compute stand-in): the spin loops are in the kernel, and absent without."""
     from benchmarks.kernels import probe_paged_read as probe
 
-    kc = jax.ShapeDtypeStruct((64, 8, 16, 128), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((8, 32), jnp.int32)
-
     def text(hold):
         return jax.jit(lambda k, v, t: probe.paged_read(k, v, t, keys=256, bkv=128, stages=2,
                                                         hold=hold)).trace(
-            kc, kc, table).lower(lowering_platforms=("cuda",)).as_text()
+            _KC, _KC, _table(8)).lower(lowering_platforms=("cuda",)).as_text()
 
     assert text((0, 0, 0)).count("%clock64") == 0
     assert text(probe.HOLD_CYCLES).count("%clock64") >= 3
