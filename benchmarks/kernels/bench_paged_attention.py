@@ -169,6 +169,10 @@ def ceilings(timer: Timer, smoke: bool) -> dict:
     x = jax.random.normal(key, (n,), jnp.float32)
     t = timer(jax.jit(lambda x: x * 1.0001), (x,), 10)
     copy_bps = 2 * n * 4 / (_ms(t) * 1e-3)
+    # Read-only: the same bytes summed in rows of 8192 (a 1/8192 output), the rate a kernel
+    # that only reads (as attention over a KV cache) can reach through XLA's reduction.
+    t_read = timer(jax.jit(lambda x: x.reshape(-1, 8192).sum(axis=1)), (x,), 10)
+    read_bps = n * 4 / (_ms(t_read) * 1e-3)
     del x
     d = 256 if smoke else 8192
     a = jax.random.normal(key, (d, d), jnp.bfloat16)
@@ -176,6 +180,7 @@ def ceilings(timer: Timer, smoke: bool) -> dict:
     t2 = timer(jax.jit(lambda a, b: a @ b), (a, b), 10)
     flops = 2 * d ** 3 / (_ms(t2) * 1e-3)
     return {"copy_bytes_per_s": copy_bps, "copy_timing": t, "copy_bytes": 2 * n * 4,
+            "read_bytes_per_s": read_bps, "read_timing": t_read, "read_bytes": n * 4,
             "matmul_flops_per_s": flops, "matmul_timing": t2, "matmul_dim": d}
 
 
@@ -184,7 +189,8 @@ def probe_start(iters: int, **params) -> tuple[Timer, dict]:
     facts and the ceilings measured first (logged), `iters`, then `params`."""
     timer = Timer(iters, use_cupti=True)
     res = {"facts": device_facts(), "ceilings": ceilings(timer, False), "iters": iters, **params}
-    log("ceilings", res["ceilings"]["copy_bytes_per_s"] / 1e12, "TB/s",
+    log("ceilings", res["ceilings"]["copy_bytes_per_s"] / 1e12, "TB/s copy,",
+        res["ceilings"]["read_bytes_per_s"] / 1e12, "TB/s read,",
         res["ceilings"]["matmul_flops_per_s"] / 1e12, "TFLOP/s")
     return timer, res
 
@@ -816,7 +822,9 @@ def table(res: dict) -> str:
     lines = [f"device: {res['facts'].get('nvidia_smi', '?')}",
              f"jax {res['facts'].get('jax')} jaxlib {res['facts'].get('jaxlib')}; "
              f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s; "
-             f"bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s; "
+             + (f"read {c['read_bytes_per_s'] / 1e12:.2f} TB/s; " if "read_bytes_per_s" in c
+                else "")
+             + f"bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s; "
              f"timing: {'CUPTI kernel time' if res.get('cupti_ok') else 'wall'}",
              _passes(res, "correctness", "correctness"),
              _passes(res, "correctness_mosaic",

@@ -83,8 +83,21 @@ def spin(cycles: int) -> None:
 HOLD_CYCLES = (400, 630, 700)
 
 
+def parse_hold(spec: str) -> tuple[str, tuple[int, int, int]]:
+    """A `--holds` entry as (schedule, cycles): "0" every slot freed at once; "N" (a number)
+    HOLD_CYCLES x N, serial; "oC" the overlapped schedule (`paged_read`) with its combined
+    P.V + next Q.K^T hold of C cycles (the first Q.K^T and the softmax as HOLD_CYCLES')."""
+    try:
+        if spec.startswith("o"):
+            return "overlap", (HOLD_CYCLES[0], HOLD_CYCLES[1], int(spec[1:]))
+        return "serial", tuple(int(c * float(spec)) for c in HOLD_CYCLES)
+    except ValueError:
+        raise ValueError(f"a hold is a number or o<cycles>, got {spec!r}") from None
+
+
 def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
-               cluster: str = "none", hold: tuple[int, int, int] = (0, 0, 0)):
+               cluster: str = "none", hold: tuple[int, int, int] = (0, 0, 0),
+               schedule: str = "serial"):
     """Reads `keys` keys of every KV head from the pages of each table row, as the decode
     kernel's memory warpgroup does; returns 8 rows of K of each CTA's last step.
 
@@ -93,7 +106,13 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
     of one KV head launched in clusters of up to 8 rows (the same launch, no shared blocks).
     hold: cycles the consumer holds each step's K before freeing it, then waits before its V
     wait, then holds V (`HOLD_CYCLES`: the decode kernel's Q.K^T, softmax and P.V); zeros:
-    every slot freed as soon as it lands."""
+    every slot freed as soon as it lands.
+    schedule: "serial" (as the kernel: wait K, hold[0], free K, hold[1], wait V, hold[2],
+    free V) or "overlap" (the next step's Q.K^T issued beside this step's P.V: wait K_0,
+    hold[0], free K_0; per step i: hold[1] (the softmax), wait V_i and K_i+1, hold[2] (both
+    products), free both)."""
+    if schedule not in ("serial", "overlap"):
+        raise ValueError(f"schedule must be 'serial' or 'overlap', got {schedule!r}")
     _, k, p, h = k_cache.shape
     w_rows, m = table.shape
     pages, steps = bkv // p, keys // bkv
@@ -118,8 +137,7 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
             kh, w = lax.axis_index("kv"), lax.axis_index("walker")
         wg = lax.axis_index("wg")
 
-        @pl.when(wg == 0)
-        def _consumer():
+        def consume_serial():
             @pl.loop(0, steps)
             def _(i):
                 st = lax.rem(i, stages)
@@ -131,6 +149,25 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
                 spin(hold[2])
                 plgpu.barrier_arrive(v_free.at[st])
 
+        def consume_overlapped():
+            plgpu.barrier_wait(k_bars.at[0])
+            spin(hold[0])
+            plgpu.barrier_arrive(k_free.at[0])
+
+            @pl.loop(0, steps)
+            def _(i):
+                st, nxt = lax.rem(i, stages), lax.rem(i + 1, stages)
+                more = i + 1 < steps
+                spin(hold[1])
+                plgpu.barrier_wait(v_bars.at[st])
+                pl.when(more)(lambda: plgpu.barrier_wait(k_bars.at[nxt]))
+                spin(hold[2])
+                plgpu.barrier_arrive(v_free.at[st])
+                pl.when(more)(lambda: plgpu.barrier_arrive(k_free.at[nxt]))
+
+        @pl.when(wg == 0)
+        def _consumer():
+            (consume_serial if schedule == "serial" else consume_overlapped)()
             plgpu.copy_smem_to_gmem(k_smem.at[(steps - 1) % stages, pl.ds(0, 8)],
                                     out_ref.at[kh, w])
             plgpu.wait_smem_to_gmem(0)
@@ -208,7 +245,9 @@ def main() -> None:
                     help="comma-separated BKVxSTAGES of PIPELINES (all: empty)")
     ap.add_argument("--holds", default="0",
                     help="comma-separated consumer holds: 0 (free at once), 1 (HOLD_CYCLES), "
-                         "N > 1 (HOLD_CYCLES x N: a check that the spin waits)")
+                         "N (HOLD_CYCLES x N: 0.5 prices a step twice as fast, 10 checks that "
+                         "the spin waits), oC (the overlapped schedule, C cycles for P.V "
+                         "beside the next Q.K^T)")
     ap.add_argument("--clusters", default="none",
                     help="comma-separated cluster launches of the probe: none, heads, rows")
     ap.add_argument("--lower", action="store_true", help="lower one probe for CUDA and stop")
@@ -244,18 +283,19 @@ def main() -> None:
             tables = tuple(tables_for(rng, num_blocks, w_rows, keys // p, n_sets, order))
             for (bkv, stages), cluster, held in itertools.product(
                     PIPELINES, args.clusters.split(","), args.holds.split(",")):
-                hold = tuple(c * int(held) for c in HOLD_CYCLES)
+                schedule, hold = parse_hold(held)
                 if order == "sequential" and (bkv, stages) != (128, 2):
                     continue
                 if args.pipelines and f"{bkv}x{stages}" not in args.pipelines.split(","):
                     continue
                 key = (f"{order}:{bkv}x{stages}" + ("" if cluster == "none" else f":{cluster}")
-                       + ("" if held == "0" else ":hold" if held == "1" else f":hold{held}"))
+                       + ("" if held == "0" else ":hold" if held == "1"
+                          else f":overlap{held[1:]}" if held.startswith("o") else f":hold{held}"))
                 try:
                     fn = chain(args.reps, lambda kc, vc, t, bkv=bkv, stages=stages,
-                               cluster=cluster, hold=hold: paged_read(
+                               cluster=cluster, hold=hold, schedule=schedule: paged_read(
                                    kc, vc, t, keys=keys, bkv=bkv, stages=stages,
-                                   cluster=cluster, hold=hold))
+                                   cluster=cluster, hold=hold, schedule=schedule))
                     t = timer(fn, (pool.k, pool.v, tables))
                     us = bench._ms(t) * 1e3 / args.reps
                     row["probe"][key] = {"us": us, "frac_of_copy": nbytes / (us * 1e-6) / copy_bps,

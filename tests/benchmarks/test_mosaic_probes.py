@@ -87,10 +87,27 @@ def test_paged_read_probe_holds_spin():
     decode kernel's compute stand-in): the spin loops are in the kernel, and absent without."""
     from benchmarks.kernels import probe_paged_read as probe
 
-    def text(hold):
+    def text(hold, schedule="serial"):
         return jax.jit(lambda k, v, t: probe.paged_read(k, v, t, keys=256, bkv=128, stages=2,
-                                                        hold=hold)).trace(
+                                                        hold=hold, schedule=schedule)).trace(
             _KC, _KC, _table(8)).lower(lowering_platforms=("cuda",)).as_text()
 
     assert text((0, 0, 0)).count("%clock64") == 0
     assert text(probe.HOLD_CYCLES).count("%clock64") >= 3
+    # The overlapped schedule: the first Q.K^T's hold, then the softmax's and the products'.
+    assert text(probe.HOLD_CYCLES, "overlap").count("%clock64") >= 3
+
+
+def test_paged_read_probe_hold_specs():
+    """`--holds` entries: a scale of the kernel's per-step cycles, or the overlapped schedule
+    with its combined hold; anything else is a ValueError naming it."""
+    from benchmarks.kernels import probe_paged_read as probe
+
+    assert probe.parse_hold("0") == ("serial", (0, 0, 0))
+    assert probe.parse_hold("1") == ("serial", probe.HOLD_CYCLES)
+    assert probe.parse_hold("0.5") == ("serial", tuple(c // 2 for c in probe.HOLD_CYCLES))
+    assert probe.parse_hold("o800") == ("overlap", (*probe.HOLD_CYCLES[:2], 800))
+    with pytest.raises(ValueError, match="ox"):
+        probe.parse_hold("ox")
+    with pytest.raises(ValueError, match="schedule"):
+        probe.paged_read(_KC, _KC, _table(8), keys=256, bkv=128, stages=2, schedule="zigzag")
