@@ -86,13 +86,17 @@ HOLD_CYCLES = (400, 630, 700)
 def parse_hold(spec: str) -> tuple[str, tuple[int, int, int]]:
     """A `--holds` entry as (schedule, cycles): "0" every slot freed at once; "N" (a number)
     HOLD_CYCLES x N, serial; "oC" the overlapped schedule (`paged_read`) with its combined
-    P.V + next Q.K^T hold of C cycles (the first Q.K^T and the softmax as HOLD_CYCLES')."""
+    P.V + next Q.K^T hold of C cycles (the first Q.K^T and the softmax as HOLD_CYCLES'); "tC"
+    two consumers on alternate steps, each holding its slots HOLD_CYCLES, then a merge of C
+    cycles after both (`paged_read`'s "two" schedule: (merge, 0, 0) beside HOLD_CYCLES)."""
     try:
         if spec.startswith("o"):
             return "overlap", (HOLD_CYCLES[0], HOLD_CYCLES[1], int(spec[1:]))
+        if spec.startswith("t"):
+            return "two", (int(spec[1:]), 0, 0)
         return "serial", tuple(int(c * float(spec)) for c in HOLD_CYCLES)
     except ValueError:
-        raise ValueError(f"a hold is a number or o<cycles>, got {spec!r}") from None
+        raise ValueError(f"a hold is a number, o<cycles> or t<cycles>, got {spec!r}") from None
 
 
 def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
@@ -110,9 +114,14 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
     schedule: "serial" (as the kernel: wait K, hold[0], free K, hold[1], wait V, hold[2],
     free V) or "overlap" (the next step's Q.K^T issued beside this step's P.V: wait K_0,
     hold[0], free K_0; per step i: hold[1] (the softmax), wait V_i and K_i+1, hold[2] (both
-    products), free both)."""
-    if schedule not in ("serial", "overlap"):
-        raise ValueError(f"schedule must be 'serial' or 'overlap', got {schedule!r}")
+    products), free both) or "two" (two consumer warpgroups, each taking every other step with
+    the serial schedule's HOLD_CYCLES; after both, the first spins hold[0] cycles: the merge of
+    their partial results). Needs stages even for "two" (each consumer keeps its own slots)."""
+    if schedule not in ("serial", "overlap", "two"):
+        raise ValueError(f"schedule must be 'serial', 'overlap' or 'two', got {schedule!r}")
+    if schedule == "two" and stages % 2:
+        raise ValueError(f"schedule 'two' needs an even number of stages, got {stages}")
+    consumers = 2 if schedule == "two" else 1
     _, k, p, h = k_cache.shape
     w_rows, m = table.shape
     pages, steps = bkv // p, keys // bkv
@@ -127,7 +136,7 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
         raise ValueError(f"cluster='rows' needs the rows ({w_rows}) in whole clusters of 8")
 
     def body(k_ref, v_ref, bt_ref, out_ref, k_smem, v_smem, bt_smem, k_bars, v_bars, bt_bar,
-             k_free, v_free):
+             k_free, v_free, done_bar):
         if cluster == "heads":
             kh, w = lax.axis_index("kvc"), lax.axis_index("walker")
         elif cluster == "rows":
@@ -165,14 +174,38 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
                 plgpu.barrier_arrive(v_free.at[st])
                 pl.when(more)(lambda: plgpu.barrier_arrive(k_free.at[nxt]))
 
+        def consume_alternate(j):
+            """Consumer j of two: steps j, j + 2, ..., each with the serial holds."""
+            @pl.loop(0, (steps - j + 1) // 2)
+            def _(n):
+                st = lax.rem(2 * n + j, stages)
+                plgpu.barrier_wait(k_bars.at[st])
+                spin(HOLD_CYCLES[0])
+                plgpu.barrier_arrive(k_free.at[st])
+                spin(HOLD_CYCLES[1])
+                plgpu.barrier_wait(v_bars.at[st])
+                spin(HOLD_CYCLES[2])
+                plgpu.barrier_arrive(v_free.at[st])
+
+        if consumers == 2:
+            @pl.when(wg == 1)
+            def _second():
+                consume_alternate(1)
+                plgpu.barrier_arrive(done_bar)
+
         @pl.when(wg == 0)
         def _consumer():
-            (consume_serial if schedule == "serial" else consume_overlapped)()
+            if consumers == 2:
+                consume_alternate(0)
+                plgpu.barrier_wait(done_bar)
+                spin(hold[0])
+            else:
+                (consume_serial if schedule == "serial" else consume_overlapped)()
             plgpu.copy_smem_to_gmem(k_smem.at[(steps - 1) % stages, pl.ds(0, 8)],
                                     out_ref.at[kh, w])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 1)
+        @pl.when(wg == consumers)
         def _memory():
             dec.copy_table_row(bt_ref, w, bt_smem, bt_bar, m)
             plgpu.barrier_wait(bt_bar)
@@ -195,17 +228,19 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
             plgpu.Barrier(num_arrivals=row_copies),
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1),  # "two": the second consumer is done
             collective_axes="wg")
 
     if cluster == "heads":
         mesh = plgpu.Mesh(grid=(w_rows,), grid_names=("walker",), cluster=(k,),
-                          cluster_names=("kvc",), num_threads=2, thread_name="wg")
+                          cluster_names=("kvc",), num_threads=consumers + 1, thread_name="wg")
     elif cluster == "rows":
         mesh = plgpu.Mesh(grid=(k, w_rows // rows_c), grid_names=("kv", "walker"),
-                          cluster=(rows_c,), cluster_names=("rowc",), num_threads=2,
+                          cluster=(rows_c,), cluster_names=("rowc",), num_threads=consumers + 1,
                           thread_name="wg")
     else:
-        mesh = plgpu.Mesh(grid=(k, w_rows), grid_names=("kv", "walker"), num_threads=2,
+        mesh = plgpu.Mesh(grid=(k, w_rows), grid_names=("kv", "walker"),
+                          num_threads=consumers + 1,
                           thread_name="wg")
     return pl.kernel(
         entry, out_type=jax.ShapeDtypeStruct((k, w_rows, 8, h), dtype), mesh=mesh,
@@ -247,7 +282,8 @@ def main() -> None:
                     help="comma-separated consumer holds: 0 (free at once), 1 (HOLD_CYCLES), "
                          "N (HOLD_CYCLES x N: 0.5 prices a step twice as fast, 10 checks that "
                          "the spin waits), oC (the overlapped schedule, C cycles for P.V "
-                         "beside the next Q.K^T)")
+                         "beside the next Q.K^T), tC (two consumers on alternate steps, a "
+                         "merge of C cycles after both)")
     ap.add_argument("--clusters", default="none",
                     help="comma-separated cluster launches of the probe: none, heads, rows")
     ap.add_argument("--lower", action="store_true", help="lower one probe for CUDA and stop")
@@ -290,7 +326,8 @@ def main() -> None:
                     continue
                 key = (f"{order}:{bkv}x{stages}" + ("" if cluster == "none" else f":{cluster}")
                        + ("" if held == "0" else ":hold" if held == "1"
-                          else f":overlap{held[1:]}" if held.startswith("o") else f":hold{held}"))
+                          else f":overlap{held[1:]}" if held.startswith("o")
+                          else f":two{held[1:]}" if held.startswith("t") else f":hold{held}"))
                 try:
                     fn = chain(args.reps, lambda kc, vc, t, bkv=bkv, stages=stages,
                                cluster=cluster, hold=hold, schedule=schedule: paged_read(

@@ -96,6 +96,8 @@ def test_paged_read_probe_holds_spin():
     assert text(probe.HOLD_CYCLES).count("%clock64") >= 3
     # The overlapped schedule: the first Q.K^T's hold, then the softmax's and the products'.
     assert text(probe.HOLD_CYCLES, "overlap").count("%clock64") >= 3
+    # Two consumers on alternate steps (3 warpgroups), then the merge's spin.
+    assert text((400, 0, 0), "two").count("%clock64") >= 4
 
 
 def test_paged_read_probe_hold_specs():
@@ -107,7 +109,10 @@ def test_paged_read_probe_hold_specs():
     assert probe.parse_hold("1") == ("serial", probe.HOLD_CYCLES)
     assert probe.parse_hold("0.5") == ("serial", tuple(c // 2 for c in probe.HOLD_CYCLES))
     assert probe.parse_hold("o800") == ("overlap", (*probe.HOLD_CYCLES[:2], 800))
+    assert probe.parse_hold("t400") == ("two", (400, 0, 0))
     with pytest.raises(ValueError, match="ox"):
         probe.parse_hold("ox")
     with pytest.raises(ValueError, match="schedule"):
         probe.paged_read(_KC, _KC, _table(8), keys=256, bkv=128, stages=2, schedule="zigzag")
+    with pytest.raises(ValueError, match="even"):
+        probe.paged_read(_KC, _KC, _table(8), keys=256, bkv=128, stages=3, schedule="two")
