@@ -146,17 +146,19 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
             kh, w = lax.axis_index("kv"), lax.axis_index("walker")
         wg = lax.axis_index("wg")
 
+        def serial_step(st, cycles):
+            """One step in slot `st` as the kernel takes it: wait K, hold it, free it, wait,
+            wait V, hold it, free it (`cycles`: the three spins)."""
+            plgpu.barrier_wait(k_bars.at[st])
+            spin(cycles[0])
+            plgpu.barrier_arrive(k_free.at[st])
+            spin(cycles[1])
+            plgpu.barrier_wait(v_bars.at[st])
+            spin(cycles[2])
+            plgpu.barrier_arrive(v_free.at[st])
+
         def consume_serial():
-            @pl.loop(0, steps)
-            def _(i):
-                st = lax.rem(i, stages)
-                plgpu.barrier_wait(k_bars.at[st])
-                spin(hold[0])
-                plgpu.barrier_arrive(k_free.at[st])
-                spin(hold[1])
-                plgpu.barrier_wait(v_bars.at[st])
-                spin(hold[2])
-                plgpu.barrier_arrive(v_free.at[st])
+            pl.loop(0, steps)(lambda i: serial_step(lax.rem(i, stages), hold))
 
         def consume_overlapped():
             plgpu.barrier_wait(k_bars.at[0])
@@ -176,16 +178,8 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
 
         def consume_alternate(j):
             """Consumer j of two: steps j, j + 2, ..., each with the serial holds."""
-            @pl.loop(0, (steps - j + 1) // 2)
-            def _(n):
-                st = lax.rem(2 * n + j, stages)
-                plgpu.barrier_wait(k_bars.at[st])
-                spin(HOLD_CYCLES[0])
-                plgpu.barrier_arrive(k_free.at[st])
-                spin(HOLD_CYCLES[1])
-                plgpu.barrier_wait(v_bars.at[st])
-                spin(HOLD_CYCLES[2])
-                plgpu.barrier_arrive(v_free.at[st])
+            pl.loop(0, (steps - j + 1) // 2)(
+                lambda n: serial_step(lax.rem(2 * n + j, stages), HOLD_CYCLES))
 
         if consumers == 2:
             @pl.when(wg == 1)
