@@ -147,8 +147,8 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
         wg = lax.axis_index("wg")
 
         def serial_step(st, cycles):
-            """One step in slot `st` as the kernel takes it: wait K, hold it, free it, wait,
-            wait V, hold it, free it (`cycles`: the three spins)."""
+            """One step in slot `st` as the kernel takes it: wait for K, hold it, free it, spin
+            (the softmax), wait for V, hold it, free it (`cycles`: the three spins)."""
             plgpu.barrier_wait(k_bars.at[st])
             spin(cycles[0])
             plgpu.barrier_arrive(k_free.at[st])
