@@ -822,9 +822,8 @@ def table(res: dict) -> str:
     lines = [f"device: {res['facts'].get('nvidia_smi', '?')}",
              f"jax {res['facts'].get('jax')} jaxlib {res['facts'].get('jaxlib')}; "
              f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s; "
-             + (f"read {c['read_bytes_per_s'] / 1e12:.2f} TB/s; " if "read_bytes_per_s" in c
-                else "")
-             + f"bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s; "
+             f"read {c['read_bytes_per_s'] / 1e12:.2f} TB/s; "
+             f"bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s; "
              f"timing: {'CUPTI kernel time' if res.get('cupti_ok') else 'wall'}",
              _passes(res, "correctness", "correctness"),
              _passes(res, "correctness_mosaic",

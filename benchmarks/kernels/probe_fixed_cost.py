@@ -49,7 +49,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 from jaxengine.pallas_kernels import ragged_paged_attention_mgpu_decode as dec  # noqa: E402
 from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (  # noqa: E402
     DecodeTiling, Tiling)
-from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import mma_transforms  # noqa: E402
 
 BKV, STAGES = 128, 2
 _MBARRIER_INIT_FENCE = "fence.mbarrier_init.release.cluster;"  # the start of every Mosaic kernel
@@ -69,7 +68,6 @@ def fixed_kernel(k_cache, table, *, mode: str):
     w_rows, m = table.shape
     pages = BKV // k_cache.shape[2]
     dtype = k_cache.dtype
-    transforms = mma_transforms(h, dtype)
     grid, cluster = (k, w_rows), {}
     if mode == "empty_1cta":
         grid = (1, 1)
@@ -84,8 +82,8 @@ def fixed_kernel(k_cache, table, *, mode: str):
             del bt_ref, out_ref
         return pl.kernel(entry, out_type=out_type, mesh=mesh, name=f"probe_{mode}")(table)
 
-    def body(bt_ref, out_ref, k_smem, v_smem, bt_smem, ids_smem, k_bars, v_bars, bt_bar,
-             k_free, v_free):
+    def body(bt_ref, out_ref, k_smem, v_smem, bt_smem, k_bars, v_bars, bt_bar, k_free, v_free,
+             ids_smem):
         del k_smem, v_smem, k_bars, v_bars, k_free, v_free
         kh = lax.axis_index("kv")
         w = lax.axis_index("walker")
@@ -110,15 +108,8 @@ def fixed_kernel(k_cache, table, *, mode: str):
     def entry(bt_ref, out_ref):
         pl.run_scoped(
             lambda *scoped: body(bt_ref, out_ref, *scoped),
-            plgpu.SMEM((STAGES, BKV, h), dtype, transforms=transforms),
-            plgpu.SMEM((STAGES, BKV, h), dtype, transforms=transforms),
-            plgpu.SMEM((m,), jnp.int32),
+            *probe.copy_scratch(h, dtype, m, k_cache.shape[2], bkv=BKV, stages=STAGES),
             plgpu.SMEM((8,), jnp.int32),
-            plgpu.Barrier(num_arrivals=pages, num_barriers=STAGES),
-            plgpu.Barrier(num_arrivals=pages, num_barriers=STAGES),
-            plgpu.Barrier(num_arrivals=dec.bt_row_copies(m, pages)),
-            plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),
-            plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),
             collective_axes="wg")
 
     return pl.kernel(entry, out_type=out_type, mesh=mesh, name=f"probe_{mode}")(table)

@@ -99,6 +99,31 @@ def parse_hold(spec: str) -> tuple[str, tuple[int, int, int]]:
         raise ValueError(f"a hold is a number, o<cycles> or t<cycles>, got {spec!r}") from None
 
 
+def copy_scratch(h: int, dtype, m: int, p: int, *, bkv: int, stages: int) -> tuple:
+    """The decode kernel's copy-side scratch, for `pl.run_scoped`: K and V stages (swizzled as
+    the kernel's), a whole table row of `m` block ids, then the barriers: K and V landed (one
+    arrival per page of P keys), the table row landed, K and V freed."""
+    transforms = mma_transforms(h, dtype)
+    pages = bkv // p
+    return (plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
+            plgpu.SMEM((m,), jnp.int32),
+            plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=dec.bt_row_copies(m, pages)),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages))
+
+
+def hold_label(spec: str) -> str:
+    """A `--holds` entry's suffix in the result keys: "" (0), ":hold" (1), ":holdN",
+    ":overlapC", ":twoC"."""
+    schedule, _ = parse_hold(spec)
+    if schedule != "serial":
+        return f":{schedule}{spec[1:]}"
+    return "" if spec == "0" else ":hold" if spec == "1" else f":hold{spec}"
+
+
 def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
                cluster: str = "none", hold: tuple[int, int, int] = (0, 0, 0),
                schedule: str = "serial"):
@@ -125,10 +150,9 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
     _, k, p, h = k_cache.shape
     w_rows, m = table.shape
     pages, steps = bkv // p, keys // bkv
-    row_copies = dec.bt_row_copies(m, pages)  # the kernel's whole-row table fetch
-    assert keys % bkv == 0 and m >= keys // p and row_copies, (keys, bkv, m)
+    # the kernel's whole-row table fetch
+    assert keys % bkv == 0 and m >= keys // p and dec.bt_row_copies(m, pages), (keys, bkv, m)
     dtype = k_cache.dtype
-    transforms = mma_transforms(h, dtype)
     rows_c = min(8, w_rows)
     if cluster not in ("none", "heads", "rows"):
         raise ValueError(f"cluster must be 'none', 'heads' or 'rows', got {cluster!r}")
@@ -214,28 +238,19 @@ def paged_read(k_cache, v_cache, table, *, keys: int, bkv: int, stages: int,
     def entry(k_ref, v_ref, bt_ref, out_ref):
         pl.run_scoped(
             lambda *scoped: body(k_ref, v_ref, bt_ref, out_ref, *scoped),
-            plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
-            plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),
-            plgpu.SMEM((m,), jnp.int32),
-            plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=row_copies),
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            *copy_scratch(h, dtype, m, p, bkv=bkv, stages=stages),
             plgpu.Barrier(num_arrivals=1),  # "two": the second consumer is done
             collective_axes="wg")
 
+    threads = {"num_threads": consumers + 1, "thread_name": "wg"}
     if cluster == "heads":
         mesh = plgpu.Mesh(grid=(w_rows,), grid_names=("walker",), cluster=(k,),
-                          cluster_names=("kvc",), num_threads=consumers + 1, thread_name="wg")
+                          cluster_names=("kvc",), **threads)
     elif cluster == "rows":
         mesh = plgpu.Mesh(grid=(k, w_rows // rows_c), grid_names=("kv", "walker"),
-                          cluster=(rows_c,), cluster_names=("rowc",), num_threads=consumers + 1,
-                          thread_name="wg")
+                          cluster=(rows_c,), cluster_names=("rowc",), **threads)
     else:
-        mesh = plgpu.Mesh(grid=(k, w_rows), grid_names=("kv", "walker"),
-                          num_threads=consumers + 1,
-                          thread_name="wg")
+        mesh = plgpu.Mesh(grid=(k, w_rows), grid_names=("kv", "walker"), **threads)
     return pl.kernel(
         entry, out_type=jax.ShapeDtypeStruct((k, w_rows, 8, h), dtype), mesh=mesh,
         name=f"probe_paged_read_{cluster}")(k_cache, v_cache, table)
@@ -319,9 +334,7 @@ def main() -> None:
                 if args.pipelines and f"{bkv}x{stages}" not in args.pipelines.split(","):
                     continue
                 key = (f"{order}:{bkv}x{stages}" + ("" if cluster == "none" else f":{cluster}")
-                       + ("" if held == "0" else ":hold" if held == "1"
-                          else f":overlap{held[1:]}" if held.startswith("o")
-                          else f":two{held[1:]}" if held.startswith("t") else f":hold{held}"))
+                       + hold_label(held))
                 try:
                     fn = chain(args.reps, lambda kc, vc, t, bkv=bkv, stages=stages,
                                cluster=cluster, hold=hold, schedule=schedule: paged_read(
