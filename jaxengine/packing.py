@@ -1,8 +1,8 @@
 """One host-to-device copy per program call: a step's numpy inputs packed into one int32 buffer.
 
 Every numpy argument of a jitted call is its own host-to-device copy, and on a GPU each costs the
-host tens of microseconds whatever its size (37 us on one H200, 60 us on each of two; see
-benchmarks/gpu_dispatch_check.py). A step's forward inputs (9 arrays) and sampling metadata
+host tens of microseconds whatever its size (lab/gpu_checks/gpu_dispatch_check.py measures it;
+lab/results/dispatch_h200x2.md). A step's forward inputs (9 arrays) and sampling metadata
 (12 arrays) therefore travel as two flat buffers: `pack` concatenates a pytree of 4-byte arrays
 (int32, uint32, float32) bit for bit, and the program calls `unpack` with the `Layout` of the
 same pytree, which slices the buffer at offsets fixed at trace time and reinterprets the bits.

@@ -41,9 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
-from jaxengine.pallas_kernels import ragged_paged_attention_mgpu_decode as mgpu_decode
 from jaxengine.pallas_kernels.ragged_paged_attention_mgpu import MosaicTiling  # noqa: F401
-from jaxengine.pallas_kernels.ragged_paged_attention_mgpu_decode import DecodeTiling  # noqa: F401
 from jaxengine.pallas_kernels.ragged_paged_attention import (  # noqa: F401  (re-exported)
     ragged_paged_attention_reference,
 )
@@ -76,7 +74,7 @@ class Tiling:
     prefill_rows: matmul rows of a prefill tile = block_q tokens x G (padded to a power of two).
     target_programs: decode programs wanted in flight (~2 per SM on a 132-SM H100): the run-time
       split count is cdiv(target_programs, live_seqs * K), capped by max_splits.
-    Defaults: the best of the H100 sweeps in benchmarks/results/kernels_h100*.json.
+    Defaults: the best of the H100 tiling sweeps (lab/results/kernels_h100.json).
     """
 
     decode_block_kv: int = 64
@@ -89,7 +87,6 @@ class Tiling:
     target_programs: int = 264
     max_splits: int = 32
     mosaic: mgpu.MosaicTiling = mgpu.MosaicTiling()
-    mosaic_decode: mgpu_decode.DecodeTiling = mgpu_decode.DecodeTiling()
 
     def __post_init__(self) -> None:
         for name in ("decode_block_kv", "prefill_rows", "prefill_block_kv"):
@@ -229,7 +226,8 @@ class _TableDims:
 TABLE_TILES = 16  # tiles of the sequence-order list that one table program places, at most
 TABLE_ELEMENTS = 4096  # and its [tiles, slots] comparisons at most this many elements
 # Slots (padded to a power of two) up to which the decode kernel's own programs build the table:
-# 256 (the engine's default max_num_seqs) measured no slower decode work beside them on the H100.
+# 256, the engine's default max_num_seqs, so that its batches get the table from the decode
+# launch; wider tables get a launch of their own (see `_rpa_call`).
 FUSED_TABLE_MAX_SLOTS = 256
 
 
@@ -296,8 +294,8 @@ def _table_shapes(td: _TableDims) -> tuple:
 def tile_table(query_start_loc, kv_lens, num_seqs, *, t: int, n: int, k: int,
                interpret: bool = False) -> mgpu.TileLayout:
     """The Mosaic prefill kernel's tile table by one Triton launch, where the Triton decode
-    kernel's extra programs do not build it (prefill-only calls, the Mosaic decode kernel,
-    more than FUSED_TABLE_MAX_SLOTS slots). Same first `count` entries as `mgpu.tile_layout`;
+    kernel's extra programs do not build it (prefill-only calls, more than
+    FUSED_TABLE_MAX_SLOTS slots). Same first `count` entries as `mgpu.tile_layout`;
     after them, entries with seq -1 (no work)."""
     s = kv_lens.shape[0]
     td = _TableDims.make(t, s, n // k)
@@ -590,27 +588,22 @@ def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
     )
 
 
-def _use_mosaic(rows: str, choice: str, q, k_cache, soft_cap, window, tiling: Tiling,
+def _use_mosaic(choice: str, q, k_cache, soft_cap, window, tiling: Tiling,
                 interpret: bool) -> bool:
-    """Whether the prefill or decode `rows` go to their Mosaic GPU kernel (static: shapes,
-    dtype, options); `choice` "mosaic" raises where that kernel does not apply."""
+    """Whether the prefill rows go to the Mosaic GPU prefill kernel (static: shapes, dtype,
+    options); `choice` "mosaic" raises where that kernel does not apply."""
     if choice == "triton":
         return False
     t, n, h = q.shape
     g, p = n // k_cache.shape[1], k_cache.shape[2]
-    if rows == "prefill":
-        ok = t >= 2 and t % 8 == 0 and mgpu.supported(q.dtype, h, g, p, soft_cap, window,
-                                                      tiling.mosaic)
-        module = "ragged_paged_attention_mgpu"
-    else:
-        ok = mgpu_decode.supported(q.dtype, h, g, p, soft_cap, window, tiling.mosaic_decode)
-        module = "ragged_paged_attention_mgpu_decode"
-    ok = ok and not interpret
+    ok = (t >= 2 and t % 8 == 0 and not interpret
+          and mgpu.supported(q.dtype, h, g, p, soft_cap, window, tiling.mosaic))
     if choice == "mosaic" and not ok:
         raise ValueError(
-            f"{rows}='mosaic' cannot serve this call (dtype {q.dtype}, head dim {h}, "
+            f"prefill='mosaic' cannot serve this call (dtype {q.dtype}, head dim {h}, "
             f"{g} query heads per KV head, block size {p}, {t} token rows, soft_cap "
-            f"{soft_cap}, sliding_window {window}, interpret {interpret}); see {module}.supported")
+            f"{soft_cap}, sliding_window {window}, interpret {interpret}); see "
+            "ragged_paged_attention_mgpu.supported")
     return ok
 
 
@@ -623,12 +616,12 @@ def _flat(q, k_cache, v_cache, block_tables, dims: _Dims):
 
 def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
               sm_scale: float, soft_cap: float | None, window: int | None, tiling: Tiling,
-              interpret: bool, prefill: str = "triton", decode: str = "triton",
-              decode_only: bool = False, prefill_only: bool = False) -> jax.Array:
+              interpret: bool, prefill: str = "triton", decode_only: bool = False,
+              prefill_only: bool = False) -> jax.Array:
     """Builds the grids and runs the kernels; inputs already validated."""
     dims = _make_dims(q, k_cache, block_tables, tiling)
-    mosaic = not decode_only and _use_mosaic("prefill", prefill, q, k_cache, soft_cap, window,
-                                             tiling, interpret)
+    mosaic = not decode_only and _use_mosaic(prefill, q, k_cache, soft_cap, window, tiling,
+                                             interpret)
     if prefill_only:
         # No decode kernel: the Mosaic kernel fills a fresh buffer (zeroing the padding rows
         # itself); the Triton prefill kernel writes prefill and padding rows into zeros.
@@ -640,19 +633,6 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
     # The decode kernel zeroes the padding rows when the Mosaic prefill kernel follows (it
     # writes its own rows only) or when no prefill kernel follows.
     zero_padding = mosaic or decode_only
-    if _use_mosaic("decode", decode, q, k_cache, soft_cap, window, tiling, interpret):
-        # Decode rows (and, for the Mosaic prefill kernel, zeroed padding rows) by the Mosaic
-        # decode kernel; the prefill kernel then writes its rows into the same buffer.
-        out3 = mgpu_decode.decode_attention(q, k_cache, v_cache, kv_lens, block_tables,
-                                            query_start_loc, num_seqs, sm_scale=sm_scale,
-                                            tiling=tiling.mosaic_decode,
-                                            zero_padding=zero_padding)
-        if decode_only:
-            return out3
-        return _prefill_rows(out3.reshape(dims.t * dims.n, dims.h), q, k_cache, v_cache,
-                             kv_lens, block_tables, query_start_loc, num_seqs, dims=dims,
-                             mosaic=mosaic, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
-                             tiling=tiling, interpret=interpret)
     # With the Mosaic prefill kernel next, the decode kernel's extra programs build its tile
     # table (one launch fewer than XLA's three fusions, running beside the decode work), up
     # to FUSED_TABLE_MAX_SLOTS slots: beyond, its slot-wide vectors would weigh on the decode
@@ -784,14 +764,14 @@ def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "tiling",
-                                             "interpret", "prefill", "decode", "decode_only",
+                                             "interpret", "prefill", "decode_only",
                                              "prefill_only"))
 def ragged_paged_attention_gpu(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
     block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
     tiling: Tiling | None = None, interpret: bool = False, prefill: str = "triton",
-    decode: str = "triton", decode_only: bool = False, prefill_only: bool = False,
+    decode_only: bool = False, prefill_only: bool = False,
 ) -> jax.Array:
     """Ragged paged attention [T, N, H] -> [T, N, H]; contract of the reference.
 
@@ -799,9 +779,7 @@ def ragged_paged_attention_gpu(
     `prefill`: who computes the rows of prefill chunks: "triton" (the kernel above, every
     case), "mosaic" (the Hopper kernel of ragged_paged_attention_mgpu.py; ValueError where it
     does not apply) or "auto" (Mosaic where it applies, else Triton). Hopper only for Mosaic.
-    `decode`: who computes the decode rows (q_len == 1): "triton" (flash-decoding kernel
-    above, every case), "mosaic" (the Hopper kernel of ragged_paged_attention_mgpu_decode.py;
-    ValueError where it does not apply) or "auto".
+    The decode rows (q_len == 1) always go to the Triton flash-decoding kernel above.
     `decode_only=True`: a decode-only step (every live sequence has q_len == 1, as after a
     scheduler step with no prefill chunk): the prefill kernel is not launched and the decode
     kernel zeroes the padding rows. Rows of a live sequence with q_len > 1 are then left
@@ -818,8 +796,6 @@ def ragged_paged_attention_gpu(
               sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if prefill not in ("triton", "mosaic", "auto"):
         raise ValueError(f"prefill must be 'triton', 'mosaic' or 'auto', got {prefill!r}")
-    if decode not in ("triton", "mosaic", "auto"):
-        raise ValueError(f"decode must be 'triton', 'mosaic' or 'auto', got {decode!r}")
     if decode_only and prefill_only:
         raise ValueError("decode_only and prefill_only cannot both be set: a step with no "
                          "decode row and no prefill chunk has nothing to attend")
@@ -828,5 +804,4 @@ def ragged_paged_attention_gpu(
                      soft_cap=None if soft_cap is None else float(soft_cap),
                      window=None if sliding_window is None else int(sliding_window),
                      tiling=tiling or Tiling(), interpret=interpret, prefill=prefill,
-                     decode=decode, decode_only=bool(decode_only),
-                     prefill_only=bool(prefill_only))
+                     decode_only=bool(decode_only), prefill_only=bool(prefill_only))

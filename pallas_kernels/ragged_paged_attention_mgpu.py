@@ -77,15 +77,15 @@ class MosaicTiling:
     overlap: within each compute warpgroup, step i's Q.K^T and step i-1's P.V are issued
       together and run on the tensor cores while the warpgroup computes step i's softmax
       (FlashAttention-3's intra-warpgroup pipelining, on top of the two warpgroups' ping-pong);
-      P stays in registers one step longer. Measured 3-11% slower than the plain loop on the
-      H100 (the two warpgroups' ping-pong already feeds the tensor cores), hence off.
-      False: Q.K^T, softmax, P.V in turn.
+      P stays in registers one step longer. Off by default: the two warpgroups' ping-pong
+      already keeps the tensor cores fed, and the overlapped loop did not beat the plain one
+      (lab/kernels/NOTES.md, v13). False: Q.K^T, softmax, P.V in turn.
     profile_dir: diagnostics: a directory where each call writes a Chrome trace of every
-      warpgroup's phases (Mosaic GPU's in-kernel profiler; benchmarks/kernels/mosaic_phases.py
+      warpgroup's phases (Mosaic GPU's in-kernel profiler; lab/kernels/mosaic_phases.py
       sums them). Empty: off, and the kernel is unchanged.
     tile_table: who builds the tile table (`tile_layout`'s contract): "triton": extra programs
-      of the Triton decode kernel, else (a prefill-only call, the Mosaic decode kernel, more
-      than 256 slots) one Triton launch of its own; "xla": XLA ops before the call (three
+      of the Triton decode kernel, else (a prefill-only call, more than 256 slots) one Triton
+      launch of its own; "xla": XLA ops before the call (three
       fusions).
     """
 
@@ -128,9 +128,10 @@ def smem_bytes(head_dim: int, itemsize: int, tiling: MosaicTiling) -> int:
 
 def in_scope(dtype, head_dim: int, group: int, block_size: int, soft_cap, window, block_kv: int,
              smem: int) -> bool:
-    """The scope of the Mosaic kernels (prefill and decode): 16-bit, H in {64, 128}, G a power
-    of two up to 8, pages of a multiple of 8 keys that tile a step of block_kv keys, no soft cap,
-    no sliding window, and `smem` bytes of shared memory per CTA within the budget."""
+    """The scope of the Mosaic kernels (this prefill kernel; the lab's decode kernel shares it):
+    16-bit, H in {64, 128}, G a power of two up to 8, pages of a multiple of 8 keys that tile a
+    step of block_kv keys, no soft cap, no sliding window, and `smem` bytes of shared memory per
+    CTA within the budget."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and head_dim in (64, 128) and group in (1, 2, 4, 8) and smem <= _SMEM_BYTES
             and block_size % 8 == 0 and block_kv % block_size == 0
@@ -234,8 +235,7 @@ def kv_splits(t: int, k: int, group: int, tiling: MosaicTiling) -> int:
     """KV ranges per tile (static): when T token rows make fewer (tile, KV head) items than the
     GPU has SMs, each tile's keys are cut so the CTAs fill it (256 tokens, G = 4, K = 8:
     64 items -> 2 splits). Not below _MIN_SPLIT_ROWS rows: those buckets mostly carry decode
-    batches, which would pay for the split CTAs and their merge for nothing (+2.5 us measured
-    at 8 rows with the merge as a separate kernel)."""
+    batches, which would pay for the split CTAs and their merge for nothing."""
     if tiling.kv_splits is not None:
         return tiling.kv_splits
     if t < _MIN_SPLIT_ROWS:
@@ -350,8 +350,7 @@ def _rank_order(key, cols):
     """`cols` reordered by ascending `key`, ties in index order (a stable sort), as two
     [NT, NT] comparisons XLA fuses into reductions: each entry's rank (how many entries go
     before it), then per output place the one entry of that rank. On the GPU this is two small
-    fusions where the sort was a sort kernel and its launches (2.2-2.9 us at 512-1024 rows on
-    the H100)."""
+    fusions instead of a sort kernel and its launches."""
     nt = key.shape[0]
     i = jnp.arange(nt, dtype=jnp.int32)
     kj, ki = key[None, :], key[:, None]
@@ -364,8 +363,8 @@ def _rank_order(key, cols):
 def merge_split_rows(lse0, o0, others):
     """The rows of one item's KV splits -> its rows: o0 [64, H] (split 0, normalised by its own
     softmax sum) with log2-sum-exp lse0 [64], and (lse, rows) of each other split; weights
-    exp2(lse - max) (0 for a split that saw no key of a row). Plain jnp: the Mosaic kernels
-    (prefill and decode) run it on registers, the CPU tests on arrays."""
+    exp2(lse - max) (0 for a split that saw no key of a row). Plain jnp: the prefill kernel
+    runs it on registers, the CPU tests on arrays."""
     mx, den, num = lse0, jnp.ones_like(lse0), o0
     for lc, oc in others:
         mn = jnp.maximum(mx, lc)
@@ -559,9 +558,9 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                 body is the same on every path: ptxas serialises the matmuls (a wait after
                 each) when a wait's group count depends on a branch. The schedule barrier is
                 met twice per step, as in kv_step: after the matmuls are issued, and after the
-                softmax. (ptxas still schedules most of the softmax after the P.V wait; pinned
-                before it by a store the arrival must follow, the loop was slower still: see
-                benchmarks/results/kernels_h100_mosaic.md.)"""
+                softmax. (ptxas still schedules most of the softmax after the P.V wait; pinning
+                it before by a store the arrival must follow did not help: see
+                lab/results/kernels_h100_mosaic.md.)"""
 
                 def scope(acc_o):
                     def step(i, carry, masked: bool, first: bool):
@@ -685,8 +684,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, seq_ref, t0_ref, qend_ref, fpos_ref, cn
                     plgpu.barrier_arrive(merge_bars.at[1])
                     plgpu.barrier_wait(merge_bars.at[1])
 
-                # (Storing a tile that split 0 took whole without the merge saved 1.5 us at 256@0
-                # but made split tiles' kernels 11% slower on the H100: every item merges.)
+                # Every item merges, even a tile split 0 took whole: a store path of its own for
+                # such tiles cost the split tiles more than it saved (lab/kernels/NOTES.md).
                 if splits == 1:
                     per_wg(lambda w: store_rows(w, o))
                 else:

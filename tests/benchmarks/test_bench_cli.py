@@ -106,7 +106,7 @@ def test_sweep(tiny, xla_cache_dir, tmp_path, capsys):
 
 def test_serve_against_live_server(tiny, xla_cache_dir, tmp_path, capfd):
     from jaxengine.server.api_server import build_app
-    from jaxengine.server.async_engine import AsyncEngine
+    from jaxengine.async_engine import AsyncEngine
 
     engine = make_engine(tiny, xla_cache_dir)
     app = build_app(AsyncEngine(engine), served_model_names=["tiny"], model_path=tiny)

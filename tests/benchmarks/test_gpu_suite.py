@@ -29,7 +29,7 @@ def test_serve_client_counts_token_only_chunks(tiny_model_factory, xla_cache_dir
     from jaxengine.benchmarks.serve import run_serve
     from jaxengine.benchmarks.serving_metrics import compute_metrics
     from jaxengine.server.api_server import build_app
-    from jaxengine.server.async_engine import AsyncEngine
+    from jaxengine.async_engine import AsyncEngine
     from tests.server.conftest import LiveServer, make_engine
 
     engine = make_engine(tiny_model_factory("llama"), xla_cache_dir, skip_tokenizer_init=True)

@@ -8,9 +8,9 @@
 - The kernel lowers for CUDA (Mosaic GPU's layout and TMA checks run at lowering).
 - The tile table is built once per program, however many layers trace it.
 - Options are validated with clear errors.
-The kernel body itself runs on the H100 (benchmarks/kernels/bench_paged_attention.py --mosaic:
-correctness cases and timings in benchmarks/results/kernels_h100_mosaic*.json); Pallas' Mosaic
-GPU interpreter does not run it (no run_state support).
+The kernel body itself runs on the H100 (lab/kernels/bench_paged_attention.py --mosaic:
+correctness cases and timings in lab/results/kernels_h100_mosaic*); Pallas' Mosaic GPU
+interpreter does not run it (no run_state support).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxengine.attention_backend import select_attention_backend
 from jaxengine.config import EngineConfig
+from jaxengine.models.config import ModelConfig
 from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
-from jaxengine.pallas_kernels.ragged_paged_attention import (
-    ragged_paged_attention, ragged_paged_attention_reference)
+from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
     Tiling, ragged_paged_attention_gpu)
 from tests.kernels.batch_factory import make_batch
@@ -380,8 +381,8 @@ def test_profiling_is_off_unless_a_folder_is_given():
 
 def test_named_phases_leave_the_kernels_unchanged(monkeypatch):
     """The kernels' `jax.named_scope` phases (for the profiler) change nothing when profiling is
-    off: the Mosaic modules (decode, prefill, prefill-only), printed without debug info, are
-    the same with the scopes as with every scope made a no-op."""
+    off: the Mosaic modules (prefill after the decode kernel, prefill-only), printed without
+    debug info, are the same with the scopes as with every scope made a no-op."""
     import contextlib
     import re
 
@@ -410,14 +411,14 @@ def test_named_phases_leave_the_kernels_unchanged(monkeypatch):
             for prefill_only in (False, True):
                 with abstract_h100():
                     ragged_paged_attention_gpu.trace(
-                        *args, sm_scale=h ** -0.5, prefill="mosaic", decode="mosaic",
+                        *args, sm_scale=h ** -0.5, prefill="mosaic",
                         prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
         return seen
 
     with_scopes = modules()
     monkeypatch.setattr(jax, "named_scope", lambda name: contextlib.nullcontext())
     without = modules()
-    assert len(with_scopes) == 3 and with_scopes == without
+    assert len(with_scopes) == 2 and with_scopes == without
 
 
 def test_smem_budget_decides_support():
@@ -428,19 +429,21 @@ def test_smem_budget_decides_support():
                               mgpu.MosaicTiling(block_kv=256))  # 320 KiB
 
 
-@pytest.mark.parametrize("rows", ["prefill", "decode"])
-def test_kernel_choice_errors(rows):
-    """prefill= and decode= take triton / mosaic / auto; "mosaic" where it cannot serve the
-    call (soft cap; the interpreter) is a ValueError naming the option."""
+def test_kernel_choice_errors():
+    """prefill= takes triton / mosaic / auto; "mosaic" where it cannot serve the call (soft
+    cap; the interpreter) is a ValueError naming the option. The decode rows have no choice
+    (the Triton kernel): decode= is not an argument."""
     rng = np.random.default_rng(0)
     b = make_batch(rng, q_lens=[1, 9], ctx_lens=[3, 4], num_heads=8, num_kv_heads=2,
                    head_dim=64, block_size=16, dtype=jnp.bfloat16, pad_tokens=6)
-    with pytest.raises(ValueError, match=f"{rows} must be 'triton', 'mosaic' or 'auto'"):
-        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, **{rows: "cuda"})
-    with pytest.raises(ValueError, match=f"{rows}='mosaic' cannot serve this call"):
-        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, soft_cap=30.0, **{rows: "mosaic"})
-    with pytest.raises(ValueError, match=f"{rows}='mosaic' cannot serve this call"):
-        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, interpret=True, **{rows: "mosaic"})
+    with pytest.raises(ValueError, match="prefill must be 'triton', 'mosaic' or 'auto'"):
+        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, prefill="cuda")
+    with pytest.raises(ValueError, match="prefill='mosaic' cannot serve this call"):
+        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, soft_cap=30.0, prefill="mosaic")
+    with pytest.raises(ValueError, match="prefill='mosaic' cannot serve this call"):
+        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, interpret=True, prefill="mosaic")
+    with pytest.raises(TypeError, match="decode"):
+        ragged_paged_attention_gpu(*b.args(), sm_scale=0.1, decode="triton")
 
 
 def test_prefill_option_errors():
@@ -457,6 +460,8 @@ def test_pallas_mosaic_backend_off_gpu_is_the_reference():
     rng = np.random.default_rng(1)
     b = make_batch(rng, q_lens=[1, 20], ctx_lens=[7, 30], num_heads=4, num_kv_heads=2,
                    head_dim=16, block_size=16, dtype=jnp.float32)
-    got = ragged_paged_attention(*b.args(), sm_scale=0.25, backend="pallas-mosaic")
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=8, hidden_size=32, intermediate_size=8, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16)
+    got = select_attention_backend("pallas-mosaic", cfg, jnp.float32, 16).fn(*b.args(), sm_scale=0.25)
     ref = ragged_paged_attention_reference(*b.args(), sm_scale=0.25)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-6)
