@@ -49,12 +49,12 @@ OUTPUT_LEN = 96
 PHASES = [
     ("schedule", "Scheduler.schedule"),
     ("dispatch: inputs", "InputBuilder.build: token ids, positions, slots, block tables"),
-    ("dispatch: sampling md", "per-row sampling state and SamplingMetadata (with LLMEngine._dispatch's own work)"),
+    ("dispatch: sampling md", "SamplingMetadata from the scheduled rows"),
     ("dispatch: launch", "the rest of ModelRunner.dispatch: bucket pick, compiled calls"),
     ("collect (device wait)", "ModelRunner.collect: waiting for the step, device-to-host copy"),
-    ("resolve", "LLMEngine._resolve minus collect: sampled ids, Scheduler.resolve"),
+    ("resolve", "EngineCore._resolve minus collect: sampled ids, Scheduler.resolve"),
     ("advance", "Scheduler.advance"),
-    ("process outputs", "LLMEngine._process_outputs: detokenize, stop checks, RequestOutputs"),
+    ("process outputs", "EngineCore._outputs: detokenize, stop checks, RequestOutputs"),
 ]
 
 
@@ -81,18 +81,26 @@ class Timer:
         self.sched_rows = self.sched_decode = self.processed = 0
         self.finished_any = self.last_steady = False
         r = engine.runner
+        # Older trees (--before-tree) step in LLMEngine itself; newer ones in its EngineCore.
+        core = getattr(engine, "core", engine)
+        self.wrapped = [(engine.scheduler, "schedule"), (engine.scheduler, "advance"), (core, "_resolve"),
+                        (r, "collect"), (r.builder, "build"), (r, "dispatch")]
         self._wrap(engine.scheduler, "schedule", "schedule", self._on_schedule)
         self._wrap(engine.scheduler, "advance", "advance")
-        self._wrap(engine, "_resolve", "_resolve")
+        self._wrap(core, "_resolve", "_resolve")
         self._wrap(r, "collect", "collect (device wait)")
-        self._wrap(engine, "_dispatch", "_dispatch")
+        if hasattr(engine, "_dispatch"):  # the engine's own part of an older dispatch
+            self._wrap(engine, "_dispatch", "_dispatch")
+            self.wrapped.append((engine, "_dispatch"))
         self._wrap(r.builder, "build", "dispatch: inputs")
         # the sampling-metadata builder: whichever the code in hand has
         import jaxengine.model_runner as mr
         self._wrap(r, "dispatch", "runner.dispatch")
         self._md_name = "batch_sampling_metadata" if hasattr(mr, "batch_sampling_metadata") else "build_sampling_metadata"
         self._wrap(mr, self._md_name, "dispatch: sampling md")
-        self._wrap(engine, "_process_outputs", "process outputs", self._on_process)
+        outputs = "_outputs" if hasattr(core, "_outputs") else "_process_outputs"
+        self._wrap(core, outputs, "process outputs", self._on_process)
+        self.wrapped.append((core, outputs))
 
     def _wrap(self, owner, name: str, phase: str, hook=None) -> None:
         orig = getattr(owner, name)
@@ -115,8 +123,10 @@ class Timer:
         self.sched_decode = sum(s.is_decode for s in out.seqs)
 
     def _on_process(self, args, out) -> None:
-        self.processed = len(args[0].seqs)
-        self.finished_any = bool(args[3])
+        if len(args) == 1:  # EngineCore._outputs(ResolvedStep)
+            self.processed, self.finished_any = len(args[0].sched.seqs), bool(args[0].finished)
+        else:  # LLMEngine._process_outputs(sched, out, sampled, finished)
+            self.processed, self.finished_any = len(args[0].seqs), bool(args[3])
 
     def step(self):
         self.last_steady = self.sched_rows == NUM_REQUESTS
@@ -131,7 +141,7 @@ class Timer:
             "schedule": c["schedule"],
             "dispatch: inputs": c["dispatch: inputs"],
             # the engine's own part of the dispatch is per-row sampling state (SamplingRow objects)
-            "dispatch: sampling md": c["dispatch: sampling md"] + c["_dispatch"] - c["runner.dispatch"],
+            "dispatch: sampling md": c["dispatch: sampling md"] + max(c["_dispatch"] - c["runner.dispatch"], 0.0),
             "dispatch: launch": c["runner.dispatch"] - c["dispatch: inputs"] - c["dispatch: sampling md"],
             "collect (device wait)": c["collect (device wait)"],
             "resolve": c["_resolve"] - c["collect (device wait)"],
@@ -196,10 +206,7 @@ def run_mode(llm, mode: str, profile: bool = False) -> dict:
     wall = time.perf_counter() - t0
     assert n_out == NUM_REQUESTS * OUTPUT_LEN, n_out
     # the wrappers are instance attributes: drop them again
-    for owner, name in [(engine.scheduler, "schedule"), (engine.scheduler, "advance"), (engine, "_resolve"),
-                        (engine.runner, "collect"), (engine, "_dispatch"), (engine.runner.builder, "build"),
-                        (engine.runner, "dispatch"),
-                        (engine, "_process_outputs")]:
+    for owner, name in timer.wrapped:
         owner.__dict__.pop(name, None)
     import jaxengine.model_runner as mr
     import jaxengine.sampler as sampler_mod

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import time
-import types
 
 import numpy as np
 
@@ -81,10 +80,11 @@ def load_trace(path: str, vocab_size: int, seed: int = 0) -> list[SampleRequest]
     return out
 
 
-def _fake_step(runner, t: int, first_block: int) -> tuple[list, list[int]] | None:
-    """Scheduled rows that fill bucket `t` exactly (tokens spread over min(t, max_num_seqs) rows,
+def _fake_step(runner, t: int, first_block: int):
+    """A scheduler output whose rows fill bucket `t` exactly (tokens spread over min(t, max_num_seqs) rows,
     each a prefill chunk from position 0), or None when a row would exceed max_model_len."""
     from jaxengine.sampling_params import SamplingParams
+    from jaxengine.scheduler import ScheduledSeq, SchedulerOutput
 
     r = runner.rows_for(t)
     cfg = runner.config
@@ -99,10 +99,8 @@ def _fake_step(runner, t: int, first_block: int) -> tuple[list, list[int]] | Non
         blocks = [1 + (block + j) % usable for j in range(nb)]
         block += nb
         toks = list(range(10, 10 + n))
-        req = types.SimpleNamespace(request_id=f"bench-{i}", sampling_params=params, prompt_token_ids=toks,
-                                    output_token_ids=[], token_ids_slice=lambda s, e, toks=toks: toks[s:e])
-        seqs.append(types.SimpleNamespace(request=req, start=0, num_new_tokens=n, block_ids=blocks, samples=True))
-    return seqs, [0] * len(seqs)
+        seqs.append(ScheduledSeq(f"bench-{i}", 0, n, toks, blocks, False, True, params, 0, 0, toks, None))
+    return SchedulerOutput(seqs, t, [], [])
 
 
 def measure_buckets(llm, iters: int, warmup: int) -> list[dict[str, object]]:
@@ -114,16 +112,15 @@ def measure_buckets(llm, iters: int, warmup: int) -> list[dict[str, object]]:
         if step is None:
             out.append({"bucket": t, "rows": runner.rows_for(t), "skipped": "a row would exceed max_model_len"})
             continue
-        seqs, seeds = step
         t0 = time.perf_counter()
-        runner.execute(seqs, seeds)
+        runner.execute(step)
         first = time.perf_counter() - t0
         for _ in range(warmup):
-            runner.execute(seqs, seeds)
+            runner.execute(step)
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
-            runner.execute(seqs, seeds)
+            runner.execute(step)
             times.append(time.perf_counter() - t0)
         med = float(np.median(times))
         out.append({"bucket": t, "rows": runner.rows_for(t), "compile_s": max(first - med, 0.0),
@@ -141,10 +138,10 @@ def replay(llm, requests: list[SampleRequest]) -> dict[str, object]:
     steps: list[tuple[int, int]] = []  # (scheduled tokens, bucket)
     original = runner.dispatch
 
-    def counting(seqs, rows, *a, **kw):  # noqa: ANN001, ANN202
-        n = sum(s.num_new_tokens for s in seqs)
+    def counting(sched, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        n = sched.num_batched_tokens
         steps.append((n, pick_bucket(runner.token_buckets, n)))
-        return original(seqs, rows, *a, **kw)
+        return original(sched, *a, **kw)
 
     runner.dispatch = counting
     try:

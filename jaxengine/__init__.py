@@ -8,6 +8,15 @@ import sys
 
 __version__ = "0.1.0"
 
+# In a source checkout the other installed packages live beside this folder (pyproject's
+# package-dir maps models/ to jaxengine.models, server/ to jaxengine.server, ...). Run from the
+# checkout's root, this folder shadows any installed jaxengine, so its subpackages must be found
+# from here too: the checkout's root joins this package's search path.
+_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_checkout, "pyproject.toml")) and os.path.isfile(
+        os.path.join(_checkout, "models", "__init__.py")):
+    __path__.append(_checkout)
+
 class _StderrHandler(logging.StreamHandler):
     """Writes to the current sys.stderr, looked up per record: binding the stream at import time
     breaks when the importer had swapped stderr (test capture, daemons) and later closes it."""

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from jaxengine.outputs import CompletionOutput, RequestOutput
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.server.errors import EngineDeadError, RequestFailedError
+from jaxengine.exceptions import EngineDeadError, RequestFailedError
 
 if TYPE_CHECKING:
     from jaxengine.engine import LLMEngine

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxengine.models.attention import AttentionMetadata
+from jaxengine.scheduler import PLACEHOLDER, ScheduledSeq
 
 
 @jax.tree_util.register_dataclass
@@ -51,8 +52,8 @@ class InputBuilder:
             }
         return self._buffers[key]
 
-    def build(self, seqs: list, t: int, r: int, prev_rows: dict[str, int] | None = None) -> StepInputs:
-        """`seqs`: scheduled sequences with .request, .start, .num_new_tokens, .block_ids.
+    def build(self, seqs: list[ScheduledSeq], t: int, r: int, prev_rows: dict[str, int] | None = None) -> StepInputs:
+        """`seqs`: one step's rows in scheduler order (decode rows first).
 
         A decode row whose token is still a placeholder (sampled by the step in flight) gets
         `prev_index` = that step's row for the request (`prev_rows`), and the device fills it in.
@@ -75,18 +76,18 @@ class InputBuilder:
         for s in seqs:
             start, n, blocks = s.start, s.num_new_tokens, s.block_ids
             starts.append(start)
-            toks = s.request.token_ids_slice(start, start + n)
+            toks = s.token_ids
             if n == 1:
                 tok = toks[0]
-                if tok < 0:  # the placeholder of the step in flight: only ever a decode row's token
-                    assert prev_rows is not None, s.request.request_id
+                if tok == PLACEHOLDER:  # sampled by the step in flight: only ever a decode row's token
+                    assert prev_rows is not None, s.request_id
                     prev_at.append(len(ids))
-                    prev_rows_of.append(prev_rows[s.request.request_id])
+                    prev_rows_of.append(prev_rows[s.request_id])
                     tok = 0
                 ids.append(tok)
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
-                assert toks[-1] >= 0, (s.request.request_id, n)
+                assert toks[-1] != PLACEHOLDER, (s.request_id, n)
                 ids.extend(toks)
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             table_flat.extend(blocks)
@@ -125,20 +126,20 @@ class InputBuilder:
         b["num_seqs"][0] = n_seqs
         return self._inputs(b)
 
-    def _build_single_token_rows(self, seqs: list, b: dict[str, np.ndarray],
+    def _build_single_token_rows(self, seqs: list[ScheduledSeq], b: dict[str, np.ndarray],
                                  prev_rows: dict[str, int] | None) -> StepInputs:
         """`build` when every row has one new token (a decode batch, the steady state): a column
         per comprehension and numpy for the rest, instead of a Python loop over the rows."""
         bs, n = self.block_size, len(seqs)
         starts = [s.start for s in seqs]
         tables = [s.block_ids for s in seqs]
-        toks = np.asarray([s.request.token_ids_slice(p, p + 1)[0] for s, p in zip(seqs, starts)], np.int32)
+        toks = np.asarray([s.token_ids[0] for s in seqs], np.int32)
         starts_a = np.asarray(starts, np.int32)
-        pending = np.flatnonzero(toks < 0)  # placeholders of the step in flight
+        pending = np.flatnonzero(toks == PLACEHOLDER)  # sampled by the step in flight
         b["prev_index"].fill(-1)
         if len(pending):
-            assert prev_rows is not None, seqs[int(pending[0])].request.request_id
-            b["prev_index"][pending] = [prev_rows[seqs[i].request.request_id] for i in pending.tolist()]
+            assert prev_rows is not None, seqs[int(pending[0])].request_id
+            b["prev_index"][pending] = [prev_rows[seqs[i].request_id] for i in pending.tolist()]
             toks[pending] = 0
         for name in ("input_ids", "positions", "slot_mapping"):
             b[name][n:] = 0
@@ -169,6 +170,23 @@ class InputBuilder:
         attn = AttentionMetadata(b["slot_mapping"], b["kv_lens"], b["block_tables"], b["query_start_loc"],
                                  b["num_seqs"])
         return StepInputs(b["input_ids"], b["positions"], attn, b["logits_indices"], b["prev_index"])
+
+
+def prompt_logprob_targets(seqs: list[ScheduledSeq], t: int) -> np.ndarray | None:
+    """[T] int32: the next prompt token of every row whose request asked for prompt logprobs
+    (-1 elsewhere and in padding); None when no row of this step wants them."""
+    if not any(s.params.prompt_logprobs is not None and s.start < len(s.prompt_token_ids) for s in seqs):
+        return None
+    targets = np.full(t, -1, np.int32)
+    cursor = 0
+    for s in seqs:
+        n = s.num_new_tokens
+        if s.params.prompt_logprobs is not None:
+            pos = np.arange(s.start, s.start + n)
+            ok = pos + 1 < len(s.prompt_token_ids)
+            targets[cursor:cursor + n][ok] = np.asarray(s.prompt_token_ids)[pos[ok] + 1]
+        cursor += n
+    return targets
 
 
 def abstract_inputs(t: int, r: int, m: int) -> StepInputs:

@@ -22,11 +22,13 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxengine.attention_backend import AttentionBackend
 from jaxengine.config import EngineConfig, pick_bucket, token_buckets
-from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs
+from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs, prompt_logprob_targets
 from jaxengine.models.config import ModelConfig
 from jaxengine.packing import Layout, pack, unpack
 from jaxengine.sampler import batch_sampling_metadata, build_sampling_metadata, sample
+from jaxengine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +46,17 @@ class RunnerOutput:
     nan_rows: np.ndarray | None = None  # [num_seqs] bool: the row's logits hold a NaN
 
 
-def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, *, layout: Layout):
+def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, *, layout: Layout,
+             attention: AttentionBackend):
     """packed: the step's StepInputs as one int32 buffer of `layout` (jaxengine.packing).
     prev_tokens [max_num_seqs] int32: the previous step's samples, still on the device; rows
-    with prev_index >= 0 take their input token from there (scheduling ran ahead of them)."""
+    with prev_index >= 0 take their input token from there (scheduling ran ahead of them).
+    attention: the runner's attention backend (static: it picks the kernel traced in)."""
     inputs: StepInputs = unpack(packed, layout)
     model = nnx.merge(graphdef, state)
     from_prev = prev_tokens[jnp.maximum(inputs.prev_index, 0)]
     input_ids = jnp.where(inputs.prev_index >= 0, from_prev, inputs.input_ids)
-    hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn)
+    hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, attention)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     return kv_caches, logits, hidden
 
@@ -98,13 +102,13 @@ def _abstract(tree):
 
 
 def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype,
-                       plan=None) -> int | None:
+                       plan, attention: AttentionBackend) -> int | None:
     """Device memory one step of the largest bucket needs beyond weights and KV cache, per device.
 
     Compiles that bucket's forward against a 2-block cache (the temporaries do not depend on the
     pool size) plus the penalties sampler, placed as the runner places them (`plan`: sharded over
     the mesh), and reads XLA's buffer assignment of one device. None when the backend reports no
-    memory analysis.
+    memory analysis. `attention`: the backend the runner will use.
     """
     t = token_buckets(config.max_num_batched_tokens)[-1]
     r = min(t, config.max_num_seqs)
@@ -114,7 +118,8 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
                               sharding=plan.kv_sharding() if plan is not None else None)
 
     layout = Layout.of(abstract_inputs(t, r, config.max_blocks_per_seq))
-    fwd = jax.jit(functools.partial(_forward, graphdef, layout=layout), donate_argnums=(1,)).lower(
+    fwd = jax.jit(functools.partial(_forward, graphdef, layout=layout, attention=attention),
+                  donate_argnums=(1,)).lower(
         _abstract(state), [(kv, kv)] * c.num_layers, layout.abstract(rep),
         jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile()
     md = Layout.of(build_sampling_metadata([], r, config.max_model_len))
@@ -145,11 +150,16 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> i
 
 
 class ModelRunner:
+    """Runs steps of the scheduler's output on the device; reads nothing else of the engine."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype,
-                 plan=None):
-        """`plan` (a jaxengine.sharding.ShardingPlan) places the KV cache over the mesh and keeps
-        step inputs and outputs replicated; None runs on the default device."""
+                 attention: AttentionBackend, plan=None, eos_token_ids: tuple[int, ...] = ()):
+        """`attention`: the backend every forward program traces (chosen once, at start-up).
+        `plan` (a jaxengine.sharding.ShardingPlan) places the KV cache over the mesh and keeps
+        step inputs and outputs replicated; None runs on the default device. `eos_token_ids`:
+        the model's, banned with each row's stop ids until its min_tokens are out."""
         self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
         self.model_config = model_config
         self.graphdef = graphdef
         self.state = state
@@ -175,19 +185,8 @@ class ModelRunner:
         self._jit_prompt_lp = jax.jit(_flat(_prompt_logprobs, graphdef, self.param_treedef,
                                             k=config.max_logprobs or 1))
         self.compile_seconds = 0.0
-        from jaxengine.pallas_kernels import gpu_backend
-        kernel = gpu_backend.kernel_for(config.attention_backend)
-        if kernel is not None:
-            self.attention_impl = getattr(kernel, "__name__", "pallas kernel")
-            applies = getattr(kernel, "mosaic_applies", None)
-            mc = model_config
-            if applies is not None and not applies(dtype, mc.head_dim, mc.num_heads // mc.num_kv_heads,
-                                                   config.block_size, mc.sliding_window):
-                self.attention_impl = "ragged_paged_attention_gpu (the Mosaic prefill kernel does not apply)"
-        elif config.attention_backend != "reference" and jax.default_backend() == "cpu":
-            self.attention_impl = "ragged_paged_attention_cpu"
-        else:
-            self.attention_impl = "jnp reference"
+        self.attention = attention
+        self.attention_impl = self.attention.description  # what runs (benchmarks record it)
         logger.info("attention: %s", self.attention_impl)
 
     # -- buckets ---------------------------------------------------------------------------
@@ -202,8 +201,8 @@ class ModelRunner:
 
     def _compile_forward(self, t: int) -> jax.stages.Compiled:
         layout = Layout.of(abstract_inputs(t, self.rows_for(t), self.config.max_blocks_per_seq))
-        fn = jax.jit(_flat(_forward, self.graphdef, self.param_treedef, layout=layout), donate_argnums=(1,),
-                     out_shardings=self._fwd_out)
+        fn = jax.jit(_flat(_forward, self.graphdef, self.param_treedef, layout=layout, attention=self.attention),
+                     donate_argnums=(1,), out_shardings=self._fwd_out)
         prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
         return fn.lower(self._params_abs, _abstract(self.kv_caches), layout.abstract(self._rep), prev).compile()
 
@@ -265,47 +264,41 @@ class ModelRunner:
         return self._get(self._sample_fns, (r, penalties), self._compile_sampler, "sampler (rows, penalties)")
 
     # -- one step --------------------------------------------------------------------------
-    def dispatch(self, seqs: list, seeds: list[int], eos_token_ids: tuple[int, ...] = (),
-                 prompt_targets: np.ndarray | None = None, prev: "InFlight | None" = None,
-                 num_tokens: int | None = None) -> "InFlight":
-        """Enqueues one step for `seqs` (scheduler order) without waiting for the device.
+    def dispatch(self, sched: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
+        """Enqueues one step for the scheduler's output without waiting for the device.
 
-        `seeds[i]` is seqs[i]'s request's sampling seed, `eos_token_ids` are banned with its stop
-        ids until min_tokens are out; `prompt_targets` [n_tokens] (next prompt token per row, -1
-        where not wanted) asks for prompt logprobs of this step's rows. `prev`, the step still in
-        flight, supplies the tokens of decode rows whose input is a placeholder. `num_tokens`:
-        the rows' new tokens in all, when the caller knows it.
+        `prev`, the step still in flight, supplies the tokens of decode rows whose input is a
+        placeholder. The model's eos ids are banned with a row's stop ids until its min_tokens
+        are out; rows that asked for prompt logprobs get them for this step's prompt tokens.
         """
-        if num_tokens is None:
-            num_tokens = sum(s.num_new_tokens for s in seqs)
-        t = pick_bucket(self.token_buckets, num_tokens)
+        seqs = sched.seqs
+        t = pick_bucket(self.token_buckets, sched.num_batched_tokens)
         r = self.rows_for(t)
         inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None else None)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
-        requests = [s.request for s in seqs]
-        md, penalties = batch_sampling_metadata(requests, seeds, eos_token_ids, r, self._history_len(True))
+        md, penalties = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True))
         # Each numpy argument is its own host-to-device copy: one packed buffer per program.
         self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches, pack(inputs),
                                                               prev_tokens)
         prompt_lp = None
-        if prompt_targets is not None:
-            targets = np.full(t, -1, np.int32)
-            targets[:len(prompt_targets)] = prompt_targets
+        targets = prompt_logprob_targets(seqs, t)
+        if targets is not None:
             prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, targets)
         sampler_out, tokens, nan_rows = self._get_sampler(r, penalties)(logits, pack(md))
-        rows_of = {s.request.request_id: i for i, s in enumerate(seqs) if s.samples}
+        rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
         return InFlight(sampler_out, len(seqs), prompt_lp, tokens, rows_of, nan_rows)
 
     @staticmethod
-    def collect(handle: "InFlight") -> RunnerOutput:
+    def collect(handle: InFlight) -> RunnerOutput:
         """Waits for a dispatched step: the one device-to-host transfer of the step."""
         out, prompt_lp, nan_rows = jax.device_get((handle.sampler_out, handle.prompt_lp, handle.nan_rows))
         n = handle.num_seqs
         return RunnerOutput(out.token_ids[:n], out.logprob[:n], out.rank[:n], out.top_ids[:n], out.top_logprobs[:n],
                             prompt_lp, nan_rows[:n])
 
-    def execute(self, seqs: list, seeds: list[int], eos_token_ids: tuple[int, ...] = ()) -> RunnerOutput:
-        return self.collect(self.dispatch(seqs, seeds, eos_token_ids))
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """One step, waited for (tests and tools; the engine overlaps `dispatch` and `collect`)."""
+        return self.collect(self.dispatch(sched))
 
 
 @dataclasses.dataclass

@@ -56,6 +56,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()  # the model's eos ids (ignored when ignore_eos)
+    seed: int = 0  # sampling seed: the params' own, or one the engine drew for the request
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)  # one more per sampling step
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxengine.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 
@@ -131,26 +132,26 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int, history_
                      rows.__getitem__, num_rows, history_len)
 
 
-def batch_sampling_metadata(requests: Sequence, seeds: Sequence[int], eos_token_ids: Sequence[int],
-                            num_rows: int, penalty_history_len: int) -> tuple[SamplingMetadata, bool]:
-    """`build_sampling_metadata` for one step's rows straight from their requests (objects with
-    `sampling_params`, `prompt_token_ids`, `output_token_ids`), and whether any row uses
-    penalties (then the history is `penalty_history_len` long, else 1).
+def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequence[int], num_rows: int,
+                            penalty_history_len: int) -> tuple[SamplingMetadata, bool]:
+    """`build_sampling_metadata` for one step's rows straight from the scheduler's output, and
+    whether any row uses penalties (then the history is `penalty_history_len` long, else 1).
 
     This runs every step for every running request, so the per-row Python work is a few
     attribute reads; a `SamplingRow` is made only for the rare rows that need one (penalties,
     banned ids before min_tokens).
     """
-    params = [r.sampling_params for r in requests]
-    steps = [len(r.output_token_ids) for r in requests]
+    params = [s.params for s in seqs]
+    steps = [s.num_output_tokens for s in seqs]
 
     def row(i: int) -> SamplingRow:
-        r = requests[i]
-        return SamplingRow(params[i], seeds[i], steps[i], r.prompt_token_ids, r.output_token_ids, eos_token_ids)
+        s = seqs[i]
+        return SamplingRow(s.params, s.seed, s.num_output_tokens, s.prompt_token_ids, s.output_token_ids or (),
+                           eos_token_ids)
 
     penalties = needs_penalties(params)
-    return _metadata(params, seeds, steps, row, num_rows, penalty_history_len if penalties else 1,
-                     penalties), penalties
+    return _metadata(params, [s.seed for s in seqs], steps, row, num_rows,
+                     penalty_history_len if penalties else 1, penalties), penalties
 
 
 def _metadata(params: list[SamplingParams], seeds: Sequence[int], steps: list[int],

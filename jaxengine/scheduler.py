@@ -24,10 +24,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxengine.block_manager import BlockManager
 from jaxengine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from jaxengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -61,22 +65,36 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One request's share of a step."""
+    """One request's share of a step: everything the model runner needs for its rows, as plain
+    data (the runner never sees a `Request`). Lists are shared, not copied: read only."""
 
-    request: Request
-    start: int  # request.num_computed_tokens before this step: position of the first new token
+    request_id: str
+    start: int  # tokens already in the cache: position of the first new token
     num_new_tokens: int  # tokens computed this step (1 for a decode row)
+    token_ids: list[int]  # the new tokens [num_new_tokens]; PLACEHOLDER where the step in flight samples it
     block_ids: list[int]  # the request's whole block table after allocation (live: read only)
     is_decode: bool  # prefill done before this step; its one new token is the last sampled one
     samples: bool  # this step reaches the end of the request's tokens: sample from its last row
+    params: SamplingParams  # the request's sampling parameters
+    seed: int  # the request's sampling seed (its own, or one the engine drew for it)
+    num_output_tokens: int  # output tokens so far (placeholders included): index of the token sampled
+    prompt_token_ids: list[int]  # the whole prompt (read for penalties and prompt logprobs)
+    output_token_ids: list[int] | None  # a copy of the outputs, only when the sampler reads them (penalties)
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """What one step computes: the model runner's only input."""
+
     seqs: list[ScheduledSeq]  # decode rows first, then prefill chunks (the kernel layout)
     num_batched_tokens: int  # sum of num_new_tokens
     preempted_ids: list[str]  # preempted this step (their blocks are free; they recompute later)
     finished_ids: list[str]  # finished or aborted since the last step (their blocks are free)
+    # Requests scheduled for the first time this step -> prompt tokens found in the prefix cache.
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    # The scheduler's own handle on each row's request, for `advance` and `resolve` (an id alone
+    # could name a newer request by then). Not the runner's: it reads `seqs` only.
+    _requests: list[Request] = field(default_factory=list, repr=False)
 
 
 class Scheduler:
@@ -180,24 +198,31 @@ class Scheduler:
                 table = tables[req.request_id]
             samples = start + n == total
             if samples and n == 1 and start >= num_prompt:
-                add_decode(ScheduledSeq(req, start, 1, table, True, True))
+                sp, outs = req.sampling_params, req.output_token_ids
+                add_decode(ScheduledSeq(req.request_id, start, 1, outs[-1:], table, True, True, sp, req.seed,
+                                        len(outs), req.prompt_token_ids, outs[:] if sp.uses_penalties else None))
             else:
-                add_prefill(ScheduledSeq(req, start, n, table, False, samples))
+                add_prefill(self._scheduled(req, n, table))
             budget -= n
             i += 1
+        num_cached: dict[str, int] = {}
         if not preempted:  # memory is short: let the running requests drain first
             while self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
-                seq = self._admit(self.waiting[0], budget)
+                req = self.waiting[0]
+                seq = self._admit(req, budget)
                 if seq is None:
                     break
                 self.waiting.popleft()
                 prefills.append(seq)
                 budget -= seq.num_new_tokens
+                num_cached[req.request_id] = req.num_cached_tokens
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget
         if prefills:
             decodes += prefills
-        return SchedulerOutput(decodes, num_batched, preempted, finished)
+        rows = self._requests
+        return SchedulerOutput(decodes, num_batched, preempted, finished, num_cached,
+                               [rows[s.request_id] for s in decodes])
 
     def _preempt_for(self, req: Request, n: int, preempted: list[str]) -> bool:
         """Preempt from the tail until `req` gets its `n` slots; False if `req` went itself."""
@@ -223,12 +248,17 @@ class Scheduler:
         self.running.append(req)
         return self._scheduled(req, n)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+    def _scheduled(self, req: Request, n: int, block_ids: list[int] | None = None) -> ScheduledSeq:
+        """`req`'s next `n` tokens as a step's row (prefill chunks and first schedules)."""
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens
         is_decode = samples and n == 1 and start >= len(req.prompt_token_ids)
-        block_ids = self.block_manager.get_block_ids(req.request_id)
-        return ScheduledSeq(req, start, n, block_ids, is_decode, samples)
+        if block_ids is None:
+            block_ids = self.block_manager.get_block_ids(req.request_id)
+        sp, outs = req.sampling_params, req.output_token_ids
+        return ScheduledSeq(req.request_id, start, n, req.token_ids_slice(start, start + n), block_ids, is_decode,
+                            samples, sp, req.seed, len(outs), req.prompt_token_ids,
+                            outs[:] if sp.uses_penalties else None)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
@@ -254,8 +284,7 @@ class Scheduler:
         gets a PLACEHOLDER output token, so the next step can be scheduled before this one's
         tokens are known (the runner feeds them from the device)."""
         bm, bs, running = self.block_manager, self.config.block_size, RequestStatus.RUNNING
-        for seq in out.seqs:
-            req = seq.request
+        for seq, req in zip(out.seqs, out._requests):
             if req.status is not running:
                 continue
             start = seq.start
@@ -273,8 +302,7 @@ class Scheduler:
             raise ValueError(f"{len(sampled)} sampled tokens for {len(out.seqs)} scheduled rows")
         finished: list[Request] = []
         now = time.monotonic()
-        for seq, token in zip(out.seqs, sampled):
-            req = seq.request
+        for seq, req, token in zip(out.seqs, out._requests, sampled):
             if not seq.samples or req.status.is_finished:
                 continue
             assert token is not None, f"no token sampled for {req.request_id}"

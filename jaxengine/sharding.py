@@ -4,8 +4,11 @@ Mesh axes ("data", "model"). Parameters are named by the trailing path of their 
 LOGICAL_AXES gives each one logical axis name per dimension, and RULES maps logical names to mesh
 axes: q/k/v and gate/up column-parallel, o/down row-parallel, embedding and LM head
 vocab-parallel, the KV cache sharded over KV heads (each KV head repeated when there are fewer KV
-heads than devices, so every device holds the one its query heads read). XLA (GSPMD) inserts the collectives; the
-attention call, which Pallas cannot auto-partition, runs under `shard_map` over the heads.
+heads than devices, so every device holds the one its query heads read). The model under a plan
+is built from `plan.model_config(cfg)`: KV heads repeated as needed, and q/k/v and gate/up as
+separate parameters (only the parts have rules: column shards of a fused weight would mix them).
+XLA (GSPMD) inserts the collectives; the attention call, which Pallas cannot auto-partition, runs
+under `shard_map` over the heads (jaxengine.attention_backend).
 """
 
 from __future__ import annotations
@@ -53,10 +56,16 @@ class ShardingPlan:
     def spec(self, logical: tuple[str | None, ...]) -> PartitionSpec:
         return PartitionSpec(*(self.rules.get(a) if a else None for a in logical))
 
+    def model_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model this plan shards: each KV head repeated `kv_head_replicas` times, and q/k/v
+        and gate/up as separate parameters."""
+        return cfg.with_kv_head_replicas(self.kv_head_replicas).with_split_projections()
+
     def param_sharding(self, path: tuple) -> NamedSharding:
         name = str(path[-1])
         if name not in LOGICAL_AXES:
-            raise KeyError(f"no logical axes for parameter {'.'.join(map(str, path))}")
+            raise KeyError(f"no logical axes for parameter {'.'.join(map(str, path))} (a model under "
+                           "tensor parallelism is built from plan.model_config(cfg))")
         return NamedSharding(self.mesh, self.spec(LOGICAL_AXES[name]))
 
     def kv_sharding(self) -> NamedSharding:
@@ -70,8 +79,7 @@ def make_plan(cfg: ModelConfig, tensor_parallel_size: int, devices: list | None 
     """Validates the split and builds the mesh over the first `tensor_parallel_size` devices.
 
     When `tensor_parallel_size` is a multiple of the KV heads, the plan's `kv_head_replicas` says
-    how often each KV head is repeated; the model is then built from
-    `cfg.with_kv_head_replicas(plan.kv_head_replicas)`.
+    how often each KV head is repeated. The model is built from `plan.model_config(cfg)`.
     """
     tp = tensor_parallel_size
     devices = list(devices if devices is not None else jax.devices())

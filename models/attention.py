@@ -1,28 +1,26 @@
 """Attention metadata (a registered pytree) and the model's attention layer.
 
+The layer projects, normalises and rotates q/k/v; the paged-cache write and the attention itself
+belong to the engine's attention backend (jaxengine.attention_backend), which the model receives
+at call time.
+
 Legend: T tokens, D model, N query heads, K KV heads, H head dim, S sequence slots, M max blocks per seq.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import RMSNorm, RotaryEmbedding
-from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
 
-def shard_map(f, *, mesh: Mesh, in_specs, out_specs):
-    """`jax.shard_map` without replication checks (Pallas kernels carry no replication rules)."""
-    try:
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    except TypeError:  # older spelling
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+if TYPE_CHECKING:
+    from jaxengine.attention_backend import AttentionBackend
 
 
 KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [num_blocks, K, block_size, H]
@@ -43,14 +41,13 @@ class AttentionMetadata:
 class Attention(nnx.Module):
     """Grouped-query self-attention over the paged KV cache (Llama/Mistral/Qwen2/Qwen3)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, attn_backend: str = "auto",
-                 mesh: Mesh | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         init = nnx.initializers.normal(0.02)
-        # Without tensor parallelism q, k and v are one [D, N + 2K, H] parameter: one matmul
-        # instead of three (~20% less matmul time at 32 rows on the CPU). Column shards of a fused
-        # weight would mix q, k and v, so with a mesh they stay apart.
-        self.fused_qkv = mesh is None
+        # cfg.fused_projections: q, k and v are one [D, N + 2K, H] parameter, read by one matmul
+        # instead of three. Column shards of a fused weight would mix q, k and v, so under tensor
+        # parallelism the engine builds the model with them apart.
+        self.fused_qkv = cfg.fused_projections
         self.qkv_split = (n, n + k)  # head offsets of k and v in the fused weight
         if self.fused_qkv:
             self.qkv_proj = nnx.Param(init(rngs.params(), (d, n + 2 * k, h), dtype))  # D(N+K+K)H
@@ -71,11 +68,10 @@ class Attention(nnx.Module):
         self.rope = RotaryEmbedding(cfg)
         self.sm_scale = h ** -0.5
         self.sliding_window = cfg.sliding_window
-        self.attn_backend = attn_backend
-        self.mesh = mesh  # tensor parallelism: heads and the KV cache split over its "model" axis
 
-    def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache,
-                 md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+    def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache, md: AttentionMetadata,
+                 attention: AttentionBackend) -> tuple[jax.Array, KVCache]:
+        """x [T, D] -> ([T, D], this layer's cache with the step's K/V written)."""
         if self.fused_qkv:
             qkv = jnp.einsum("TD,DJH->TJH", x, self.qkv_proj[...])  # J = N + 2K
             q, k, v = jnp.split(qkv, self.qkv_split, axis=1)
@@ -88,26 +84,9 @@ class Attention(nnx.Module):
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        attend = self._attend if self.mesh is None else self._sharded_attend()
-        o, k_cache, v_cache = attend(q, k, v, kv[0], kv[1], md)
+        o, kv = attention.attend(q, k, v, kv, md, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
         # One [T, N*H] @ [N*H, D] matmul on row-major views (bitcasts): written as an einsum over
         # (N, H), XLA on CPU transposed the weight and the activations to [H, N, ...] every step.
         t_, n, h = o.shape
         w = self.o_proj[...]
-        return o.reshape(t_, n * h) @ w.reshape(n * h, w.shape[-1]), (k_cache, v_cache)
-
-    def _attend(self, q, k, v, k_cache, v_cache, md: AttentionMetadata):
-        """Writes this step's K/V into the cache, then attends (per device under shard_map)."""
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
-        o = ragged_paged_attention(
-            q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-            sm_scale=self.sm_scale, sliding_window=self.sliding_window, backend=self.attn_backend)
-        return o, k_cache, v_cache
-
-    def _sharded_attend(self):
-        # Pallas calls are not auto-partitioned: each device attends with its own query heads and
-        # the KV heads they read (kv heads split like query heads, so G = N / K is unchanged).
-        heads, cache = P(None, "model", None), P(None, "model", None, None)
-        md_spec = AttentionMetadata(P(), P(), P(), P(), P())
-        return shard_map(self._attend, mesh=self.mesh, in_specs=(heads, heads, heads, cache, cache, md_spec),
-                         out_specs=(heads, cache, cache))
+        return o.reshape(t_, n * h) @ w.reshape(n * h, w.shape[-1]), kv

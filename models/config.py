@@ -50,6 +50,10 @@ class ModelConfig:
     # Each checkpoint KV head is stored this many times in a row (num_kv_heads counts the copies):
     # tensor parallelism over more devices than the model has KV heads gives every device one.
     kv_head_replicas: int = 1
+    # q/k/v as one [D, N + 2K, H] parameter and gate/up as one [D, 2F]: one matmul each instead of
+    # three and two. Tensor parallelism needs them split (False), because column shards of a fused
+    # weight would mix its parts; the loader fuses the checkpoint's separate tensors when True.
+    fused_projections: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -70,6 +74,10 @@ class ModelConfig:
         """The same model with every KV head repeated `replicas` times (a query head keeps reading
         a copy of its own KV head, since the copies of head j sit at j*replicas ... j*replicas+replicas-1)."""
         return dataclasses.replace(self, num_kv_heads=self.checkpoint_kv_heads * replicas, kv_head_replicas=replicas)
+
+    def with_split_projections(self) -> "ModelConfig":
+        """The same model with q/k/v and gate/up as separate parameters (for tensor parallelism)."""
+        return dataclasses.replace(self, fused_projections=False)
 
     @property
     def q_per_kv(self) -> int:

@@ -63,13 +63,13 @@ class RotaryEmbedding(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, fused: bool = False):
-        """fused: gate and up as one [D, 2F] parameter (gate columns first), one matmul; only
-        without tensor parallelism, whose column shards would mix the two."""
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        """cfg.fused_projections: gate and up as one [D, 2F] parameter (gate columns first), one
+        matmul; split under tensor parallelism, whose column shards would mix the two."""
         d, f = cfg.hidden_size, cfg.intermediate_size
         init = nnx.initializers.normal(0.02)
-        self.fused = fused
-        if fused:
+        self.fused = cfg.fused_projections
+        if self.fused:
             self.gate_up_proj = nnx.Param(init(rngs.params(), (d, 2 * f), dtype))  # D(F+F)
         else:
             self.gate_proj = nnx.Param(init(rngs.params(), (d, f), dtype))  # DF

@@ -87,7 +87,8 @@ WEIGHT_TABLE: list[tuple[str, tuple[str, ...], Transform]] = [
 _COMPILED = [(re.compile(p + r"$"), path, fn) for p, path, fn in WEIGHT_TABLE]
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-# Parameters a model may hold fused (one matmul instead of several; without tensor parallelism):
+# Parameters a model holds fused when ModelConfig.fused_projections (one matmul instead of several;
+# split under tensor parallelism, and jaxengine.sharding has rules for the parts only):
 # fused name -> (its parts in WEIGHT_TABLE, in order; the axis they are concatenated along).
 FUSED: dict[str, tuple[tuple[str, ...], int]] = {
     "qkv_proj": (("q_proj", "k_proj", "v_proj"), 1),  # [D, N + 2K, H]
@@ -123,10 +124,10 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
     return DTYPES[dtype]
 
 
-def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, attn_backend: str = "auto", mesh=None):
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype):
     """(graphdef, abstract state) without allocating any weights."""
     cls = get_model_class(cfg.architecture)
-    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0), attn_backend=attn_backend, mesh=mesh))
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0)))
     return nnx.split(abstract)
 
 
@@ -146,14 +147,14 @@ def _set(tree: dict, path: Path, value: object) -> None:
     tree[path[-1]] = value
 
 
-def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, attn_backend: str = "auto",
-                put: Callable[[Path, np.ndarray], jax.Array] | None = None, mesh=None):
+def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
+                put: Callable[[Path, np.ndarray], jax.Array] | None = None):
     """Reads every tensor of `checkpoint` into a new state; returns (graphdef, state).
 
     `put(path, array)` places one parameter on device(s) (default: `jax.device_put`), so a
     sharded placement can load each tensor straight into its shards.
     """
-    graphdef, abs_state = abstract_model(cfg, dtype, attn_backend, mesh)
+    graphdef, abs_state = abstract_model(cfg, dtype)
     pure = nnx.to_pure_dict(abs_state)
     expected = _flat(pure)
     put = put or (lambda path, arr: jax.device_put(arr))
@@ -220,14 +221,14 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, attn_backend: st
     return graphdef, abs_state
 
 
-def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, attn_backend: str = "auto",
-                 sharding_of: Callable[[tuple], jax.sharding.Sharding] | None = None, mesh=None):
+def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, *, seed: int = 0,
+                 sharding_of: Callable[[tuple], jax.sharding.Sharding] | None = None):
     """Random weights of the right shapes, made on device (for benchmarks of big shapes).
 
     `sharding_of(path)` places each parameter: it is generated in place, each device computing
     only its shard (the values do not depend on the placement), never whole on one device first,
     which with one process per GPU would have to reach the other processes' devices."""
-    graphdef, abs_state = abstract_model(cfg, dtype, attn_backend, mesh)
+    graphdef, abs_state = abstract_model(cfg, dtype)
     pure = nnx.to_pure_dict(abs_state)
     key = jax.random.key(seed)
     for i, (path, sds) in enumerate(_flat(pure).items()):

@@ -1,4 +1,5 @@
-"""Chooses the Pallas GPU kernel behind `ragged_paged_attention` (None: use the reference)."""
+"""Which Pallas GPU kernel serves this device: a kernel-level fact the engine's attention
+backend (jaxengine/attention_backend.py) asks for; None off supported GPUs."""
 
 from __future__ import annotations
 
@@ -71,11 +72,3 @@ def get_kernel(mosaic_prefill: bool = False,
         return ragged_paged_attention_gpu_mosaic_prefill
     return ragged_paged_attention_gpu
 
-
-def kernel_for(backend: str) -> Callable | None:
-    """The kernel behind an attention backend name (config.ATTENTION_BACKENDS) on this
-    machine: None for "reference" and off supported GPUs; "auto" and "pallas-mosaic" with the
-    Mosaic prefill kernel on Hopper, "pallas" the Triton kernels only."""
-    if backend == "reference":
-        return None
-    return get_kernel(mosaic_prefill=backend in ("auto", "pallas-mosaic"))

@@ -1,4 +1,5 @@
-"""Ragged paged attention: the one entry point the model's attention layer calls.
+"""Ragged paged attention: the contract every implementation serves, its jnp reference, the CPU
+path and the KV write.
 
 Legend: T tokens in the flat batch, S sequence slots, N query heads, K KV heads, G = N // K,
 H head dim, B blocks in the pool, P block size, M max blocks per sequence.
@@ -19,20 +20,19 @@ before the softmax. A sliding window W keeps the W most recent positions, the to
 included. Query head n reads KV head n // G. A sequence with q_len 1 is a decode row wherever it
 sits in the batch (a one-token prefill chunk is the same computation).
 
-Backends: on an NVIDIA GPU of sm_80+ `gpu_backend.get_kernel()` returns the Pallas kernels of
-ragged_paged_attention_gpu.py; on the CPU `ragged_paged_attention_cpu` (tiles of one sequence's
-rows, batched matmuls; on SmolLM2's shapes 1.7x (decode) to 5x (prefill) faster than the
-reference under XLA's CPU backend); elsewhere, or with backend="reference", the jnp reference
-below. The reference's einsums use XLA's default precision, which on a GPU is TF32 for float32 inputs (~3e-4 relative error);
-the kernel computes float32 products in full precision.
+Implementations: the Pallas GPU kernels of ragged_paged_attention_gpu.py (on an NVIDIA GPU of
+sm_80+, `gpu_backend.get_kernel()`); `ragged_paged_attention_cpu` (tiles of one sequence's rows
+as batched matmuls, which XLA's CPU backend runs better than the reference's per-block gathers);
+the jnp reference below. Which one a model runs is chosen once, outside the kernels, by the
+engine's attention backend (jaxengine/attention_backend.py). The reference's einsums use XLA's
+default precision, which on a GPU is TF32 for float32 inputs (~3e-4 relative error); the kernel
+computes float32 products in full precision.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from jaxengine.config import ATTENTION_BACKENDS
 
 _MASK_VALUE = -1e30
 
@@ -225,32 +225,3 @@ def ragged_paged_attention_cpu(
     out = jnp.where(live[:, None, None], out[src], 0.0)
     return out.astype(q.dtype)
 
-
-def ragged_paged_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
-    block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
-    sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
-    backend: str = "auto",
-) -> jax.Array:
-    """Dispatch: the Pallas GPU kernels on GPU ("auto" and "pallas-mosaic": with the Mosaic GPU
-    prefill kernel on Hopper for calls of gpu_backend.MOSAIC_PREFILL_MIN_TOKENS+ token rows, the
-    Triton kernels elsewhere; "pallas": the Triton kernels only), the CPU path on CPU ("auto"),
-    the jnp reference otherwise."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                         f"got {backend!r}")
-    use_kernel = backend in ("pallas", "pallas-mosaic") or (
-        backend == "auto" and jax.default_backend() == "gpu")
-    if use_kernel:
-        from jaxengine.pallas_kernels import gpu_backend  # imported lazily: GPU-only code
-        fn = gpu_backend.kernel_for(backend)
-        if fn is not None:
-            return fn(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-                      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    if backend == "auto" and jax.default_backend() == "cpu":
-        return ragged_paged_attention_cpu(
-            q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    return ragged_paged_attention_reference(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)

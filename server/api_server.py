@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxengine
-from jaxengine.server.async_engine import AsyncEngine
+from jaxengine.async_engine import AsyncEngine
 from jaxengine.server.errors import OpenAIError, install_error_handlers
 from jaxengine.server.limits import BodyGuardMiddleware, ServerLimits
 from jaxengine.server.metrics import ServerMetrics

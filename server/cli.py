@@ -246,7 +246,7 @@ def run_server(engine: LLMEngine, settings: ServerSettings, sockets: Sequence[so
     import uvicorn
 
     from jaxengine.server.api_server import build_app
-    from jaxengine.server.async_engine import AsyncEngine
+    from jaxengine.async_engine import AsyncEngine
     from jaxengine.server.uvicorn_server import DrainingServer
 
     prometheus_client.disable_created_metrics()  # no `*_created` series, as in vLLM (process-wide)

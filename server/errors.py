@@ -19,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxengine.exceptions import EngineDeadError, RequestFailedError  # noqa: F401  (answered here)
+
 logger = logging.getLogger(__name__)
 
 # OpenAI's `type` per status class: 4xx are the caller's, 5xx the server's.
@@ -46,15 +48,6 @@ class OpenAIError(Exception):
     def sse(self) -> str:
         """The error as one Server-Sent Event (for failures after a stream has started)."""
         return f"data: {json.dumps(self.body())}\n\n"
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop thread stopped (crashed or shut down): no request can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """One request failed inside the engine (its output processing raised); the engine and every
-    other request go on. Answered with a 500 (or an error event in a stream that has started)."""
 
 
 def overloaded(num_open: int, capacity: int) -> OpenAIError:

@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from jaxengine.llm import render_chat
-from jaxengine.server.async_engine import RequestStream
+from jaxengine.async_engine import RequestStream
 from jaxengine.server.errors import EngineDeadError, OpenAIError
 from jaxengine.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice, ChoiceLogprobs,

@@ -15,7 +15,7 @@ from fastapi import Request
 from jaxengine.detokenizer import decode_token
 from jaxengine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.server.async_engine import AsyncEngine, RequestStream
+from jaxengine.async_engine import AsyncEngine, RequestStream
 from jaxengine.server.errors import (EngineDeadError, OpenAIError, RequestFailedError, from_value_error,
                                      overloaded)
 from jaxengine.server.limits import ServerLimits

@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from jaxengine.outputs import RequestOutput
-from jaxengine.server.async_engine import RequestStream
+from jaxengine.async_engine import RequestStream
 from jaxengine.server.errors import EngineDeadError, OpenAIError
 from jaxengine.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                        CompletionResponse, CompletionStreamResponse)

@@ -7,7 +7,7 @@ from types import FrameType
 
 import uvicorn
 
-from jaxengine.server.async_engine import AsyncEngine
+from jaxengine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 

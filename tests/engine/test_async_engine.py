@@ -10,8 +10,8 @@ import string
 import pytest
 
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.server.async_engine import AsyncEngine
-from jaxengine.server.errors import EngineDeadError
+from jaxengine.async_engine import AsyncEngine
+from jaxengine.exceptions import EngineDeadError
 from jaxengine.server.metrics import ServerMetrics
 from tests.server.fake_engine import FakeEngine
 

@@ -225,7 +225,7 @@ def test_profiled_step_bytes(family_llm):
     _, _, llm = family_llm
     eng = llm.llm_engine
     r = eng.runner
-    got = profile_step_bytes(eng.config, eng.model_config, r.graphdef, r.state, r.dtype)
+    got = profile_step_bytes(eng.config, eng.model_config, r.graphdef, r.state, r.dtype, r.plan, r.attention)
     # at least the float32 logits of the largest bucket's rows
     assert got is not None and got >= 4 * min(64, 8) * eng.model_config.vocab_size
 

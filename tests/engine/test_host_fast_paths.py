@@ -1,6 +1,6 @@
 """The per-step host fast paths agree with the general code they shortcut.
 
-- `batch_sampling_metadata` (rows read straight from requests) equals `build_sampling_metadata`
+- `batch_sampling_metadata` (rows read straight from the scheduler's output) equals `build_sampling_metadata`
   over `SamplingRow`s, on random mixes of penalties, min_tokens, stop ids and seeds;
 - the scheduler's count of unfinished requests using penalties stays in sync through add,
   preemption, finish and abort (`running_uses_penalties` equals a scan of the running list);
@@ -22,7 +22,7 @@ from jaxengine.output_processor import OutputProcessor
 from jaxengine.request import Request
 from jaxengine.sampler import SamplingRow, batch_sampling_metadata, build_sampling_metadata
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.scheduler import Scheduler, SchedulerConfig
+from jaxengine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 
 EOS = (2, 7)
 
@@ -49,7 +49,11 @@ def test_batch_metadata_equals_row_metadata(seed: int) -> None:
         reqs.append(r)
         seeds.append(rng.choice([0, 5, -1, 2**40 + 9]))
     num_rows, hist = 16, 24
-    got, penalties = batch_sampling_metadata(reqs, seeds, EOS, num_rows, hist)
+    seqs = [ScheduledSeq(r.request_id, r.num_tokens - 1, 1, r.all_token_ids[-1:], [1], True, True, r.sampling_params,
+                         s, r.num_output_tokens, r.prompt_token_ids,
+                         r.output_token_ids[:] if r.sampling_params.uses_penalties else None)
+            for r, s in zip(reqs, seeds)]
+    got, penalties = batch_sampling_metadata(seqs, EOS, num_rows, hist)
     assert penalties == any(r.sampling_params.uses_penalties for r in reqs)
     rows = [SamplingRow(r.sampling_params, s, len(r.output_token_ids), r.prompt_token_ids, r.output_token_ids, EOS)
             for r, s in zip(reqs, seeds)]
@@ -99,8 +103,8 @@ def test_penalty_count_stays_in_sync(seed: int) -> None:
 def test_parent_unfinished_count_follows_children() -> None:
     outs = OutputProcessor(tokenizer=None)
     params = SamplingParams(n=3)
-    children = [Request(f"{i}_p", [1, 2], dataclasses.replace(params, n=1)) for i in range(3)]
-    outs.add("p", None, [1, 2], params, children)
+    children = [(f"{i}_p", dataclasses.replace(params, n=1)) for i in range(3)]
+    outs.add("p", None, [1, 2], params, children, arrival_time=0.0)
     parent = outs.parents["p"]
     assert parent.num_unfinished == 3 and not parent.finished
     outs.finish_child("0_p", "length", None)
@@ -154,7 +158,7 @@ def test_single_token_rows_build_equals_reference(seed: int) -> None:
     import types
 
     from jaxengine.input_batch import InputBuilder
-    from tests.engine.test_input_batch import BS, M, Req, reference
+    from tests.engine.test_input_batch import BS, M, reference
 
     rng = np.random.default_rng(seed)
     builder = InputBuilder(M, BS)
@@ -171,8 +175,8 @@ def test_single_token_rows_build_equals_reference(seed: int) -> None:
                 toks[-1] = abs(toks[-1])
                 prev_rows.pop(str(i), None)
             blocks = [int(x) for x in rng.permutation(np.arange(1, 500))[: -(-length // BS) + int(rng.integers(0, 2))]]
-            seqs.append(types.SimpleNamespace(request=Req(str(i), toks), start=start, num_new_tokens=1,
-                                              block_ids=blocks[:M]))
+            seqs.append(types.SimpleNamespace(request_id=str(i), token_ids=toks[start:start + 1], start=start,
+                                              num_new_tokens=1, block_ids=blocks[:M]))
         inputs = builder.build(seqs, 16, 8, prev_rows)
         want = reference(seqs, 16, 8, prev_rows)
         got = {"input_ids": inputs.input_ids, "positions": inputs.positions, "prev_index": inputs.prev_index,

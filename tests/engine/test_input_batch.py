@@ -8,16 +8,9 @@ import numpy as np
 import pytest
 
 from jaxengine.input_batch import InputBuilder
+from jaxengine.scheduler import PLACEHOLDER
 
 BS, M = 16, 12
-
-
-class Req:
-    def __init__(self, rid: str, toks: list[int]):
-        self.request_id, self.toks = rid, toks
-
-    def token_ids_slice(self, a: int, b: int) -> list[int]:
-        return self.toks[a:b]
 
 
 def reference(seqs, t: int, r: int, prev_rows: dict[str, int]) -> dict[str, np.ndarray]:
@@ -31,9 +24,9 @@ def reference(seqs, t: int, r: int, prev_rows: dict[str, int]) -> dict[str, np.n
     for i, s in enumerate(seqs):
         for j in range(s.num_new_tokens):
             p = s.start + j
-            tok = s.request.toks[p]
-            if tok < 0:
-                out["prev_index"][cur] = prev_rows[s.request.request_id]
+            tok = s.token_ids[j]
+            if tok == PLACEHOLDER:
+                out["prev_index"][cur] = prev_rows[s.request_id]
                 tok = 0
             out["input_ids"][cur] = tok
             out["positions"][cur] = p
@@ -65,11 +58,11 @@ def test_builder_matches_reference(seed):
                 break
             start = length - n
             if decode and rng.random() < 0.5:
-                toks[-1] = -1  # the placeholder of a step in flight
+                toks[-1] = PLACEHOLDER  # sampled by the step in flight
                 prev_rows[str(i)] = int(rng.integers(0, 8))
             blocks = [int(x) for x in rng.permutation(np.arange(1, 500))[: -(-length // BS)]]
-            seqs.append(types.SimpleNamespace(request=Req(str(i), toks), start=start, num_new_tokens=n,
-                                              block_ids=blocks))
+            seqs.append(types.SimpleNamespace(request_id=str(i), token_ids=toks[start:], start=start,
+                                              num_new_tokens=n, block_ids=blocks))
             budget -= n
         inputs = builder.build(seqs, 64, 8, prev_rows)
         want = reference(seqs, 64, 8, prev_rows)

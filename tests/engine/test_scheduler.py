@@ -20,6 +20,7 @@ class FakeParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    uses_penalties: bool = False
 
 
 def make_sched(**kw: int | bool) -> Scheduler:
@@ -40,17 +41,17 @@ def fake_token(req: Request) -> int:
     return 10 + (sum(req.all_token_ids) * 31 + req.num_tokens) % 50
 
 
-def sample(out: SchedulerOutput, override: dict[str, int] | None = None) -> list[int | None]:
+def sample(sched: Scheduler, out: SchedulerOutput, override: dict[str, int] | None = None) -> list[int | None]:
     override = override or {}
     return [
-        override.get(s.request.request_id, fake_token(s.request)) if s.samples else None
-        for s in out.seqs
+        override.get(s.request_id, fake_token(req)) if s.samples else None
+        for s, req in zip(out.seqs, out._requests)
     ]
 
 
 def step(sched: Scheduler, override: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[Request]]:
     out = sched.schedule()
-    finished = sched.update_from_output(out, sample(out, override))
+    finished = sched.update_from_output(out, sample(sched, out, override))
     sched.block_manager.check_invariants()
     return out, finished
 
@@ -98,12 +99,12 @@ def test_budget_shared_between_running_and_waiting() -> None:
     sched.add_request(a)
     sched.add_request(b)
     out, _ = step(sched)
-    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in out.seqs] == [
+    assert [(s.request_id, s.num_new_tokens, s.samples) for s in out.seqs] == [
         ("a", 5, True),
         ("b", 3, False),
     ]
     out, _ = step(sched)  # a decodes, b finishes its prompt
-    assert [(s.request.request_id, s.start, s.num_new_tokens) for s in out.seqs] == [
+    assert [(s.request_id, s.start, s.num_new_tokens) for s in out.seqs] == [
         ("a", 5, 1),
         ("b", 3, 3),
     ]
@@ -137,7 +138,7 @@ def test_decode_rows_come_first() -> None:
     # Put the prefilling request first in running order: rows still list decodes first.
     sched.running.reverse()
     out, _ = step(sched)
-    assert [(s.request.request_id, s.is_decode) for s in out.seqs] == [("d", True), ("p", False)]
+    assert [(s.request_id, s.is_decode) for s in out.seqs] == [("d", True), ("p", False)]
     assert out.seqs[1].num_new_tokens == 3 and out.seqs[1].samples
 
 
@@ -147,13 +148,13 @@ def test_max_num_seqs_respected() -> None:
     for r in reqs:
         sched.add_request(r)
     out, _ = step(sched)
-    assert [s.request.request_id for s in out.seqs] == ["r0", "r1"]
+    assert [s.request_id for s in out.seqs] == ["r0", "r1"]
     assert sched.num_running == 2 and sched.num_waiting == 2
     out, finished = step(sched)  # r0 reaches max_tokens=2
     assert [r.request_id for r in finished] == ["r0"]
     out, _ = step(sched)
     assert out.finished_ids == ["r0"]
-    assert [s.request.request_id for s in out.seqs] == ["r1", "r2"]
+    assert [s.request_id for s in out.seqs] == ["r1", "r2"]
     while sched.has_unfinished_requests():
         out, _ = step(sched)
         assert len(out.seqs) <= 2
@@ -168,7 +169,7 @@ def test_prefix_hit_through_scheduler() -> None:
     b = make_req("b", list(range(100, 112)) + [7, 8])
     sched.add_request(b)
     out, _ = step(sched)
-    sb = next(s for s in out.seqs if s.request is b)
+    sb = next(s for s in out.seqs if s.request_id == b.request_id)
     assert b.num_cached_tokens == 12 and sb.start == 12 and sb.num_new_tokens == 2
     assert sb.block_ids[:3] == sched.block_manager.get_block_ids("a")[:3]
     assert [sched.block_manager.ref_count(x) for x in sb.block_ids[:3]] == [2, 2, 2]
@@ -202,7 +203,7 @@ def test_preempts_the_tail_request() -> None:
     step(sched)  # both prefilled: 4 + 4 blocks, pool empty
     assert sched.block_manager.num_free_blocks == 0
     out, _ = step(sched)  # a needs a 5th block: b is preempted
-    assert out.preempted_ids == ["b"] and [s.request for s in out.seqs] == [a]
+    assert out.preempted_ids == ["b"] and [s.request_id for s in out.seqs] == [a.request_id]
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_output_tokens == 1 and list(sched.waiting) == [b]
     assert sched.num_preemptions == 1
@@ -215,7 +216,7 @@ def test_request_preempts_itself_when_it_is_the_tail() -> None:
     sched.add_request(b)
     step(sched)
     out, _ = step(sched)  # a fits in its 4th block; b needs a 5th and is the tail
-    assert out.preempted_ids == ["b"] and [s.request for s in out.seqs] == [a]
+    assert out.preempted_ids == ["b"] and [s.request_id for s in out.seqs] == [a.request_id]
     assert a.num_output_tokens == 2 and b.status is RequestStatus.PREEMPTED
 
 
@@ -277,7 +278,7 @@ def test_abort_between_schedule_and_update_skips_the_row() -> None:
     sched.add_request(b)
     out = sched.schedule()
     sched.abort_requests(["a"])
-    finished = sched.update_from_output(out, sample(out))
+    finished = sched.update_from_output(out, sample(sched, out))
     assert finished == [] and a.num_output_tokens == 0 and b.num_output_tokens == 1
     sched.block_manager.check_invariants()
 
@@ -443,8 +444,10 @@ def test_random_workload_keeps_accounting_and_drains(seed: int) -> None:
         for s in out.seqs:
             seen_prefill |= not s.is_decode
             assert not (s.is_decode and seen_prefill), "decode rows must come first"
-            r = s.request
+            r = sched.get_request(s.request_id)
             assert s.block_ids == bm.get_block_ids(r.request_id)
+            assert s.token_ids == r.all_token_ids[s.start:s.start + s.num_new_tokens]  # the runner's copy
+            assert s.num_output_tokens == r.num_output_tokens and s.prompt_token_ids == r.prompt_token_ids
             assert len(s.block_ids) * BS >= s.start + s.num_new_tokens
             tokens = r.all_token_ids
             for p in range(s.start):  # the cache holds exactly this request's earlier tokens
@@ -454,7 +457,7 @@ def test_random_workload_keeps_accounting_and_drains(seed: int) -> None:
                 assert bm.ref_count(block) == 1, "writing into a shared block"
                 kv[(block, p % BS)] = tokens[p]
         bm.check_invariants()
-        sched.update_from_output(out, sample(out))
+        sched.update_from_output(out, sample(sched, out))
         bm.check_invariants()
         if t >= 100 and not sched.has_unfinished_requests():
             break
@@ -484,11 +487,12 @@ def _run_ahead(sched: Scheduler, max_steps: int = 1000) -> dict[str, list[int]]:
                 outputs[req.request_id] = list(req.output_token_ids)
         inflight = None
         if nxt.seqs:
-            for s in nxt.seqs:  # only a decode row's single input token may be a placeholder
-                assert PLACEHOLDER not in s.request.all_token_ids[: s.start + s.num_new_tokens - 1]
+            for s, req in zip(nxt.seqs, nxt._requests):  # only a decode row's input may be a placeholder
+                assert PLACEHOLDER not in req.all_token_ids[: s.start + s.num_new_tokens - 1]
+                assert PLACEHOLDER not in s.token_ids[:-1]
             sched.advance(nxt)
             # the "device" samples from real inputs: the previous placeholders are resolved by now
-            inflight = (nxt, [(_next_after(s.request) if s.samples else None) for s in nxt.seqs])
+            inflight = (nxt, [(_next_after(req) if s.samples else None) for s, req in zip(nxt.seqs, nxt._requests)])
         sched.block_manager.check_invariants()
     raise AssertionError("did not drain")
 

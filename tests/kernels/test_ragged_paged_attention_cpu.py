@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxengine.pallas_kernels.ragged_paged_attention import (
-    ragged_paged_attention, ragged_paged_attention_cpu, ragged_paged_attention_reference)
+    ragged_paged_attention_cpu, ragged_paged_attention_reference)
 from tests.kernels.batch_factory import Batch, dense_reference, make_batch
 
 
@@ -114,15 +114,3 @@ def test_padded_slots_ignore_garbage_tables():
     out1 = ragged_paged_attention_cpu(*b.args(), sm_scale=0.1)
     out2 = ragged_paged_attention_cpu(*b2.args(), sm_scale=0.1)
     np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
-
-
-def test_dispatch_on_cpu_uses_the_cpu_path():
-    if jax.default_backend() != "cpu":
-        pytest.skip("CPU dispatch only")
-    rng = np.random.default_rng(9)
-    b = make_batch(rng, q_lens=[1, 5], ctx_lens=[30, 0], num_heads=4, num_kv_heads=2, head_dim=64,
-                   block_size=16, dtype=jnp.float32, pad_slots=1)
-    auto = ragged_paged_attention(*b.args(), sm_scale=0.1)
-    np.testing.assert_array_equal(np.asarray(auto), np.asarray(ragged_paged_attention_cpu(*b.args(), sm_scale=0.1)))
-    ref = ragged_paged_attention(*b.args(), sm_scale=0.1, backend="reference")
-    np.testing.assert_array_equal(np.asarray(ref), np.asarray(ragged_paged_attention_reference(*b.args(), sm_scale=0.1)))

@@ -238,22 +238,3 @@ def test_mosaic_prefill_only_from_min_tokens(monkeypatch):
     assert not fn.mosaic_applies(jnp.bfloat16, 64, 3, 16)  # SmolLM2-135M: G = 3
     assert not fn.mosaic_applies(jnp.bfloat16, 128, 4, 16, sliding_window=4096)
 
-
-def test_backend_names_pick_the_mosaic_prefill(monkeypatch):
-    """On a (stand-in) Hopper GPU, "auto" and "pallas-mosaic" take the Mosaic prefill kernel for
-    large enough calls and "pallas" the Triton kernels only."""
-    import types
-    from jaxengine.pallas_kernels import ragged_paged_attention_gpu as rpa_gpu
-    from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention
-
-    calls = []
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(
-        compute_capability="9.0", core_count=132, device_kind="H100")])
-    monkeypatch.setattr(rpa_gpu, "ragged_paged_attention_gpu",
-                        lambda q, *a, **kw: calls.append(kw.get("prefill", "triton")))
-    q = jax.ShapeDtypeStruct((gpu_backend.MOSAIC_PREFILL_MIN_TOKENS, 32, 128), jnp.bfloat16)
-    for backend in ("auto", "pallas-mosaic", "pallas"):
-        ragged_paged_attention(q, None, None, None, None, None, None, sm_scale=0.1,
-                               backend=backend)
-    assert calls == ["auto", "auto", "triton"]

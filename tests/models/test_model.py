@@ -13,9 +13,11 @@ import pytest
 import torch
 from flax import nnx
 
+from jaxengine.attention_backend import select_attention_backend
 from jaxengine.models.checkpoint import open_checkpoint
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params
+from jaxengine.sharding import LOGICAL_AXES
 from tests.model_harness import PagedRunner
 from tests.tiny_checkpoints import FAMILIES, load_reference, make_checkpoint
 
@@ -32,7 +34,7 @@ def family_ckpt(request, tmp_path_factory):
 def _load(path: str, dtype=jnp.float32):
     ckpt = open_checkpoint(path)
     cfg = ModelConfig.from_hf_dict(ckpt.hf_config)
-    graphdef, state = load_params(ckpt, cfg, dtype, attn_backend="reference")
+    graphdef, state = load_params(ckpt, cfg, dtype)
     return cfg, graphdef, state
 
 
@@ -161,6 +163,26 @@ def test_single_device_model_holds_fused_projections(llama_dir):
     assert layer["self_attn"]["qkv_proj"].shape == (cfg.hidden_size, cfg.num_heads + 2 * cfg.num_kv_heads,
                                                     cfg.head_dim)
     assert layer["mlp"]["gate_up_proj"].shape == (cfg.hidden_size, 2 * cfg.intermediate_size)
+
+
+def test_split_projections_load_the_same_model(llama_dir):
+    """With fused_projections off (as under tensor parallelism) q/k/v and gate/up load as separate
+    parameters, each with the sharding rules' name, and the logits do not change; the CPU
+    attention path the engine takes by default gives the reference's logits."""
+    cfg, graphdef, state = _load(llama_dir)
+    split_cfg = cfg.with_split_projections()
+    split_graphdef, split_state = load_params(open_checkpoint(llama_dir), split_cfg, jnp.float32)
+    names = {str(k[-1]) for k, _ in nnx.to_flat_state(split_state)}
+    assert {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} <= names
+    assert not names & {"qkv_proj", "gate_up_proj"}
+    assert names - {"weight"} <= set(LOGICAL_AXES)
+    toks = list(range(3, 40))
+    fused = PagedRunner(graphdef, state, cfg).step([(0, toks, 0)])[0]
+    split = PagedRunner(split_graphdef, split_state, split_cfg).step([(0, toks, 0)])[0]
+    np.testing.assert_allclose(split, fused, atol=ATOL, rtol=0)
+    cpu = select_attention_backend("auto", cfg, jnp.float32, 16)
+    got = PagedRunner(graphdef, state, cfg, attention=cpu).step([(0, toks, 0)])[0]
+    np.testing.assert_allclose(got, fused, atol=ATOL, rtol=0)
 
 
 def test_unreadable_file(llama_dir, tmp_path):

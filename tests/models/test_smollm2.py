@@ -31,7 +31,7 @@ def smollm2():
     path = default_model_path()
     ckpt = open_checkpoint(path)
     cfg = ModelConfig.from_hf_dict(ckpt.hf_config)
-    graphdef, state = load_params(ckpt, cfg, jnp.float32, attn_backend="reference")
+    graphdef, state = load_params(ckpt, cfg, jnp.float32)
     with cached_gguf_name_map():  # the same model, loaded faster
         ref = transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()

@@ -110,8 +110,9 @@ from jaxengine.sharding import LOGICAL_AXES, make_plan
 cfg = ModelConfig.from_hf_dict(dict(PRESETS["llama-3-8b"], hidden_size=256, intermediate_size=512, vocab_size=1024,
                                     num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2))
 plan = make_plan(cfg, 2)
-_, whole = dummy_params(cfg, jnp.bfloat16, 0, "auto", None, plan.mesh)
-_, placed = dummy_params(cfg, jnp.bfloat16, 0, "auto", plan.param_sharding, plan.mesh)
+cfg = plan.model_config(cfg)
+_, whole = dummy_params(cfg, jnp.bfloat16)
+_, placed = dummy_params(cfg, jnp.bfloat16, sharding_of=plan.param_sharding)
 pairs = list(zip(nnx.to_flat_state(whole), nnx.to_flat_state(placed)))
 print(json.dumps({
     "equal": all(np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())) for (_, a), (_, b) in pairs),
@@ -131,20 +132,44 @@ def test_dummy_weights_are_made_in_their_shards():
     assert res["equal"] and res["bad"] == [] and res["split"] > 0, res
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_plan_model_config_has_rules_for_every_parameter(arch):
+    """The model a plan shards holds q/k/v and gate/up apart (column shards of a fused weight
+    would mix them), every parameter named in the rules table; without a plan the loader's fused
+    parameters stand in for exactly those parts."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxengine.models.loader import FUSED, abstract_model
+    from jaxengine.sharding import LOGICAL_AXES
+
+    # Qwen2 adds q/k/v biases, Qwen3 q/k norms
+    cfg = ModelConfig.from_hf_dict(dict(PRESETS["llama-3-8b"], architectures=[arch], num_hidden_layers=1))
+    plan = make_plan(cfg, 1)
+    split = plan.model_config(cfg)
+    assert cfg.fused_projections and not split.fused_projections
+    names = lambda c: {str(p[-1]) for p, _ in nnx.to_flat_state(abstract_model(c, jnp.bfloat16)[1])}
+    assert names(split) <= set(LOGICAL_AXES)
+    fused = names(cfg)
+    assert fused - set(LOGICAL_AXES) == set(FUSED)
+    assert {part for parts, _ in FUSED.values() for part in parts} == names(split) - fused
+    for p, _ in nnx.to_flat_state(abstract_model(split, jnp.bfloat16)[1]):
+        plan.param_sharding(p)
+
+
 def test_attention_backend_is_kept_under_tensor_parallelism(monkeypatch):
     """Under tensor parallelism the attention backend stays as asked, "auto" included: the Mosaic
     prefill kernel runs per device under shard_map (checked on two H200 GPUs,
-    benchmarks/results/mosaic_engine_check_h200x2_tp2.json)."""
+    lab/results/mosaic_engine_check_h200x2_tp2.json)."""
     import jax
 
     from jaxengine.config import EngineConfig
-    from jaxengine.engine import LLMEngine
+    from jaxengine.loading import derive_config
 
     cfg = ModelConfig.from_hf_dict(PRESETS["llama-3-8b"])
 
     def derived(backend, tp):
-        return LLMEngine._derive(EngineConfig(attention_backend=backend, tensor_parallel_size=tp),
-                                 cfg).attention_backend
+        return derive_config(EngineConfig(attention_backend=backend, tensor_parallel_size=tp), cfg).attention_backend
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     for backend in ("auto", "pallas", "pallas-mosaic", "reference"):

@@ -41,6 +41,7 @@ for path, sizes in jobs:
                    "top5": [[sorted(d) for d in o.outputs[0].logprobs] for o in outs], "bad_shardings": bad,
                    "kv_spec": str(kv), "kv_heads": llm.llm_engine.model_config.num_kv_heads,
                    "kv_shard_heads": r.kv_caches[0][0].addressable_shards[0].data.shape[1],
-                   "step_bytes": profile_step_bytes(r.config, r.model_config, r.graphdef, r.state, r.dtype, r.plan)}
+                   "step_bytes": profile_step_bytes(r.config, r.model_config, r.graphdef, r.state, r.dtype, r.plan,
+                                                   r.attention)}
         del llm
 print(json.dumps(out))

@@ -12,7 +12,7 @@ schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
 
 from jaxengine.server.api_server import build_app  # noqa: E402
-from jaxengine.server.async_engine import AsyncEngine  # noqa: E402
+from jaxengine.async_engine import AsyncEngine  # noqa: E402
 from jaxengine.server.limits import ServerLimits  # noqa: E402
 from tests.server.conftest import LiveServer  # noqa: E402
 from tests.server.fake_engine import FakeEngine  # noqa: E402

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from jaxengine.server.api_server import build_app
-from jaxengine.server.async_engine import AsyncEngine
+from jaxengine.async_engine import AsyncEngine
 from jaxengine.server.limits import ServerLimits, check_json_body
 from tests.server.conftest import LiveServer
 from tests.server.fake_engine import FakeEngine

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from jaxengine.server.api_server import build_app
-from jaxengine.server.async_engine import AsyncEngine
+from jaxengine.async_engine import AsyncEngine
 from jaxengine.server.limits import ServerLimits
 from tests.server.conftest import LiveServer, make_engine
 from tests.server.fake_engine import FakeEngine
@@ -84,8 +84,8 @@ def engine_call(srv: LiveServer, fn):  # noqa: ANN001, ANN201
 def assert_engine_empty(srv: LiveServer) -> None:
     def check(e) -> tuple:  # noqa: ANN001
         return (e.has_unfinished_requests(), e.scheduler.block_manager.num_free_blocks, dict(e.request_errors),
-                len(e.outputs.parents), len(e._request_seeds))
-    assert engine_call(srv, check) == (False, TINY_POOL["num_kv_blocks"] - 1, {}, 0, 0)
+                len(e.outputs.parents), len(e.outputs.child_states), e.scheduler.num_running + e.scheduler.num_waiting)
+    assert engine_call(srv, check) == (False, TINY_POOL["num_kv_blocks"] - 1, {}, 0, 0, 0)
     assert srv.app.state.engine.num_open_requests == 0
 
 
@@ -118,16 +118,15 @@ def poison(engine, marker: str):  # noqa: ANN001, ANN201
     """Makes output processing raise for requests whose prompt text starts with `marker` (as a
     broken detokenizer would); returns the undo."""
     outputs = engine.outputs
-    original = outputs.process_token
+    original = outputs._process_token
 
-    def process_token(child_id: str, *args, **kw):  # noqa: ANN002, ANN003, ANN202
-        parent = outputs.child_to_parent[child_id]
-        if parent.prompt is not None and parent.prompt.startswith(marker):
+    def process_token(st, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if st.parent.prompt is not None and st.parent.prompt.startswith(marker):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated detokenizer failure")
-        return original(child_id, *args, **kw)
+        return original(st, *args, **kw)
 
-    outputs.process_token = process_token
-    return lambda: setattr(outputs, "process_token", original)
+    outputs._process_token = process_token
+    return lambda: setattr(outputs, "_process_token", original)
 
 
 async def _mixed(url: str, good: list[dict], bad: dict) -> tuple[list[httpx.Response], httpx.Response, list[str]]:
@@ -192,14 +191,14 @@ def test_prompt_logprobs_failure_fails_alone(server):
     """A failure while recording prompt logprobs is isolated the same way."""
     def run(e):  # noqa: ANN001, ANN202
         from jaxengine.sampling_params import SamplingParams
-        original = e.outputs.record_prompt_logprobs
+        original = e.outputs._prompt_rows
 
-        def broken(child_id: str, *args, **kw):  # noqa: ANN002, ANN003, ANN202
-            if e.outputs.child_to_parent[child_id].request_id == "bad":
+        def broken(parent, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if parent.request_id == "bad":
                 raise ValueError("simulated prompt logprobs failure")
-            return original(child_id, *args, **kw)
+            return original(parent, *args, **kw)
 
-        e.outputs.record_prompt_logprobs = broken
+        e.outputs._prompt_rows = broken
         try:
             p = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
             e.add_request("bad", {"prompt_token_ids": [5, 6, 7, 8]}, p)
@@ -211,7 +210,7 @@ def test_prompt_logprobs_failure_fails_alone(server):
                         finals[o.request_id] = o
             return finals, e.request_errors.pop("bad", None)
         finally:
-            e.outputs.record_prompt_logprobs = original
+            e.outputs._prompt_rows = original
     finals, error = engine_call(server, run)
     assert finals["bad"].outputs[0].finish_reason == "error" and "simulated prompt logprobs" in error
     assert finals["good"].outputs[0].finish_reason == "length" and len(finals["good"].prompt_logprobs) == 4

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.server.api_server import build_app
-from jaxengine.server.async_engine import AsyncEngine
+from jaxengine.async_engine import AsyncEngine
 from tests.server.conftest import ENGINE_KW, LiveServer, make_engine
 
 MODEL = "tiny-llama"

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from jaxengine.server.api_server import build_app, default_served_name
-from jaxengine.server.async_engine import AsyncEngine
+from jaxengine.async_engine import AsyncEngine
 from jaxengine.server.cli import ServerSettings, load_chat_template, resolve_args
 from tests.server.conftest import LiveServer, free_port
 from tests.server.fake_engine import FakeEngine

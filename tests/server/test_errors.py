@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from jaxengine.server.api_server import build_app
-from jaxengine.server.async_engine import AsyncEngine
+from jaxengine.async_engine import AsyncEngine
 from tests.server.conftest import ENGINE_KW, LiveServer, make_engine
 
 KEY = "sk-test-key"

@@ -1,0 +1,127 @@
+"""The attention backend: which ragged paged-attention function the model runs, chosen once.
+
+The engine config names a backend (`EngineConfig.attention_backend`, one of
+`config.ATTENTION_BACKENDS`); `select_attention_backend` turns that name into an
+`AttentionBackend` when the model runner is built, and the runner hands it to the model's
+`__call__`, which passes it to every attention layer. A layer calls `backend.attend(...)`: the
+new K/V go into the paged cache and the chosen function attends over it. Nothing else decides
+which kernel runs, and the kernels know nothing of the engine's names.
+
+What each name runs:
+  "auto"           the Pallas GPU kernels on an NVIDIA GPU of sm_80+ (with the Mosaic GPU
+                   prefill kernel on Hopper for calls of gpu_backend.MOSAIC_PREFILL_MIN_TOKENS+
+                   token rows, the Triton kernels elsewhere); `ragged_paged_attention_cpu` on the
+                   CPU; the jnp reference anywhere else
+  "pallas-mosaic"  the same GPU kernels as "auto"; the jnp reference off supported GPUs
+  "pallas"         the Triton-lowered GPU kernels only; the jnp reference off supported GPUs
+  "reference"      the jnp reference everywhere
+
+Under tensor parallelism (a mesh with a "model" axis) the write and the attention run per device
+under `shard_map`: Pallas calls are not auto-partitioned, and each device holds the query heads
+and the KV heads they read (KV heads split like query heads, so the group size is unchanged).
+
+Legend: T tokens, N query heads, K KV heads, H head dim, B blocks, P block size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxengine.config import ATTENTION_BACKENDS
+from jaxengine.models.config import ModelConfig
+from jaxengine.pallas_kernels import gpu_backend
+from jaxengine.pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention_cpu, ragged_paged_attention_reference, write_kv)
+
+if TYPE_CHECKING:
+    from jaxengine.models.attention import AttentionMetadata, KVCache
+
+# q [T, N, H], k_cache/v_cache [B, K, P, H], kv_lens, block_tables, query_start_loc, num_seqs,
+# keyword sm_scale / soft_cap / sliding_window -> o [T, N, H]; the contract of
+# pallas_kernels.ragged_paged_attention.
+AttentionFn = Callable[..., jax.Array]
+
+
+def shard_map(f: Callable, *, mesh: Mesh, in_specs, out_specs) -> Callable:
+    """`jax.shard_map` without replication checks (Pallas kernels carry no replication rules)."""
+    try:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    except TypeError:  # older spelling
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """The attention one engine runs: built once, passed to the model at call time.
+
+    Immutable and hashable, so it can be a static argument of a jitted function.
+    """
+
+    name: str  # the config value it was chosen from (config.ATTENTION_BACKENDS)
+    description: str  # what runs, for the log and ModelRunner.attention_impl
+    fn: AttentionFn  # the chosen ragged paged-attention function
+    mesh: Mesh | None = None  # tensor parallelism: heads and KV cache split over its "model" axis
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache, md: AttentionMetadata, *,
+               sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+               ) -> tuple[jax.Array, KVCache]:
+        """Writes this step's keys/values into the cache, then attends over it.
+
+        q [T, N, H], k/v [T, K, H] (rotary applied), kv_cache one layer's (k, v), each
+        [B, K, P, H] -> (o [T, N, H], the updated (k, v)). Under jit with the caches donated, the
+        write happens in place.
+        """
+        local = functools.partial(self._write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window,
+                                  soft_cap=soft_cap)
+        if self.mesh is not None:
+            heads, cache = P(None, "model", None), P(None, "model", None, None)
+            md_spec = jax.tree.map(lambda _: P(), md)  # metadata replicated on every device
+            local = shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, cache, cache, md_spec),
+                              out_specs=(heads, cache, cache))
+        o, k_cache, v_cache = local(q, k, v, kv_cache[0], kv_cache[1], md)
+        return o, (k_cache, v_cache)
+
+    def _write_and_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                          md: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
+                          soft_cap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One device's share (all of it without a mesh): (o, k_cache, v_cache)."""
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+        o = self.fn(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        return o, k_cache, v_cache
+
+
+def select_attention_backend(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: int,
+                             mesh: Mesh | None = None) -> AttentionBackend:
+    """The backend `name` (config.ATTENTION_BACKENDS) runs on this machine for this model.
+
+    `model_config`, `dtype` and `block_size` only shape the description: whether the Mosaic
+    prefill kernel applies to the model at all (its head size, group size, window). `mesh`: the
+    tensor-parallel mesh, or None on one device.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    platform = jax.default_backend()
+    if name in ("pallas", "pallas-mosaic") or (name == "auto" and platform == "gpu"):
+        kernel = gpu_backend.get_kernel(mosaic_prefill=name in ("auto", "pallas-mosaic"))
+        if kernel is not None:
+            return AttentionBackend(name, _kernel_description(kernel, model_config, dtype, block_size), kernel, mesh)
+    if name == "auto" and platform == "cpu":
+        return AttentionBackend(name, "ragged_paged_attention_cpu", ragged_paged_attention_cpu, mesh)
+    return AttentionBackend(name, "jnp reference", ragged_paged_attention_reference, mesh)
+
+
+def _kernel_description(kernel: AttentionFn, mc: ModelConfig, dtype: jnp.dtype, block_size: int) -> str:
+    description = getattr(kernel, "__name__", "pallas kernel")
+    applies = getattr(kernel, "mosaic_applies", None)
+    if applies is not None and not applies(dtype, mc.head_dim, mc.num_heads // mc.num_kv_heads, block_size,
+                                           mc.sliding_window):
+        return "ragged_paged_attention_gpu (the Mosaic prefill kernel does not apply)"
+    return description

@@ -1,0 +1,118 @@
+"""The engine core: the one owner of a step.
+
+`step()` is schedule -> dispatch -> resolve -> outputs, with the host one step ahead of the
+device:
+
+    step k:   schedule N+1 | dispatch N+1 | resolve N (wait for its tokens) | outputs of N
+    device:   ... runs N ......... runs N+1 ..................................
+
+1. schedule: the scheduler picks a token budget's worth of work (decode rows first, then
+   prefill chunks). Its output, plain data, is the runner's only input. Step N's tokens are not
+   known yet: its decode rows carry placeholders, which the device fills from N's samples.
+2. dispatch: the runner builds N+1's fixed-shape inputs and enqueues its programs (forward,
+   sampler) without waiting.
+3. resolve: N's tokens come back (the step's one device-to-host transfer); the scheduler swaps
+   them for the placeholders and finishes requests on eos, stop token ids and length. A request
+   that N finishes may hold a wasted row in N+1: its token is dropped, and its freed blocks are
+   reused only by steps enqueued after N+1.
+4. outputs: the output processor detokenizes, applies stop strings, records logprobs and builds
+   the `RequestOutput`s while the device runs N+1; requests it stops or fails are ended in the
+   scheduler.
+When a running request uses penalties (which read every output token) the step resolves N
+before scheduling N+1, as a synchronous engine would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from jaxengine.model_runner import InFlight, ModelRunner
+from jaxengine.output_processor import OutputProcessor, ResolvedStep
+from jaxengine.outputs import RequestOutput
+from jaxengine.request import Request, RequestStatus
+from jaxengine.sampling_params import SamplingParams
+from jaxengine.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclasses.dataclass(slots=True)
+class _Dispatched:
+    sched: SchedulerOutput
+    handle: InFlight
+
+
+class EngineCore:
+    """Owns the scheduler, the model runner and the output processor, and steps them together."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.outputs = outputs
+        self._inflight: _Dispatched | None = None  # the step running on the device
+        # Where step time goes: waiting for the device vs everything else (host work).
+        self.timing = {"steps": 0, "device_wait_s": 0.0, "step_s": 0.0}
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, children: list[Request]) -> None:
+        """Adds a request as its `children` (one per sampled sequence); all or none are added."""
+        added: list[str] = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child.request_id)
+        except ValueError:
+            self.scheduler.abort_requests(added)
+            raise
+        self.outputs.add(request_id, prompt, prompt_token_ids, params,
+                         [(c.request_id, c.sampling_params) for c in children], children[0].arrival_time)
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self.scheduler.abort_requests(self.outputs.abort(rid))
+
+    def has_unfinished_requests(self) -> bool:
+        return self._inflight is not None or self.scheduler.has_unfinished_requests()
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule and dispatch step N+1, resolve step N, return N's outputs."""
+        t_start = time.perf_counter()
+        try:
+            prev, self._inflight = self._inflight, None
+            done = None
+            if prev is not None and self.scheduler.running_uses_penalties():
+                done, prev = self._resolve(prev), None
+            sched = self.scheduler.schedule()
+            dispatched = None
+            if sched.seqs:
+                dispatched = _Dispatched(sched, self.runner.dispatch(sched, prev.handle if prev else None))
+            if prev is not None:
+                done = self._resolve(prev)
+            if dispatched is not None:
+                self.scheduler.advance(sched)
+                self._inflight = dispatched
+            return self._outputs(done) if done is not None else []
+        finally:
+            self.timing["step_s"] += time.perf_counter() - t_start
+
+    def _resolve(self, step: _Dispatched) -> ResolvedStep:
+        """Waits for a dispatched step's tokens and hands them to the scheduler."""
+        t0 = time.perf_counter()
+        out = self.runner.collect(step.handle)
+        self.timing["device_wait_s"] += time.perf_counter() - t0
+        self.timing["steps"] += 1
+        sched = step.sched
+        sampled = [tok if s.samples else None for s, tok in zip(sched.seqs, out.token_ids.tolist())]
+        finished = {r.request_id: (r.status.finish_reason, r.stop_reason)
+                    for r in self.scheduler.resolve(sched, sampled)}
+        return ResolvedStep(sched, out, sampled, finished)
+
+    def _outputs(self, done: ResolvedStep) -> list[RequestOutput]:
+        processed = self.outputs.process(done)
+        if processed.stopped:
+            self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        if processed.failed:
+            self.scheduler.abort_requests(processed.failed)
+        return processed.outputs

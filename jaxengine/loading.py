@@ -1,0 +1,143 @@
+"""Start-up: from an `EngineConfig` to a model on the device and a KV-cache size.
+
+`load_model` opens the model (an HF folder, a GGUF file, a hub id, or a preset shape with dummy
+weights), completes the config from it (context length, token budget), places the weights
+(sharded over the mesh under tensor parallelism), chooses the attention backend and sizes the KV
+pool from the device memory left after the weights and one profiled step. The engine then builds
+its runner, scheduler and output processor from the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.attention_backend import AttentionBackend, select_attention_backend
+from jaxengine.config import EngineConfig
+from jaxengine.default_model import default_model_path
+from jaxengine.distributed import agree_min
+from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
+from jaxengine.models.presets import PRESETS
+from jaxengine.sharding import ShardingPlan, make_plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """What start-up hands to the engine."""
+
+    config: EngineConfig  # completed: max_model_len, max_num_batched_tokens, num_kv_blocks set
+    model_config: ModelConfig  # as the model was built (KV heads repeated / projections split under TP)
+    dtype: jnp.dtype
+    graphdef: nnx.GraphDef
+    state: nnx.State  # the weights, on the device (sharded under TP)
+    attention: AttentionBackend
+    plan: ShardingPlan | None  # None on one device
+    tokenizer: object | None  # a transformers tokenizer; None with skip_tokenizer_init or none found
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    enable_compilation_cache(config.compilation_cache_dir)
+    model_config, ckpt, tokenizer = _open_model(config)
+    config = derive_config(config, model_config)
+    dtype = resolve_dtype(config.dtype, model_config)
+    if jax.process_count() > 1 and config.tensor_parallel_size != jax.device_count():
+        raise ValueError(f"across {jax.process_count()} processes, tensor_parallel_size must span every device "
+                         f"of the job: {jax.device_count()}, got {config.tensor_parallel_size}")
+    plan = make_plan(model_config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+    if plan is not None:
+        if plan.kv_head_replicas > 1:
+            logger.info("each of the %d KV heads is repeated on %d devices", model_config.num_kv_heads,
+                        plan.kv_head_replicas)
+        model_config = plan.model_config(model_config)  # KV heads repeated, projections split
+        logger.info("tensor parallel over %d devices (mesh %s)", plan.tp, dict(plan.mesh.shape))
+    if ckpt is None or config.load_format == "dummy":
+        graphdef, state = dummy_params(model_config, dtype, seed=config.seed,
+                                       sharding_of=plan.param_sharding if plan is not None else None)
+    else:
+        put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
+        graphdef, state = load_params(ckpt, model_config, dtype, put=put)
+    attention = select_attention_backend(config.attention_backend, model_config, dtype, config.block_size,
+                                         plan.mesh if plan is not None else None)
+    blocks = num_kv_blocks(config, model_config, dtype, graphdef, state, attention, plan)
+    config = dataclasses.replace(config, num_kv_blocks=blocks)
+    eos = tuple(model_config.eos_token_id)
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = (tokenizer.eos_token_id,)
+    return LoadedModel(config, model_config, dtype, graphdef, state, attention, plan, tokenizer, eos)
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache in `path` (None: off)."""
+    if not path:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _open_model(config: EngineConfig):
+    """(model config, checkpoint or None, tokenizer or None) for the configured model."""
+    from jaxengine.models.checkpoint import load_hf_tokenizer, open_checkpoint  # heavy imports only here
+
+    model = config.model or default_model_path()
+    if config.load_format == "dummy" and model in PRESETS:
+        tok = load_hf_tokenizer(config.tokenizer) if config.tokenizer and not config.skip_tokenizer_init else None
+        return ModelConfig.from_hf_dict(PRESETS[model]), None, tok
+    ckpt = open_checkpoint(model, revision=config.revision, tokenizer=config.tokenizer)
+    tokenizer = None if config.skip_tokenizer_init else ckpt.load_tokenizer()
+    return ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, tokenizer
+
+
+def derive_config(config: EngineConfig, mc: ModelConfig) -> EngineConfig:
+    """The config with the model's context length and the platform's token budget filled in."""
+    max_len = config.max_model_len or mc.max_position_embeddings
+    if max_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                         f"{mc.max_position_embeddings}")
+    budget = config.max_num_batched_tokens or (512 if jax.default_backend() == "cpu" else 8192)
+    if budget < config.max_num_seqs and config.max_num_batched_tokens is not None:
+        raise ValueError(f"max_num_batched_tokens={budget} must be >= max_num_seqs={config.max_num_seqs}")
+    return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget)
+
+
+def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graphdef, state,
+                  attention: AttentionBackend, plan: ShardingPlan | None = None) -> int:
+    """Blocks that fit in free device memory (or the CPU budget), never more than useful.
+
+    On accelerators: bytes_limit x gpu_memory_utilization, minus what is in use after the
+    weights, minus the profiled peak of one step of the largest bucket.
+    """
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    # per device: the KV heads are split over the tensor-parallel devices
+    per_block = kv_bytes_per_block(mc, config.block_size, dtype) // config.tensor_parallel_size
+    most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        step = profile_step_bytes(config, mc, graphdef, state, dtype, plan, attention)
+        if step is None:  # no buffer analysis: a rough bound (activations, logits, sampler copies)
+            t, r = config.max_num_batched_tokens, min(config.max_num_batched_tokens, config.max_num_seqs)
+            step = 2 * (t * (4 * mc.hidden_size + 3 * mc.intermediate_size) * jnp.dtype(dtype).itemsize
+                        + 4 * r * mc.vocab_size * 4)
+        free = stats["bytes_limit"] * config.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+        n = int((free - step) // per_block)
+        logger.info("KV cache: %.2f GiB free after weights, %.2f GiB profiled step peak",
+                    free / 2**30, step / 2**30)
+    else:
+        n = int(config.cpu_kv_cache_bytes // per_block)
+    n = agree_min(min(n, most_useful))  # every process of a multi-host job allocates the same pool
+    if (n - 1) * config.block_size < config.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {max(n - 1, 0) * config.block_size} tokens, fewer than max_model_len="
+            f"{config.max_model_len}; lower max_model_len, or raise gpu_memory_utilization / num_kv_blocks")
+    return n
