@@ -84,6 +84,7 @@ def _fake_step(runner, t: int, first_block: int):
     """A scheduler output whose rows fill bucket `t` exactly (tokens spread over min(t, max_num_seqs) rows,
     each a prefill chunk from position 0), or None when a row would exceed max_model_len."""
     from jaxengine.sampling_params import SamplingParams
+    from jaxengine.request import RequestSpec
     from jaxengine.scheduler import ScheduledSeq, SchedulerOutput
 
     r = runner.rows_for(t)
@@ -99,7 +100,7 @@ def _fake_step(runner, t: int, first_block: int):
         blocks = [1 + (block + j) % usable for j in range(nb)]
         block += nb
         toks = list(range(10, 10 + n))
-        seqs.append(ScheduledSeq(f"bench-{i}", 0, n, toks, blocks, False, True, params, 0, 0, toks, None))
+        seqs.append(ScheduledSeq(f"bench-{i}", 0, n, toks, blocks, True, RequestSpec(params, 0, toks), None))
     return SchedulerOutput(seqs, t, [], [])
 
 

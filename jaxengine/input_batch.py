@@ -175,16 +175,17 @@ class InputBuilder:
 def prompt_logprob_targets(seqs: list[ScheduledSeq], t: int) -> np.ndarray | None:
     """[T] int32: the next prompt token of every row whose request asked for prompt logprobs
     (-1 elsewhere and in padding); None when no row of this step wants them."""
-    if not any(s.params.prompt_logprobs is not None and s.start < len(s.prompt_token_ids) for s in seqs):
+    if not any(s.spec.params.prompt_logprobs is not None and s.start < len(s.spec.prompt_token_ids) for s in seqs):
         return None
     targets = np.full(t, -1, np.int32)
     cursor = 0
     for s in seqs:
         n = s.num_new_tokens
-        if s.params.prompt_logprobs is not None:
+        prompt = s.spec.prompt_token_ids
+        if s.spec.params.prompt_logprobs is not None:
             pos = np.arange(s.start, s.start + n)
-            ok = pos + 1 < len(s.prompt_token_ids)
-            targets[cursor:cursor + n][ok] = np.asarray(s.prompt_token_ids)[pos[ok] + 1]
+            ok = pos + 1 < len(prompt)
+            targets[cursor:cursor + n][ok] = np.asarray(prompt)[pos[ok] + 1]
         cursor += n
     return targets
 

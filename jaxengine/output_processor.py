@@ -271,7 +271,7 @@ class OutputProcessor:
         for s in seqs:
             rows = slice(cursor, cursor + s.num_new_tokens)
             cursor += s.num_new_tokens
-            if s.params.prompt_logprobs is None or s.start >= len(s.prompt_token_ids):
+            if s.spec.params.prompt_logprobs is None or s.start >= len(s.spec.prompt_token_ids):
                 continue
             parent = self.child_to_parent.get(s.request_id)
             if parent is None or parent.prompt_logprobs is None or parent.children[0].request_id != s.request_id:

@@ -48,6 +48,15 @@ for _status in RequestStatus:
     _status._finish_reason = _FINISH_REASONS.get(_status)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """What never changes of a request and the model runner reads: how it samples, from which prompt."""
+
+    params: SamplingParams
+    seed: int  # sampling seed: the params' own, or one the engine drew for the request
+    prompt_token_ids: list[int]  # shared with the request: never mutated
+
+
 @dataclass(eq=False)
 class Request:
     """A request's tokens and progress. Identity equality: two requests are never 'equal'."""
@@ -68,6 +77,10 @@ class Request:
     # Chained hashes of the request's full blocks, in order; filled lazily and owned by the
     # block manager. Tokens are append-only, so the hashes stay valid across preemption.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    spec: RequestSpec = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.spec = RequestSpec(self.sampling_params, self.seed, self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -141,16 +141,17 @@ def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequenc
     attribute reads; a `SamplingRow` is made only for the rare rows that need one (penalties,
     banned ids before min_tokens).
     """
-    params = [s.params for s in seqs]
-    steps = [s.num_output_tokens for s in seqs]
+    specs = [s.spec for s in seqs]
+    params = [sp.params for sp in specs]
+    steps = [s.start + s.num_new_tokens - len(sp.prompt_token_ids) for s, sp in zip(seqs, specs)]
 
     def row(i: int) -> SamplingRow:
-        s = seqs[i]
-        return SamplingRow(s.params, s.seed, s.num_output_tokens, s.prompt_token_ids, s.output_token_ids or (),
+        sp = specs[i]
+        return SamplingRow(sp.params, sp.seed, steps[i], sp.prompt_token_ids, seqs[i].output_token_ids or (),
                            eos_token_ids)
 
     penalties = needs_penalties(params)
-    return _metadata(params, [s.seed for s in seqs], steps, row, num_rows,
+    return _metadata(params, [sp.seed for sp in specs], steps, row, num_rows,
                      penalty_history_len if penalties else 1, penalties), penalties
 
 

@@ -25,13 +25,9 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from jaxengine.block_manager import BlockManager
-from jaxengine.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from jaxengine.sampling_params import SamplingParams
+from jaxengine.request import Request, RequestSpec, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +69,19 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens computed this step (1 for a decode row)
     token_ids: list[int]  # the new tokens [num_new_tokens]; PLACEHOLDER where the step in flight samples it
     block_ids: list[int]  # the request's whole block table after allocation (live: read only)
-    is_decode: bool  # prefill done before this step; its one new token is the last sampled one
     samples: bool  # this step reaches the end of the request's tokens: sample from its last row
-    params: SamplingParams  # the request's sampling parameters
-    seed: int  # the request's sampling seed (its own, or one the engine drew for it)
-    num_output_tokens: int  # output tokens so far (placeholders included): index of the token sampled
-    prompt_token_ids: list[int]  # the whole prompt (read for penalties and prompt logprobs)
+    spec: RequestSpec  # the request's sampling parameters, seed and prompt
     output_token_ids: list[int] | None  # a copy of the outputs, only when the sampler reads them (penalties)
+
+    @property
+    def is_decode(self) -> bool:
+        """The one new token is the last sampled one (the prompt was done before this step)."""
+        return self.samples and self.num_new_tokens == 1 and self.start >= len(self.spec.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Of a sampling row: output tokens before the one it samples (its index among the outputs)."""
+        return self.start + self.num_new_tokens - len(self.spec.prompt_token_ids)
 
 
 @dataclass(slots=True)
@@ -181,6 +183,9 @@ class Scheduler:
         # already in its last block) is inlined; the rest goes through the block manager.
         tables, bs = bm.tables, self.config.block_size
         add_decode, add_prefill = decodes.append, prefills.append
+        decode_reqs: list[Request] = []
+        prefill_reqs: list[Request] = []
+        any_penalties = self._num_with_penalties > 0  # else no row needs a copy of its outputs
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -198,11 +203,13 @@ class Scheduler:
                 table = tables[req.request_id]
             samples = start + n == total
             if samples and n == 1 and start >= num_prompt:
-                sp, outs = req.sampling_params, req.output_token_ids
-                add_decode(ScheduledSeq(req.request_id, start, 1, outs[-1:], table, True, True, sp, req.seed,
-                                        len(outs), req.prompt_token_ids, outs[:] if sp.uses_penalties else None))
+                outs = req.output_token_ids
+                add_decode(ScheduledSeq(req.request_id, start, 1, outs[-1:], table, True, req.spec,
+                                        outs[:] if any_penalties and req.sampling_params.uses_penalties else None))
+                decode_reqs.append(req)
             else:
                 add_prefill(self._scheduled(req, n, table))
+                prefill_reqs.append(req)
             budget -= n
             i += 1
         num_cached: dict[str, int] = {}
@@ -214,15 +221,15 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 prefills.append(seq)
+                prefill_reqs.append(req)
                 budget -= seq.num_new_tokens
                 num_cached[req.request_id] = req.num_cached_tokens
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget
         if prefills:
             decodes += prefills
-        rows = self._requests
-        return SchedulerOutput(decodes, num_batched, preempted, finished, num_cached,
-                               [rows[s.request_id] for s in decodes])
+            decode_reqs += prefill_reqs
+        return SchedulerOutput(decodes, num_batched, preempted, finished, num_cached, decode_reqs)
 
     def _preempt_for(self, req: Request, n: int, preempted: list[str]) -> bool:
         """Preempt from the tail until `req` gets its `n` slots; False if `req` went itself."""
@@ -251,14 +258,11 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int, block_ids: list[int] | None = None) -> ScheduledSeq:
         """`req`'s next `n` tokens as a step's row (prefill chunks and first schedules)."""
         start = req.num_computed_tokens
-        samples = start + n == req.num_tokens
-        is_decode = samples and n == 1 and start >= len(req.prompt_token_ids)
         if block_ids is None:
             block_ids = self.block_manager.get_block_ids(req.request_id)
-        sp, outs = req.sampling_params, req.output_token_ids
-        return ScheduledSeq(req.request_id, start, n, req.token_ids_slice(start, start + n), block_ids, is_decode,
-                            samples, sp, req.seed, len(outs), req.prompt_token_ids,
-                            outs[:] if sp.uses_penalties else None)
+        return ScheduledSeq(req.request_id, start, n, req.token_ids_slice(start, start + n), block_ids,
+                            start + n == req.num_tokens, req.spec,
+                            req.output_token_ids[:] if req.sampling_params.uses_penalties else None)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)

@@ -30,18 +30,12 @@ SMOL_PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Paris is t
                 "Write a haiku about the sea.", "1, 2, 3, 4,", "The quick brown fox"]
 
 
-def measure(label: str, out_dir: str, smollm2: str | None) -> dict:
+def measure(label: str, out_dir: str, smollm2: str | None, llama: bool = True) -> dict:
     import jax
-    import numpy as np
 
     import jaxengine
     from jaxengine import LLM, SamplingParams
     from jaxengine.benchmarks import ceilings
-    from jaxengine.benchmarks.common import SampleRequest, percentiles, random_requests, weight_bytes
-    from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer
-    from jaxengine.benchmarks.latency import run_batch
-    from jaxengine.benchmarks.sweep import release
-    from jaxengine.benchmarks.throughput import run_throughput
 
     res: dict = {"label": label, "code": os.path.dirname(jaxengine.__file__), "jax": jax.__version__,
                  "device": jax.devices()[0].device_kind}
@@ -56,8 +50,30 @@ def measure(label: str, out_dir: str, smollm2: str | None) -> dict:
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
 
-    res["ceilings"] = ceilings.measure()
-    print(f"[{label}] ceilings {res['ceilings']}", flush=True)
+    if llama:
+        res["ceilings"] = ceilings.measure()
+        print(f"[{label}] ceilings {res['ceilings']}", flush=True)
+        measure_llama(label, res, save)
+    if smollm2:
+        llm = LLM(smollm2, dtype="float32")
+        outs = llm.generate(SMOL_PROMPTS, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+        res["smollm2_f32_greedy"] = {"attention": llm.llm_engine.runner.attention_impl,
+                                     "token_ids": [o.outputs[0].token_ids for o in outs],
+                                     "text": [o.outputs[0].text for o in outs]}
+        print(f"[{label}] SmolLM2 f32: {res['smollm2_f32_greedy']['text'][0]!r}", flush=True)
+        save()
+    return res
+
+
+def measure_llama(label: str, res: dict, save) -> None:
+    """Llama-3-8B shape, dummy bf16, engine defaults: start-up, batch-1 decode, 256/256 x 1000."""
+    from jaxengine import LLM
+    from jaxengine.benchmarks.common import SampleRequest, percentiles, random_requests, weight_bytes
+    from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer
+    from jaxengine.benchmarks.latency import run_batch
+    from jaxengine.benchmarks.sweep import release
+    from jaxengine.benchmarks.throughput import run_throughput
+
     tmp = tempfile.mkdtemp()
     vocab = 128256
     t0 = time.perf_counter()
@@ -93,22 +109,14 @@ def measure(label: str, out_dir: str, smollm2: str | None) -> dict:
     del llm, eng
     gc.collect()
 
-    if smollm2:
-        llm = LLM(smollm2, dtype="float32")
-        outs = llm.generate(SMOL_PROMPTS, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
-        res["smollm2_f32_greedy"] = {"attention": llm.llm_engine.runner.attention_impl,
-                                     "token_ids": [o.outputs[0].token_ids for o in outs],
-                                     "text": [o.outputs[0].text for o in outs]}
-        print(f"[{label}] SmolLM2 f32: {res['smollm2_f32_greedy']['text'][0]!r}", flush=True)
-        save()
-    return res
-
 
 def compare(files: list[str], md_path: str | None) -> None:
     runs = [json.load(open(f)) for f in files]
     lines = ["| tree | copy GB/s | matmul TFLOP/s | start-up s | batch-1 decode ms/token | 256/256 x 1000 output tok/s | ms/step |",
              "|---|---|---|---|---|---|---|"]
     for r in runs:
+        if "llama" not in r:
+            continue
         c, ll = r["ceilings"], r["llama"]
         tp = ll.get("throughput_256x256", {})
         lines.append(f"| {r['label']} | {c['copy_bandwidth_GBps']:.0f} | {c['bf16_matmul_TFLOPs']:.1f} | "
@@ -131,6 +139,7 @@ def main() -> int:
     ap.add_argument("--label", default="tree")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smollm2", default=None, help="the SmolLM2-135M-Instruct GGUF file")
+    ap.add_argument("--skip-llama", action="store_true", help="only the SmolLM2 tokens")
     ap.add_argument("--compare", nargs="+", default=None, help="JSON files of earlier runs: print a table")
     ap.add_argument("--md", default=None)
     args = ap.parse_args()
@@ -138,7 +147,7 @@ def main() -> int:
         compare(args.compare, args.md)
         return 0
     os.makedirs(args.out, exist_ok=True)
-    measure(args.label, args.out, args.smollm2)
+    measure(args.label, args.out, args.smollm2, llama=not args.skip_llama)
     return 0
 
 

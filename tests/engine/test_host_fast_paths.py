@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxengine.output_processor import OutputProcessor
-from jaxengine.request import Request
+from jaxengine.request import Request, RequestSpec
 from jaxengine.sampler import SamplingRow, batch_sampling_metadata, build_sampling_metadata
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -49,10 +49,9 @@ def test_batch_metadata_equals_row_metadata(seed: int) -> None:
         reqs.append(r)
         seeds.append(rng.choice([0, 5, -1, 2**40 + 9]))
     num_rows, hist = 16, 24
-    seqs = [ScheduledSeq(r.request_id, r.num_tokens - 1, 1, r.all_token_ids[-1:], [1], True, True, r.sampling_params,
-                         s, r.num_output_tokens, r.prompt_token_ids,
+    seqs = [ScheduledSeq(r.request_id, r.num_tokens - 1, 1, [3], [1], True, RequestSpec(r.sampling_params, s, r.prompt_token_ids),
                          r.output_token_ids[:] if r.sampling_params.uses_penalties else None)
-            for r, s in zip(reqs, seeds)]
+            for r, s in zip(reqs, seeds)]  # each row samples output token number len(outputs)
     got, penalties = batch_sampling_metadata(seqs, EOS, num_rows, hist)
     assert penalties == any(r.sampling_params.uses_penalties for r in reqs)
     rows = [SamplingRow(r.sampling_params, s, len(r.output_token_ids), r.prompt_token_ids, r.output_token_ids, EOS)
