@@ -1,7 +1,7 @@
 """`jaxengine bench {throughput,latency,serve,sweep}`: the benchmark commands.
 
-Each command writes one JSON file (`--output-json`, default ./bench_<kind>_<model>_<time>.json or
-under $OUT) holding the device, the versions, the full configuration and the results, and prints
+Each command writes one JSON file (`--output-json`, default ./bench_<kind>_<model>_<time>.json)
+holding the device, the versions, the full configuration and the results, and prints
 a short summary. Use `--load-format dummy` with a preset name (`--model llama-3-8b`) to measure a
 real model shape without its weights.
 """

@@ -161,7 +161,7 @@ def default_out(args: argparse.Namespace, kind: str) -> str:
     if getattr(args, "output_json", None):
         return args.output_json
     model = os.path.basename(str(getattr(args, "model", None) or "default")).replace("/", "_")
-    return os.path.join(os.environ.get("OUT", "."), f"bench_{kind}_{model}_{time.strftime('%Y%m%d-%H%M%S')}.json")
+    return os.path.join(".", f"bench_{kind}_{model}_{time.strftime('%Y%m%d-%H%M%S')}.json")
 
 
 def make_llm(args: argparse.Namespace, **overrides):

@@ -1,4 +1,4 @@
-"""The H100 result set of issue 6, one part per device call.
+"""The H100 result set of the results table, one part per process.
 
     python benchmarks/gpu_suite.py PART [--smoke] [--out DIR] [--budget-s S]
 
@@ -18,7 +18,7 @@ PART is one of:
 Every part measures the ceilings (copy bandwidth, bf16 matmul; benchmarks/ceilings.py) in the same
 run, in a subprocess of its own that exits before the part starts (so it never holds GPU memory),
 writes `suite_<part>.json` (device, versions, every parameter, results, ceilings) and
-`suite_<part>.md` to $OUT (or --out), and prints a short table last. `--smoke` runs the same code
+`suite_<part>.md` to --out (default ./gpu_suite_out), and prints a short table last. `--smoke` runs the same code
 paths on the CPU with a tiny model and tiny workloads (a couple of minutes in all).
 
 Dummy-preset models have no tokenizer. Where text is needed (`jaxengine generate`, server-side
@@ -915,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=[*PARTS, "all"], help="'all' runs every part in turn (for --smoke)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny workloads: checks the code paths")
-    ap.add_argument("--out", default=None, help="output folder (default: $OUT, else ./gpu_suite_out)")
+    ap.add_argument("--out", default=None, help="output folder (default: ./gpu_suite_out)")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="wall seconds the part may take (serve / peer / startup / sweep fit their counts to it)")
     args = ap.parse_args(argv)
@@ -927,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     except (ImportError, ValueError, OSError):
         pass
-    out_dir = args.out or os.environ.get("OUT") or os.path.join(os.getcwd(), "gpu_suite_out")
+    out_dir = args.out or os.path.join(os.getcwd(), "gpu_suite_out")
     os.makedirs(out_dir, exist_ok=True)
     if args.smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

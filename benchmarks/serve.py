@@ -172,7 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              "itl_s": r.itl} for r in results]}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = f"bench_serve_{model.replace('/', '_')}_{stamp}.json"
-    out = args.output_json or os.path.join(os.environ.get("OUT", "."), name)
+    out = args.output_json or name
     path = write_json(out, payload)
     print(f"Traffic request rate: {args.request_rate}\nMaximum request concurrency: {args.max_concurrency}")
     print(format_report(metrics))

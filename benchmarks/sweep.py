@@ -211,7 +211,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         del llm, eng
         gc.collect()
     best = min(rows, key=lambda r: (r["replay"]["total_s"], r["compile_s"]))
-    stem = args.output_prefix or os.path.join(os.environ.get("OUT", "."),
+    stem = args.output_prefix or os.path.join(".",
                                               f"bench_sweep_{os.path.basename(str(args.model or 'default'))}")
     payload = {"benchmark": "sweep", "environment": environment(), "args": args_dict(args),
                "workload": {"num_requests": len(workload), "input_tokens": sum(r.prompt_len for r in workload),

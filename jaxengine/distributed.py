@@ -86,8 +86,8 @@ def start_local_workers(args: argparse.Namespace) -> list[subprocess.Popen]:
     GPU on this machine, and ranks 1..N-1 start as the same command line (`python -m
     args.prog_module *args.argv`, which the command-line entry points record) plus the
     multi-host flags. Each process sees one GPU (CUDA_VISIBLE_DEVICES), so each launches a
-    single-device program: on two H200s this decodes faster than one process driving both
-    (benchmarks/results/tp_h200x2.md). Returns the children, [] when there is nothing to start.
+    single-device program, which costs the host less to launch than one program over every
+    device (docs/parallelism.md). Returns the children, [] when there is nothing to start.
     Call before anything touches a device; `args` is updated to rank 0's multi-host settings."""
     if getattr(args, "distributed_executor_backend", "uni") != "mp":
         return []

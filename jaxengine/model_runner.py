@@ -63,7 +63,7 @@ def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Arr
 
 def _flat(fn, graphdef, treedef, **static):
     """fn(graphdef, state, ...) -> f(leaves, ...): parameters travel as a flat tuple of arrays,
-    which dispatches several times faster than an nnx.State every step."""
+    which costs the host less to dispatch every step than an nnx.State."""
     def wrapped(leaves, *args):
         return fn(graphdef, jax.tree.unflatten(treedef, leaves), *args, **static)
     return wrapped

@@ -28,7 +28,7 @@ def _compute_capability(device: jax.Device) -> tuple[int, int] | None:
 # Token buckets from which the engine's programs take the Mosaic prefill kernel. Each distinct
 # Mosaic kernel (one per token bucket) is compiled again in every process: Mosaic GPU builds
 # its binary when XLA instantiates the custom call, and keeps it in memory only, so the
-# persistent compilation cache does not hold it (about 3.7 s per kernel on the H100 machine).
+# persistent compilation cache does not hold it: each one adds to every start-up.
 # Smaller buckets carry decode steps and short chunks; the Triton kernels serve them whole.
 MOSAIC_PREFILL_MIN_TOKENS = 512
 

@@ -33,7 +33,7 @@ from lab.kernels import ragged_paged_attention_mgpu_decode as dec
 from lab.kernels.ragged_paged_attention_mgpu_decode import (
     DecodeTiling, Tiling, ragged_paged_attention_gpu)
 from tests.kernels.batch_factory import make_batch
-from tests.kernels.cuda_target import abstract_h100
+from tests.kernels.cuda_target import abstract_h100, mosaic_modules_with_and_without_scopes
 
 
 def _lower(t, s, m, n, k, h, p, *, prefill="triton", decode_only=False, **tiling):
@@ -252,37 +252,15 @@ def test_named_phases_leave_the_decode_kernel_unchanged(monkeypatch):
     profiling is off: the Mosaic modules of a mixed call with both Mosaic kernels (decode,
     then prefill), printed without debug info, are the same with the scopes as with every scope
     made a no-op."""
-    import contextlib
-
-    core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
-    if not hasattr(core, "_run_serde_pass"):
-        pytest.skip("this jax has no Mosaic GPU serialization pass to observe")
     sd = jax.ShapeDtypeStruct
     t, s, m, blocks, n, k, h, p = 256, 8, 16, 64, 32, 8, 128, 16
     args = (sd((t, n, h), jnp.bfloat16), sd((blocks, k, p, h), jnp.bfloat16),
             sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
             sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
 
-    def modules() -> list[str]:
-        jax.clear_caches()  # lower afresh, not from the previous trace
-        seen = []
-        serde = core._run_serde_pass
+    def lower_calls() -> None:
+        ragged_paged_attention_gpu.trace(*args, sm_scale=h ** -0.5, prefill="mosaic",
+                                         decode="mosaic").lower(lowering_platforms=("cuda",))
 
-        def capture(module, **kw):
-            # newer jax numbers each module's dump name by a process-wide counter
-            seen.append(re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', "",
-                               module.operation.get_asm(enable_debug_info=False)))
-            return serde(module, **kw)
-
-        with monkeypatch.context() as mp:
-            mp.setattr(core, "_run_serde_pass", capture)
-            with abstract_h100():
-                ragged_paged_attention_gpu.trace(
-                    *args, sm_scale=h ** -0.5, prefill="mosaic", decode="mosaic"
-                ).lower(lowering_platforms=("cuda",))
-        return seen
-
-    with_scopes = modules()
-    monkeypatch.setattr(jax, "named_scope", lambda name: contextlib.nullcontext())
-    without = modules()
+    with_scopes, without = mosaic_modules_with_and_without_scopes(monkeypatch, lower_calls)
     assert len(with_scopes) == 2 and with_scopes == without

@@ -28,7 +28,7 @@ from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attenti
 from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
     Tiling, ragged_paged_attention_gpu)
 from tests.kernels.batch_factory import make_batch
-from tests.kernels.cuda_target import abstract_h100
+from tests.kernels.cuda_target import abstract_h100, mosaic_modules_with_and_without_scopes
 
 
 def _emulate_kernel(layout, ref: np.ndarray, out: np.ndarray, *, g: int) -> np.ndarray:
@@ -383,41 +383,18 @@ def test_named_phases_leave_the_kernels_unchanged(monkeypatch):
     """The kernels' `jax.named_scope` phases (for the profiler) change nothing when profiling is
     off: the Mosaic modules (prefill after the decode kernel, prefill-only), printed without
     debug info, are the same with the scopes as with every scope made a no-op."""
-    import contextlib
-    import re
-
-    core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
-    if not hasattr(core, "_run_serde_pass"):
-        pytest.skip("this jax has no Mosaic GPU serialization pass to observe")
     sd = jax.ShapeDtypeStruct
     t, s, m, blocks, n, k, h, p = 256, 8, 16, 64, 32, 8, 128, 16
     args = (sd((t, n, h), jnp.bfloat16), sd((blocks, k, p, h), jnp.bfloat16),
             sd((blocks, k, p, h), jnp.bfloat16), sd((s,), jnp.int32), sd((s, m), jnp.int32),
             sd((s + 1,), jnp.int32), sd((1,), jnp.int32))
 
-    def modules() -> list[str]:
-        jax.clear_caches()  # lower afresh, not from the previous trace
-        seen = []
-        serde = core._run_serde_pass
+    def lower_calls() -> None:
+        for prefill_only in (False, True):
+            ragged_paged_attention_gpu.trace(*args, sm_scale=h ** -0.5, prefill="mosaic",
+                                             prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
 
-        def capture(module, **kw):
-            # newer jax numbers each module's dump name by a process-wide counter
-            seen.append(re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', "",
-                               module.operation.get_asm(enable_debug_info=False)))
-            return serde(module, **kw)
-
-        with monkeypatch.context() as mp:
-            mp.setattr(core, "_run_serde_pass", capture)
-            for prefill_only in (False, True):
-                with abstract_h100():
-                    ragged_paged_attention_gpu.trace(
-                        *args, sm_scale=h ** -0.5, prefill="mosaic",
-                        prefill_only=prefill_only).lower(lowering_platforms=("cuda",))
-        return seen
-
-    with_scopes = modules()
-    monkeypatch.setattr(jax, "named_scope", lambda name: contextlib.nullcontext())
-    without = modules()
+    with_scopes, without = mosaic_modules_with_and_without_scopes(monkeypatch, lower_calls)
     assert len(with_scopes) == 2 and with_scopes == without
 
 
