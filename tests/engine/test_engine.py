@@ -218,6 +218,29 @@ def test_prompt_logprobs_match_transformers(family_llm):
         assert best.rank == 1 and abs(best.logprob - want[pos - 1].max()) < 1e-3
 
 
+def test_runner_reads_only_the_scheduler_output(family_llm):
+    """The model runner's whole input is a SchedulerOutput of plain rows: a step built by hand,
+    with no Request in it, samples the greedy token that LLM.generate gives for the prompt."""
+    from jaxengine.request import Request, RequestSpec
+    from jaxengine.scheduler import ScheduledSeq, SchedulerOutput
+
+    _, _, llm = family_llm
+    eng = llm.llm_engine
+    ids = eng.tokenize(PROMPTS[2])
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    want = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    bm = eng.scheduler.block_manager
+    holder = Request("blocks-for-the-hand-built-step", ids, greedy)  # only to take KV blocks from the pool
+    assert bm.allocate_slots(holder, len(ids))
+    try:
+        row = ScheduledSeq("hand-built", 0, len(ids), ids, bm.get_block_ids(holder.request_id), True,
+                           RequestSpec(greedy, 0, ids), None)
+        out = eng.runner.execute(SchedulerOutput([row], len(ids), [], []))
+    finally:
+        bm.free(holder)
+    assert out.token_ids.tolist() == want
+
+
 def test_profiled_step_bytes(family_llm):
     """The KV-sizing profile reads XLA's buffer analysis of the largest bucket."""
     from jaxengine.model_runner import profile_step_bytes
