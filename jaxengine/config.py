@@ -42,6 +42,9 @@ class EngineConfig:
     max_logprobs: int = 20
     warmup: bool = True  # compile every bucket at start-up
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
+    # vLLM's flag, accepted for its users' commands: this engine implements each architecture it
+    # serves itself and never runs code that comes with a checkpoint, whatever the value.
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

@@ -46,6 +46,9 @@ class LoadedModel:
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
+    if config.trust_remote_code:
+        logger.info("trust_remote_code: accepted, but no code from a checkpoint is ever run; "
+                    "jaxengine implements the architectures it serves")
     enable_compilation_cache(config.compilation_cache_dir)
     model_config, ckpt, tokenizer = _open_model(config)
     config = derive_config(config, model_config)

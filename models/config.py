@@ -2,7 +2,7 @@
 
 Built from a Hugging Face ``config.json`` dict (or the equivalent read from GGUF metadata).
 Families differ only by flags: ``attention_bias`` (Qwen2), ``qk_norm`` (Qwen3),
-``rope_scaling`` (Llama 3.1), ``tie_word_embeddings`` (Llama 3.2, SmolLM2).
+``rope_scaling`` (Llama 3.1, Qwen2.5's long-context yarn), ``tie_word_embeddings`` (Llama 3.2, SmolLM2).
 """
 
 from __future__ import annotations
@@ -17,13 +17,65 @@ _DTYPE_NAMES = {"float32", "float16", "bfloat16"}
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1 style frequency scaling ("llama3"); "linear" scales positions."""
+    """How rotary frequencies are stretched past the trained context.
 
-    rope_type: str  # "llama3" | "linear"
+    "llama3": Llama 3.1's wavelength-dependent ramp; "linear": positions divided by `factor`;
+    "dynamic": NTK-aware base scaling, fixed at the scaled maximum length (as vLLM computes it);
+    "yarn": NTK-by-parts interpolation between `beta_fast` and `beta_slow` rotations, with cos
+    and sin scaled by the attention factor.
+    """
+
+    rope_type: str  # "llama3" | "linear" | "dynamic" | "yarn"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn only
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # None: from factor (and mscale / mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
+
+
+def _rope_scaling(rs: Mapping, arch: str, max_pos: int) -> RopeScaling | None:
+    """The `rope_scaling` (or transformers 5 `rope_parameters`) entry of a config, validated."""
+    rtype = rs.get("rope_type") or rs.get("type")
+    if rtype in (None, "default"):
+        return None
+    if rtype not in ROPE_TYPES:
+        raise ValueError(f"{arch}: rope_scaling type {rtype!r} is not supported (supported: "
+                         f"{', '.join(t for t in ROPE_TYPES if t != 'default')})")
+    factor = rs.get("factor")
+    if factor is None and rtype == "yarn" and rs.get("original_max_position_embeddings"):
+        factor = max_pos / float(rs["original_max_position_embeddings"])
+    if factor is None:
+        raise ValueError(f"{arch}: rope_scaling of type {rtype!r} needs a 'factor'")
+    if rtype == "llama3":
+        return RopeScaling("llama3", float(factor), float(rs.get("low_freq_factor", 1.0)),
+                           float(rs.get("high_freq_factor", 4.0)),
+                           int(rs.get("original_max_position_embeddings", 8192)))
+    if rtype == "yarn":
+        opt = lambda k: float(rs[k]) if rs.get(k) is not None else None  # noqa: E731
+        return RopeScaling("yarn", float(factor),
+                           original_max_position_embeddings=int(rs.get("original_max_position_embeddings") or max_pos),
+                           beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
+                           attention_factor=opt("attention_factor"), mscale=opt("mscale"),
+                           mscale_all_dim=opt("mscale_all_dim"), truncate=bool(rs.get("truncate", True)))
+    return RopeScaling(rtype, float(factor), original_max_position_embeddings=max_pos)
+
+
+def scaled_max_positions(max_pos: int, scaling: RopeScaling | None) -> int:
+    """The context a scaled rope serves, as vLLM derives it: yarn stretches its original length by
+    `factor`, linear and dynamic the config's; llama3 configs already state the long length."""
+    if scaling is None or scaling.rope_type == "llama3":
+        return max_pos
+    base = scaling.original_max_position_embeddings if scaling.rope_type == "yarn" else max_pos
+    return max(max_pos, int(base * scaling.factor))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +143,25 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: Mapping) -> "ModelConfig":
+        """From a Hugging Face config.json dict. An architecture this engine does not implement, or
+        a config without a field the math needs, is a ValueError naming both."""
+        from jaxengine.models.registry import get_model_class  # the registry imports the models
+
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
         arch = archs[0]
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
+        get_model_class(arch)
+
+        def need(key: str) -> object:
+            if cfg.get(key) is None:
+                raise ValueError(f"{arch}: config.json lacks {key!r}")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
         head_dim = cfg.get("head_dim") or hidden // heads
-        rope_scaling = None
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
         rs = cfg.get("rope_scaling") or None
         rope_params = cfg.get("rope_parameters") or None  # transformers >= 5 spelling
         rope_theta = cfg.get("rope_theta")
@@ -106,17 +169,7 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default" and not rs:
                 rs = rope_params
-        if rs:
-            rtype = rs.get("rope_type") or rs.get("type")
-            if rtype == "llama3":
-                rope_scaling = RopeScaling(
-                    "llama3", float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
-                    float(rs.get("high_freq_factor", 4.0)),
-                    int(rs.get("original_max_position_embeddings", 8192)))
-            elif rtype == "linear":
-                rope_scaling = RopeScaling("linear", float(rs["factor"]))
-            elif rtype not in (None, "default"):
-                raise ValueError(f"unsupported rope_scaling type {rtype!r} (supported: llama3, linear)")
+        rope_scaling = _rope_scaling(rs, arch, max_pos) if rs else None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
@@ -126,17 +179,17 @@ class ModelConfig:
         sliding = cfg.get("sliding_window") if use_sw else None
         return cls(
             architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=scaled_max_positions(max_pos, rope_scaling),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
             qk_norm=arch.startswith("Qwen3"),

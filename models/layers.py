@@ -23,37 +23,82 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """Inverse frequencies [H/2], with Llama 3.1 ("llama3") or linear scaling applied."""
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [H/2] with the config's scaling applied, and the factor cos and sin are
+    multiplied by (1.0 except for yarn)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    inv = 1.0 / (theta ** exponents)
     if scaling is None:
-        return inv.astype(np.float32)
-    if scaling.rope_type == "linear":
-        return (inv / scaling.factor).astype(np.float32)
+        return inv.astype(np.float32), 1.0
+    kind, factor = scaling.rope_type, scaling.factor
+    if kind == "linear":
+        return (inv / factor).astype(np.float32), 1.0
+    if kind == "dynamic":
+        # NTK-aware: a larger base, computed once for the scaled maximum length.
+        max_len = scaling.original_max_position_embeddings * factor
+        base = theta * ((factor * max_len / scaling.original_max_position_embeddings) - (factor - 1)) ** (
+            head_dim / (head_dim - 2))
+        return (1.0 / (base ** exponents)).astype(np.float32), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     # llama3: long wavelengths divided by factor, short kept, a smooth ramp between.
     low_wl = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wl = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wl = 2 * math.pi / inv
     smooth = (scaling.original_max_position_embeddings / wl - scaling.low_freq_factor) / (
         scaling.high_freq_factor - scaling.low_freq_factor)
-    scaled = np.where(wl > low_wl, inv / scaling.factor, inv)
+    scaled = np.where(wl > low_wl, inv / factor, inv)
     mid = (wl <= low_wl) & (wl >= high_wl)
-    scaled = np.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
-    return scaled.astype(np.float32)
+    scaled = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return scaled.astype(np.float32), 1.0
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, float]:
+    """YaRN: dimensions that turn more than `beta_fast` times over the original context keep their
+    frequency, those that turn fewer than `beta_slow` times are interpolated (divided by the
+    factor), with a linear ramp between; attention logits are sharpened through cos and sin."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.attention_factor is not None:
+        attention = s.attention_factor
+    elif s.mscale and s.mscale_all_dim:
+        attention = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+    else:
+        attention = mscale(s.factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no empty ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inv = (1.0 / (s.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv.astype(np.float32), float(attention)
 
 
 class RotaryEmbedding(nnx.Module):
     """Rotate-half RoPE as in the Hugging Face Llama implementation."""
 
     def __init__(self, cfg: ModelConfig):
-        # A config-derived constant, not a parameter: kept as a plain tuple so it is static.
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        # Config-derived constants, not parameters: plain Python values, so they are static.
+        inv, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freq = tuple(float(f) for f in inv)
+        self.scale = scale  # cos and sin are multiplied by it (yarn's attention factor)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x [T, heads, H], positions [T] -> x rotated."""
         inv = jnp.asarray(self.inv_freq, jnp.float32)
         freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]  # [T, H/2]
         cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
         xf = x.astype(jnp.float32)
         x1, x2 = jnp.split(xf, 2, axis=-1)
         out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

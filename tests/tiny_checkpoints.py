@@ -20,6 +20,9 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
     "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=24)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    # Qwen2.5's long-context configs: yarn over an original context of 128 positions here.
+    "qwen2-yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
 }
 
