@@ -35,7 +35,14 @@ LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "gate_proj": (None, "ffn"),  # DF
     "up_proj": (None, "ffn"),  # DF
     "down_proj": ("ffn", None),  # FD
-    "weight": (None,),  # every RMSNorm (model, per-layer and q/k norms): replicated
+    "weight": (None,),  # every norm's scale (model, per-layer and q/k norms): replicated
+    "bias": (None,),  # LayerNorm shifts: replicated
+    "embed_positions": (None, None),  # learned positions (GPT-2, OPT): replicated
+    "o_bias": (None,),  # added after the row-parallel o_proj's reduction
+    "up_bias": ("ffn",),
+    "down_bias": (None,),
+    "project_in": (None, None),  # OPT's embedding-width projections: replicated
+    "project_out": (None, None),
 }
 KV_CACHE_AXES: tuple[str | None, ...] = (None, "kv_heads", None, None)  # [B, K, P, H]
 RULES: dict[str, str] = {"vocab": "model", "heads": "model", "kv_heads": "model", "ffn": "model"}

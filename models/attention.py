@@ -38,33 +38,63 @@ class AttentionMetadata:
     num_seqs: jax.Array  # [1] int32 live sequences
 
 
+def init_qkv(layer: nnx.Module, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool) -> None:
+    """The q/k/v (and o) projection parameters of an attention layer.
+
+    cfg.fused_projections: q, k and v are one [D, N + 2K, H] parameter (and their biases one
+    [N + 2K, H]), read by one matmul instead of three. Column shards of a fused weight would mix
+    q, k and v, so under tensor parallelism the engine builds the model with them apart.
+    """
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    init = nnx.initializers.normal(0.02)
+    layer.fused_qkv = cfg.fused_projections
+    layer.qkv_split = (n, n + k)  # head offsets of k and v in the fused weight
+    layer.use_bias = bias
+    if layer.fused_qkv:
+        layer.qkv_proj = nnx.Param(init(rngs.params(), (d, n + 2 * k, h), dtype))  # D(N+K+K)H
+    else:
+        layer.q_proj = nnx.Param(init(rngs.params(), (d, n, h), dtype))  # DNH
+        layer.k_proj = nnx.Param(init(rngs.params(), (d, k, h), dtype))  # DKH
+        layer.v_proj = nnx.Param(init(rngs.params(), (d, k, h), dtype))  # DKH
+    if bias:
+        layer.q_bias = nnx.Param(jnp.zeros((n, h), dtype))
+        layer.k_bias = nnx.Param(jnp.zeros((k, h), dtype))
+        layer.v_bias = nnx.Param(jnp.zeros((k, h), dtype))
+    layer.o_proj = nnx.Param(init(rngs.params(), (n, h, d), dtype))  # NHD
+
+
+def qkv(layer: nnx.Module, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] -> q [T, N, H], k [T, K, H], v [T, K, H] (biases added)."""
+    if layer.fused_qkv:
+        fused = jnp.einsum("TD,DJH->TJH", x, layer.qkv_proj[...])  # J = N + 2K
+        q, k, v = jnp.split(fused, layer.qkv_split, axis=1)
+    else:
+        q = jnp.einsum("TD,DNH->TNH", x, layer.q_proj[...])
+        k = jnp.einsum("TD,DKH->TKH", x, layer.k_proj[...])
+        v = jnp.einsum("TD,DKH->TKH", x, layer.v_proj[...])
+    if layer.use_bias:
+        q, k, v = q + layer.q_bias[...], k + layer.k_bias[...], v + layer.v_bias[...]
+    return q, k, v
+
+
+def out_proj(o: jax.Array, w: jax.Array) -> jax.Array:
+    """o [T, N, H] @ o_proj [N, H, D] -> [T, D], as one [T, N*H] @ [N*H, D] matmul on row-major views
+    (bitcasts): written as an einsum over (N, H), XLA on CPU transposed the weight and the
+    activations to [H, N, ...] every step."""
+    t_, n, h = o.shape
+    return o.reshape(t_, n * h) @ w.reshape(n * h, w.shape[-1])
+
+
 class Attention(nnx.Module):
-    """Grouped-query self-attention over the paged KV cache (Llama/Mistral/Qwen2/Qwen3)."""
+    """Grouped-query self-attention with rotary positions (Llama/Mistral/Qwen2/Qwen3)."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        init = nnx.initializers.normal(0.02)
-        # cfg.fused_projections: q, k and v are one [D, N + 2K, H] parameter, read by one matmul
-        # instead of three. Column shards of a fused weight would mix q, k and v, so under tensor
-        # parallelism the engine builds the model with them apart.
-        self.fused_qkv = cfg.fused_projections
-        self.qkv_split = (n, n + k)  # head offsets of k and v in the fused weight
-        if self.fused_qkv:
-            self.qkv_proj = nnx.Param(init(rngs.params(), (d, n + 2 * k, h), dtype))  # D(N+K+K)H
-        else:
-            self.q_proj = nnx.Param(init(rngs.params(), (d, n, h), dtype))  # DNH
-            self.k_proj = nnx.Param(init(rngs.params(), (d, k, h), dtype))  # DKH
-            self.v_proj = nnx.Param(init(rngs.params(), (d, k, h), dtype))  # DKH
-        self.o_proj = nnx.Param(init(rngs.params(), (n, h, d), dtype))  # NHD
-        self.use_bias = cfg.attention_bias
-        if cfg.attention_bias:
-            self.q_bias = nnx.Param(jnp.zeros((n, h), dtype))
-            self.k_bias = nnx.Param(jnp.zeros((k, h), dtype))
-            self.v_bias = nnx.Param(jnp.zeros((k, h), dtype))
+        h = cfg.head_dim
+        init_qkv(self, cfg, dtype, rngs, bias=cfg.attention_bias)
         self.use_qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(h, cfg.norm_eps, dtype)
+            self.k_norm = RMSNorm(h, cfg.norm_eps, dtype)
         self.rope = RotaryEmbedding(cfg)
         self.sm_scale = h ** -0.5
         self.sliding_window = cfg.sliding_window
@@ -72,21 +102,26 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache, md: AttentionMetadata,
                  attention: AttentionBackend) -> tuple[jax.Array, KVCache]:
         """x [T, D] -> ([T, D], this layer's cache with the step's K/V written)."""
-        if self.fused_qkv:
-            qkv = jnp.einsum("TD,DJH->TJH", x, self.qkv_proj[...])  # J = N + 2K
-            q, k, v = jnp.split(qkv, self.qkv_split, axis=1)
-        else:
-            q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
-            k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
-            v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...])
-        if self.use_bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        q, k, v = qkv(self, x)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
         o, kv = attention.attend(q, k, v, kv, md, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
-        # One [T, N*H] @ [N*H, D] matmul on row-major views (bitcasts): written as an einsum over
-        # (N, H), XLA on CPU transposed the weight and the activations to [H, N, ...] every step.
-        t_, n, h = o.shape
-        w = self.o_proj[...]
-        return o.reshape(t_, n * h) @ w.reshape(n * h, w.shape[-1]), kv
+        return out_proj(o, self.o_proj[...]), kv
+
+
+class BiasAttention(nnx.Module):
+    """Multi-head self-attention with biases on every projection and no rotary embedding (the
+    positions are learned embeddings added to the input): GPT-2 and OPT."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, sm_scale: float):
+        init_qkv(self, cfg, dtype, rngs, bias=True)
+        self.o_bias = nnx.Param(jnp.zeros((cfg.hidden_size,), dtype))
+        self.sm_scale = sm_scale
+
+    def __call__(self, x: jax.Array, kv: KVCache, md: AttentionMetadata,
+                 attention: AttentionBackend) -> tuple[jax.Array, KVCache]:
+        """x [T, D] -> ([T, D], this layer's cache with the step's K/V written)."""
+        q, k, v = qkv(self, x)
+        o, kv = attention.attend(q, k, v, kv, md, sm_scale=self.sm_scale)
+        return out_proj(o, self.o_proj[...]) + self.o_bias[...], kv

@@ -1,8 +1,10 @@
-"""Model architecture config: one frozen dataclass for every supported family.
+"""Model architecture config: the frozen dataclass every family's model is built from.
 
-Built from a Hugging Face ``config.json`` dict (or the equivalent read from GGUF metadata).
-Families differ only by flags: ``attention_bias`` (Qwen2), ``qk_norm`` (Qwen3),
-``rope_scaling`` (Llama 3.1, Qwen2.5's long-context yarn), ``tie_word_embeddings`` (Llama 3.2, SmolLM2).
+Built from a Hugging Face ``config.json`` dict (or the equivalent read from GGUF metadata) by the
+parser of the architecture's family (models/registry.py); a family with fields of its own
+subclasses it. The Llama family differs only by flags: ``attention_bias`` (Qwen2), ``qk_norm``
+(Qwen3), ``rope_scaling`` (Llama 3.1, Qwen2.5's long-context yarn), ``tie_word_embeddings``
+(Llama 3.2, SmolLM2).
 """
 
 from __future__ import annotations
@@ -69,6 +71,36 @@ def _rope_scaling(rs: Mapping, arch: str, max_pos: int) -> RopeScaling | None:
     return RopeScaling(rtype, float(factor), original_max_position_embeddings=max_pos)
 
 
+def hf_field(cfg: Mapping, key: str) -> object:
+    """A field the model's math needs: absent (or null) is a ValueError naming the architecture."""
+    if cfg.get(key) is None:
+        arch = (cfg.get("architectures") or ["?"])[0]
+        raise ValueError(f"{arch}: config.json lacks {key!r}")
+    return cfg[key]
+
+
+def hf_eos_ids(cfg: Mapping) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+
+def hf_dtype(cfg: Mapping) -> str:
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return dtype if dtype in _DTYPE_NAMES else "float32"
+
+
+def hf_rope(cfg: Mapping, arch: str, max_pos: int) -> tuple[float, RopeScaling | None]:
+    """(rope theta, scaling) from `rope_theta` / `rope_scaling`, or transformers 5's `rope_parameters`."""
+    rs = cfg.get("rope_scaling") or None
+    rope_params = cfg.get("rope_parameters") or None
+    rope_theta = cfg.get("rope_theta")
+    if rope_params and isinstance(rope_params, Mapping):
+        rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_params.get("rope_type", "default") != "default" and not rs:
+            rs = rope_params
+    return float(rope_theta if rope_theta is not None else 10000.0), (_rope_scaling(rs, arch, max_pos) if rs else None)
+
+
 def scaled_max_positions(max_pos: int, scaling: RopeScaling | None) -> int:
     """The context a scaled rope serves, as vLLM derives it: yarn stretches its original length by
     `factor`, linear and dynamic the config's; llama3 configs already state the long length."""
@@ -88,7 +120,7 @@ class ModelConfig:
     num_heads: int  # N
     num_kv_heads: int  # K
     head_dim: int  # H
-    rms_norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # the norms' epsilon (RMSNorm or LayerNorm)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 4096
@@ -97,6 +129,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     sliding_window: int | None = None
     torch_dtype: str = "float32"
+    hidden_act: str = "silu"  # the MLP's activation (HF names: silu, gelu, gelu_new, relu, ...)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     # Each checkpoint KV head is stored this many times in a row (num_kv_heads counts the copies):
@@ -143,61 +176,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: Mapping) -> "ModelConfig":
-        """From a Hugging Face config.json dict. An architecture this engine does not implement, or
-        a config without a field the math needs, is a ValueError naming both."""
-        from jaxengine.models.registry import get_model_class  # the registry imports the models
+        """From a Hugging Face config.json dict, by the family of its architecture. An
+        architecture this engine does not implement, or a config without a field the math needs,
+        is a ValueError naming both."""
+        from jaxengine.models.registry import get_family  # the registry imports the models
 
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
-        arch = archs[0]
-        get_model_class(arch)
-
-        def need(key: str) -> object:
-            if cfg.get(key) is None:
-                raise ValueError(f"{arch}: config.json lacks {key!r}")
-            return cfg[key]
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = cfg.get("head_dim") or hidden // heads
-        max_pos = int(cfg.get("max_position_embeddings", 4096))
-        rs = cfg.get("rope_scaling") or None
-        rope_params = cfg.get("rope_parameters") or None  # transformers >= 5 spelling
-        rope_theta = cfg.get("rope_theta")
-        if rope_params and isinstance(rope_params, Mapping):
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default" and not rs:
-                rs = rope_params
-        rope_scaling = _rope_scaling(rs, arch, max_pos) if rs else None
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-        if dtype not in _DTYPE_NAMES:
-            dtype = "float32"
-        use_sw = cfg.get("use_sliding_window", arch.startswith("Mistral"))
-        sliding = cfg.get("sliding_window") if use_sw else None
-        return cls(
-            architecture=arch,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=scaled_max_positions(max_pos, rope_scaling),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
-            qk_norm=arch.startswith("Qwen3"),
-            sliding_window=int(sliding) if sliding else None,
-            torch_dtype=dtype,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=eos_ids,
-        )
+        return get_family(archs[0]).config(cfg)
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":

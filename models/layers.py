@@ -1,4 +1,7 @@
-"""Building blocks shared by every family: RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks shared by the families: norms, activations, rotary embedding, MLPs.
+
+Legend: T tokens, D model, F ffn, H head dim.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +24,40 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm over the last axis, with a learned scale and shift, computed in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+# Hugging Face activation names -> functions.
+ACTIVATIONS = {
+    "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # erf
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # tanh approximation (GPT-2)
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def activation(name: str, arch: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"{arch}: activation {name!r} is not supported "
+                         f"(supported: {', '.join(sorted(ACTIVATIONS))})") from None
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[np.ndarray, float]:
@@ -128,3 +165,20 @@ class MLP(nnx.Module):
             gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
             up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
         return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+class BiasMLP(nnx.Module):
+    """up -> activation -> down, both with biases (GPT-2, OPT)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        init = nnx.initializers.normal(0.02)
+        self.up_proj = nnx.Param(init(rngs.params(), (d, f), dtype))  # DF
+        self.up_bias = nnx.Param(jnp.zeros((f,), dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (f, d), dtype))  # FD
+        self.down_bias = nnx.Param(jnp.zeros((d,), dtype))
+        self.act = activation(cfg.hidden_act, cfg.architecture)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.act(jnp.einsum("TD,DF->TF", x, self.up_proj[...]) + self.up_bias[...])
+        return jnp.einsum("TF,FD->TD", h, self.down_proj[...]) + self.down_bias[...]

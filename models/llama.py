@@ -8,14 +8,15 @@ cache and attend: the model's construction depends on the config alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models import weights as w
 from jaxengine.models.attention import Attention, AttentionMetadata, KVCache
-from jaxengine.models.config import ModelConfig
+from jaxengine.models.config import ModelConfig, hf_dtype, hf_eos_ids, hf_field, hf_rope, scaled_max_positions
 from jaxengine.models.layers import MLP, RMSNorm
 
 if TYPE_CHECKING:
@@ -24,9 +25,9 @@ if TYPE_CHECKING:
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache, md: AttentionMetadata,
@@ -41,7 +42,7 @@ class Model(nnx.Module):
         self.embed_tokens = nnx.Param(
             nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))  # VD
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[KVCache],
                  md: AttentionMetadata, attention: AttentionBackend) -> tuple[jax.Array, list[KVCache]]:
@@ -76,3 +77,59 @@ class ForCausalLM(nnx.Module):
         else:
             logits = jnp.einsum("RD,DV->RV", hidden, self.lm_head[...])
         return logits.astype(jnp.float32)
+
+
+# -- config and checkpoint names ----------------------------------------------------------------
+def config_from_hf(cfg: Mapping) -> ModelConfig:
+    """Llama, Mistral, Qwen2 and Qwen3 config.json -> ModelConfig."""
+    arch = cfg["architectures"][0]
+    hidden, heads = int(hf_field(cfg, "hidden_size")), int(hf_field(cfg, "num_attention_heads"))
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    theta, scaling = hf_rope(cfg, arch, max_pos)
+    use_sw = cfg.get("use_sliding_window", arch.startswith("Mistral"))
+    sliding = cfg.get("sliding_window") if use_sw else None
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(hf_field(cfg, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(hf_field(cfg, "intermediate_size")),
+        num_layers=int(hf_field(cfg, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=scaled_max_positions(max_pos, scaling),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
+        qk_norm=arch.startswith("Qwen3"),
+        sliding_window=int(sliding) if sliding else None,
+        torch_dtype=hf_dtype(cfg),
+        hidden_act=str(cfg.get("hidden_act", "silu")),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=hf_eos_ids(cfg),
+    )
+
+
+_LAYER = r"model\.layers\.(\d+)\."
+WEIGHTS: tuple[w.WeightRule, ...] = (
+    w.rule(r"model\.embed_tokens\.weight", ("model", "embed_tokens"), w.same),
+    w.rule(r"model\.norm\.weight", ("model", "norm", "weight"), w.same),
+    w.rule(r"lm_head\.weight", ("lm_head",), w.transpose),
+    w.rule(_LAYER + r"input_layernorm\.weight", ("input_layernorm", "weight"), w.same),
+    w.rule(_LAYER + r"post_attention_layernorm\.weight", ("post_attention_layernorm", "weight"), w.same),
+    w.rule(_LAYER + r"self_attn\.q_proj\.weight", ("self_attn", "q_proj"), w.heads_in("num_heads")),
+    w.rule(_LAYER + r"self_attn\.k_proj\.weight", ("self_attn", "k_proj"), w.kv_heads_in),
+    w.rule(_LAYER + r"self_attn\.v_proj\.weight", ("self_attn", "v_proj"), w.kv_heads_in),
+    w.rule(_LAYER + r"self_attn\.o_proj\.weight", ("self_attn", "o_proj"), w.o_proj),
+    w.rule(_LAYER + r"self_attn\.q_proj\.bias", ("self_attn", "q_bias"), w.heads_bias("num_heads")),
+    w.rule(_LAYER + r"self_attn\.k_proj\.bias", ("self_attn", "k_bias"), w.kv_heads_bias),
+    w.rule(_LAYER + r"self_attn\.v_proj\.bias", ("self_attn", "v_bias"), w.kv_heads_bias),
+    w.rule(_LAYER + r"self_attn\.q_norm\.weight", ("self_attn", "q_norm", "weight"), w.same),
+    w.rule(_LAYER + r"self_attn\.k_norm\.weight", ("self_attn", "k_norm", "weight"), w.same),
+    w.rule(_LAYER + r"mlp\.gate_proj\.weight", ("mlp", "gate_proj"), w.transpose),
+    w.rule(_LAYER + r"mlp\.up_proj\.weight", ("mlp", "up_proj"), w.transpose),
+    w.rule(_LAYER + r"mlp\.down_proj\.weight", ("mlp", "down_proj"), w.transpose),
+)
+IGNORED = r".*rotary_emb\.inv_freq"  # buffers some checkpoints carry, recomputed here

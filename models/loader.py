@@ -18,83 +18,12 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.registry import get_model_class
+from jaxengine.models.registry import Family, get_family, get_model_class
+from jaxengine.models.weights import FUSED, Path, Transform
 
 logger = logging.getLogger(__name__)
 
-Path = tuple[str | int, ...]
-Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
-
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
-
-
-def _heads_in(n_attr: str) -> Transform:
-    """HF Linear [heads*H, D] -> ours [D, heads, H]."""
-    def f(w: np.ndarray, c: ModelConfig) -> np.ndarray:
-        return w.T.reshape(c.hidden_size, getattr(c, n_attr), c.head_dim)
-    return f
-
-
-def _heads_bias(n_attr: str) -> Transform:
-    return lambda b, c: b.reshape(getattr(c, n_attr), c.head_dim)
-
-
-def _kv_heads_in(w: np.ndarray, c: ModelConfig) -> np.ndarray:
-    """HF Linear [K*H, D] -> ours [D, K * replicas, H], each KV head repeated in place."""
-    w = w.T.reshape(c.hidden_size, c.checkpoint_kv_heads, c.head_dim)
-    return np.repeat(w, c.kv_head_replicas, axis=1) if c.kv_head_replicas > 1 else w
-
-
-def _kv_heads_bias(b: np.ndarray, c: ModelConfig) -> np.ndarray:
-    b = b.reshape(c.checkpoint_kv_heads, c.head_dim)
-    return np.repeat(b, c.kv_head_replicas, axis=0) if c.kv_head_replicas > 1 else b
-
-
-def _o_proj(w: np.ndarray, c: ModelConfig) -> np.ndarray:
-    """HF [D, N*H] -> ours [N, H, D]."""
-    return w.T.reshape(c.num_heads, c.head_dim, c.hidden_size)
-
-
-def _transpose(w: np.ndarray, c: ModelConfig) -> np.ndarray:
-    return w.T
-
-
-def _same(w: np.ndarray, c: ModelConfig) -> np.ndarray:
-    return w
-
-
-# (regex over the HF name, parameter path template, transform). "{i}" is the layer index.
-_LAYER = r"model\.layers\.(\d+)\."
-WEIGHT_TABLE: list[tuple[str, tuple[str, ...], Transform]] = [
-    (r"model\.embed_tokens\.weight", ("model", "embed_tokens"), _same),
-    (r"model\.norm\.weight", ("model", "norm", "weight"), _same),
-    (r"lm_head\.weight", ("lm_head",), _transpose),
-    (_LAYER + r"input_layernorm\.weight", ("input_layernorm", "weight"), _same),
-    (_LAYER + r"post_attention_layernorm\.weight", ("post_attention_layernorm", "weight"), _same),
-    (_LAYER + r"self_attn\.q_proj\.weight", ("self_attn", "q_proj"), _heads_in("num_heads")),
-    (_LAYER + r"self_attn\.k_proj\.weight", ("self_attn", "k_proj"), _kv_heads_in),
-    (_LAYER + r"self_attn\.v_proj\.weight", ("self_attn", "v_proj"), _kv_heads_in),
-    (_LAYER + r"self_attn\.o_proj\.weight", ("self_attn", "o_proj"), _o_proj),
-    (_LAYER + r"self_attn\.q_proj\.bias", ("self_attn", "q_bias"), _heads_bias("num_heads")),
-    (_LAYER + r"self_attn\.k_proj\.bias", ("self_attn", "k_bias"), _kv_heads_bias),
-    (_LAYER + r"self_attn\.v_proj\.bias", ("self_attn", "v_bias"), _kv_heads_bias),
-    (_LAYER + r"self_attn\.q_norm\.weight", ("self_attn", "q_norm", "weight"), _same),
-    (_LAYER + r"self_attn\.k_norm\.weight", ("self_attn", "k_norm", "weight"), _same),
-    (_LAYER + r"mlp\.gate_proj\.weight", ("mlp", "gate_proj"), _transpose),
-    (_LAYER + r"mlp\.up_proj\.weight", ("mlp", "up_proj"), _transpose),
-    (_LAYER + r"mlp\.down_proj\.weight", ("mlp", "down_proj"), _transpose),
-]
-_COMPILED = [(re.compile(p + r"$"), path, fn) for p, path, fn in WEIGHT_TABLE]
-# Buffers some checkpoints carry that are recomputed here.
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-# Parameters a model holds fused when ModelConfig.fused_projections (one matmul instead of several;
-# split under tensor parallelism, and jaxengine.sharding has rules for the parts only):
-# fused name -> (its parts in WEIGHT_TABLE, in order; the axis they are concatenated along).
-FUSED: dict[str, tuple[tuple[str, ...], int]] = {
-    "qkv_proj": (("q_proj", "k_proj", "v_proj"), 1),  # [D, N + 2K, H]
-    "gate_up_proj": (("gate_proj", "up_proj"), 1),  # [D, 2F]
-}
-_FUSED_OF = {part: fused for fused, (parts, _) in FUSED.items() for part in parts}
 
 
 def _fused_path(path: Path, expected: dict) -> Path | None:
@@ -105,15 +34,17 @@ def _fused_path(path: Path, expected: dict) -> Path | None:
     return path[:-1] + (fused,)
 
 
-def param_path(name: str) -> tuple[Path, Transform] | None:
-    """HF tensor name -> (parameter path in the NNX state, layout transform), or None."""
-    for rx, path, fn in _COMPILED:
-        m = rx.match(name)
+_FUSED_OF = {part: fused for fused, (parts, _) in FUSED.items() for part in parts}
+
+
+def param_paths(name: str, family: Family) -> list[tuple[Path, Transform]]:
+    """HF tensor name -> the (parameter path in the NNX state, layout transform) it fills; [] if none."""
+    for r in family.weights:
+        m = r.compiled.match(name)
         if m:
-            if m.groups():
-                return ("model", "layers", int(m.group(1))) + path, fn
-            return path, fn
-    return None
+            layer = ("model", "layers", int(m.group(1))) if m.groups() else ()
+            return [(layer + path, fn) for path, fn in r.targets]
+    return []
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
@@ -160,31 +91,33 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
     put = put or (lambda path, arr: jax.device_put(arr))
     unexpected, bad_shapes, seen = [], [], set()
     parts_read: dict[Path, dict[str, tuple[str, np.ndarray]]] = {}  # fused path -> part -> (name, array)
+    family = get_family(cfg.architecture)
+    ignored = re.compile(family.ignored + r"$")
     for name in checkpoint.tensor_names():
-        if _IGNORED.match(name):
+        if ignored.match(name):
             continue
-        hit = param_path(name)
-        fused = _fused_path(hit[0], expected) if hit is not None else None
-        if hit is None or (hit[0] not in expected and fused is None):
+        hits = param_paths(name, family)
+        hits = [(path, fn, _fused_path(path, expected)) for path, fn in hits]
+        if not hits or any(path not in expected and fused is None for path, _, fused in hits):
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # some tied checkpoints still store the head
             unexpected.append(name)
             continue
-        path, fn = hit
-        raw = checkpoint.get_tensor(name)
-        try:
-            arr = fn(np.asarray(raw), cfg)
-        except ValueError:
-            arr = None
-        if fused is not None and arr is not None:
-            parts_read.setdefault(fused, {})[str(path[-1])] = (name, arr)  # shape checked once whole
-            continue
-        want = tuple(expected[fused or path].shape)
-        if arr is None or tuple(arr.shape) != want:
-            bad_shapes.append(f"{name}: checkpoint shape {tuple(raw.shape)} does not fit parameter {want}")
-            continue
-        _set(pure, path, put(path, np.asarray(arr).astype(dtype)))
-        seen.add(path)
+        raw = np.asarray(checkpoint.get_tensor(name))
+        for path, fn, fused in hits:
+            try:
+                arr = fn(raw, cfg)
+            except ValueError:
+                arr = None
+            if fused is not None and arr is not None:
+                parts_read.setdefault(fused, {})[str(path[-1])] = (name, arr)  # shape checked once whole
+                continue
+            want = tuple(expected[fused or path].shape)
+            if arr is None or tuple(arr.shape) != want:
+                bad_shapes.append(f"{name}: checkpoint shape {tuple(raw.shape)} does not fit parameter {want}")
+                continue
+            _set(pure, path, put(path, np.asarray(arr).astype(dtype)))
+            seen.add(path)
     missing_parts = []
     for path in [p for p in expected if str(p[-1]) in FUSED]:
         parts, axis = FUSED[str(path[-1])]

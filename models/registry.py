@@ -1,14 +1,38 @@
-"""Maps the Hugging Face `architectures` name to the model class that implements it."""
+"""Maps the Hugging Face `architectures` name to the family that implements it.
+
+A family is its model class (built from `(config, dtype, rngs)`), the parser that turns its
+config.json into a `ModelConfig`, and the table that turns its checkpoint's tensors into the
+model's parameters (models/weights.py).
+"""
 
 from __future__ import annotations
 
-from jaxengine.models.llama import ForCausalLM
+import dataclasses
+from typing import Callable, Mapping
 
-_REGISTRY: dict[str, type[ForCausalLM]] = {
-    "LlamaForCausalLM": ForCausalLM,
-    "MistralForCausalLM": ForCausalLM,
-    "Qwen2ForCausalLM": ForCausalLM,
-    "Qwen3ForCausalLM": ForCausalLM,
+from flax import nnx
+
+from jaxengine.models import gpt2, llama, opt
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.weights import WeightRule
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model: type[nnx.Module]  # Model(cfg, dtype, rngs=...): __call__(ids, positions, kv, md, attention), compute_logits
+    config: Callable[[Mapping], ModelConfig]  # config.json -> ModelConfig
+    weights: tuple[WeightRule, ...]  # checkpoint tensor names -> parameters
+    ignored: str = r"(?!)"  # checkpoint tensors the model recomputes (regex; default: none)
+
+
+_LLAMA = Family(llama.ForCausalLM, llama.config_from_hf, llama.WEIGHTS, llama.IGNORED)
+_REGISTRY: dict[str, Family] = {
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA,
+    "GPT2LMHeadModel": Family(gpt2.GPT2LMHeadModel, gpt2.config_from_hf, gpt2.WEIGHTS, gpt2.IGNORED),
+    "OPTForCausalLM": Family(opt.OPTForCausalLM, opt.config_from_hf, opt.WEIGHTS),
 }
 
 
@@ -16,9 +40,13 @@ def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_model_class(architecture: str) -> type[ForCausalLM]:
+def get_family(architecture: str) -> Family:
     try:
         return _REGISTRY[architecture]
     except KeyError:
         raise ValueError(f"unsupported model architecture {architecture!r}; supported: "
                          f"{', '.join(supported_architectures())}") from None
+
+
+def get_model_class(architecture: str) -> type[nnx.Module]:
+    return get_family(architecture).model

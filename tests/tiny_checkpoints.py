@@ -24,6 +24,16 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
     "qwen2-yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+    # Learned positions, LayerNorm, biases; the hidden_size-style names map onto GPT-2's n_embd, ...
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel, dict(num_key_value_heads=4)),
+    "gpt2-tied": (transformers.GPT2Config, transformers.GPT2LMHeadModel, dict(
+        num_key_value_heads=4, tie_word_embeddings=True, activation_function="gelu")),
+    "opt": (transformers.OPTConfig, transformers.OPTForCausalLM, dict(
+        num_key_value_heads=4, ffn_dim=128, tie_word_embeddings=True)),
+    # OPT-350m's shape: post-LayerNorm blocks, embeddings narrower than the model (projected in and out)
+    "opt-post-ln": (transformers.OPTConfig, transformers.OPTForCausalLM, dict(
+        num_key_value_heads=4, ffn_dim=128, tie_word_embeddings=True, do_layer_norm_before=False,
+        word_embed_proj_dim=32)),
 }
 
 

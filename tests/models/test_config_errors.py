@@ -19,13 +19,36 @@ LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=1000, hidden_size=64
 GPT2 = dict(architectures=["GPT2LMHeadModel"], vocab_size=50257, n_embd=768, n_layer=12, n_head=12,
             n_positions=1024)  # vLLM's quick-start model's config.json
 OPT = dict(architectures=["OPTForCausalLM"], vocab_size=50272, hidden_size=768, ffn_dim=3072,
-           num_hidden_layers=12, num_attention_heads=12, word_embed_proj_dim=768)
+           num_hidden_layers=12, num_attention_heads=12, word_embed_proj_dim=768, max_position_embeddings=2048,
+           do_layer_norm_before=True, activation_function="relu")
 
 
-@pytest.mark.parametrize("cfg, arch", [(GPT2, "GPT2LMHeadModel"), (OPT, "OPTForCausalLM"),
-                                       ({**LLAMA, "architectures": ["NoSuchForCausalLM"]}, "NoSuchForCausalLM")])
-def test_unsupported_architecture_is_named(cfg: dict, arch: str) -> None:
+@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Phi3ForCausalLM", "NoSuchForCausalLM"])
+def test_unsupported_architecture_is_named(arch: str) -> None:
     with pytest.raises(ValueError, match=f"unsupported model architecture '{arch}'; supported: .*LlamaForCausalLM"):
+        ModelConfig.from_hf_dict({**LLAMA, "architectures": [arch]})
+
+
+def test_vllm_quick_start_configs_parse() -> None:
+    """gpt2 and facebook/opt-125m, vLLM's quick-start models (their config.json fields)."""
+    g = ModelConfig.from_hf_dict(GPT2)
+    assert (g.hidden_size, g.num_layers, g.num_heads, g.intermediate_size, g.max_position_embeddings,
+            g.tie_word_embeddings, g.hidden_act) == (768, 12, 12, 3072, 1024, True, "gelu_new")
+    o = ModelConfig.from_hf_dict(OPT)
+    assert (o.hidden_size, o.intermediate_size, o.word_embed_proj_dim, o.do_layer_norm_before,
+            o.max_position_embeddings, o.hidden_act) == (768, 3072, 768, True, 2048, "relu")
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({**GPT2, "add_cross_attention": True}, "GPT2LMHeadModel: add_cross_attention=True"),
+    ({**GPT2, "activation_function": "mish"}, "GPT2LMHeadModel: activation 'mish' is not supported"),
+    ({**OPT, "enable_bias": False}, "OPTForCausalLM: enable_bias=False is not supported"),
+    ({**OPT, "layer_norm_elementwise_affine": False}, "OPTForCausalLM: layer_norm_elementwise_affine=False"),
+    ({k: v for k, v in GPT2.items() if k != "n_embd"}, "GPT2LMHeadModel: config.json lacks 'n_embd'"),
+    ({k: v for k, v in OPT.items() if k != "ffn_dim"}, "OPTForCausalLM: config.json lacks 'ffn_dim'"),
+])
+def test_family_specific_refusals_name_the_field(cfg: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(cfg)
 
 
@@ -42,13 +65,13 @@ def test_no_architectures_entry() -> None:
         ModelConfig.from_hf_dict({k: v for k, v in LLAMA.items() if k != "architectures"})
 
 
-def test_a_gpt2_folder_fails_clearly_in_llm(tmp_path) -> None:
-    """What a vLLM user meets who tries its quick-start model `gpt2` here."""
+def test_an_unsupported_folder_fails_clearly_in_llm(tmp_path) -> None:
+    """What a user meets who points LLM at a family this engine does not implement."""
     from jaxengine import LLM
 
-    (tmp_path / "config.json").write_text(json.dumps(GPT2))
-    save_file({"wte.weight": np.zeros((4, 4), np.float32)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'"):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["Gemma2ForCausalLM"]}))
+    save_file({"model.embed_tokens.weight": np.zeros((4, 4), np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="unsupported model architecture 'Gemma2ForCausalLM'"):
         LLM(str(tmp_path), skip_tokenizer_init=True)
 
 

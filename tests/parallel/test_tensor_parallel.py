@@ -140,7 +140,8 @@ def test_plan_model_config_has_rules_for_every_parameter(arch):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxengine.models.loader import FUSED, abstract_model
+    from jaxengine.models.loader import abstract_model
+    from jaxengine.models.weights import FUSED
     from jaxengine.sharding import LOGICAL_AXES
 
     # Qwen2 adds q/k/v biases, Qwen3 q/k norms
@@ -151,9 +152,33 @@ def test_plan_model_config_has_rules_for_every_parameter(arch):
     names = lambda c: {str(p[-1]) for p, _ in nnx.to_flat_state(abstract_model(c, jnp.bfloat16)[1])}
     assert names(split) <= set(LOGICAL_AXES)
     fused = names(cfg)
-    assert fused - set(LOGICAL_AXES) == set(FUSED)
-    assert {part for parts, _ in FUSED.values() for part in parts} == names(split) - fused
+    fused_here = fused - set(LOGICAL_AXES)
+    assert fused_here and fused_here <= set(FUSED)
+    assert {part for f in fused_here for part in FUSED[f][0]} == names(split) - fused
     for p, _ in nnx.to_flat_state(abstract_model(split, jnp.bfloat16)[1]):
+        plan.param_sharding(p)
+
+
+@pytest.mark.parametrize("hf", [
+    dict(architectures=["GPT2LMHeadModel"], vocab_size=512, n_embd=64, n_layer=1, n_head=4, n_positions=128),
+    dict(architectures=["OPTForCausalLM"], vocab_size=512, hidden_size=64, ffn_dim=128, num_hidden_layers=1,
+         num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=32, do_layer_norm_before=False),
+], ids=["gpt2", "opt"])
+def test_learned_position_families_have_rules_for_every_parameter(hf):
+    """GPT-2 and OPT under a plan: every parameter (biases, LayerNorms, positions, OPT's
+    projections) named in the rules table, and each gets a sharding."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxengine.models.loader import abstract_model
+    from jaxengine.sharding import LOGICAL_AXES
+
+    cfg = ModelConfig.from_hf_dict(hf)
+    plan = make_plan(cfg, 1)
+    split = plan.model_config(cfg)
+    state = abstract_model(split, jnp.float32)[1]
+    assert {str(p[-1]) for p, _ in nnx.to_flat_state(state)} <= set(LOGICAL_AXES)
+    for p, _ in nnx.to_flat_state(state):
         plan.param_sharding(p)
 
 

@@ -1,0 +1,91 @@
+"""Checkpoint-name tables: how each family's tensors become its parameters.
+
+A family lists `WeightRule`s: a regular expression over the Hugging Face tensor name (the first
+group, when there is one, is the layer index) and the parameters the tensor fills, each with a
+layout transform from the checkpoint's layout to the model's. One tensor may fill several
+parameters (GPT-2's fused `c_attn` fills q, k and v); the loader fuses parts back together where
+the model holds them fused (`FUSED`). Every shape is checked by the loader, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+import numpy as np
+
+from jaxengine.models.config import ModelConfig
+
+Path = tuple[str | int, ...]
+Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRule:
+    pattern: str  # regex over the whole tensor name; group 1, if any, is the layer index
+    targets: tuple[tuple[Path, Transform], ...]  # (parameter path, below the layer when indexed; transform)
+
+    @property
+    def compiled(self) -> re.Pattern:
+        return _compile(self.pattern)
+
+
+def rule(pattern: str, path: Path, transform: Transform) -> WeightRule:
+    """A tensor that fills one parameter."""
+    return WeightRule(pattern, ((path, transform),))
+
+
+_CACHE: dict[str, re.Pattern] = {}
+
+
+def _compile(pattern: str) -> re.Pattern:
+    if pattern not in _CACHE:
+        _CACHE[pattern] = re.compile(pattern + r"$")
+    return _CACHE[pattern]
+
+
+# Parameters a model holds fused when ModelConfig.fused_projections (one matmul instead of several;
+# split under tensor parallelism, and jaxengine.sharding has rules for the parts only):
+# fused name -> (its parts, in order; the axis they are concatenated along).
+FUSED: dict[str, tuple[tuple[str, ...], int]] = {
+    "qkv_proj": (("q_proj", "k_proj", "v_proj"), 1),  # [D, N + 2K, H]
+    "gate_up_proj": (("gate_proj", "up_proj"), 1),  # [D, 2F]
+}
+
+
+# -- layout transforms: Hugging Face layout -> ours ---------------------------------------------
+def same(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    return w
+
+
+def transpose(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """torch Linear [out, in] -> ours [in, out]."""
+    return w.T
+
+
+def heads_in(n_attr: str) -> Transform:
+    """Linear [heads*H, D] -> ours [D, heads, H]."""
+    def f(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+        return w.T.reshape(c.hidden_size, getattr(c, n_attr), c.head_dim)
+    return f
+
+
+def heads_bias(n_attr: str) -> Transform:
+    return lambda b, c: b.reshape(getattr(c, n_attr), c.head_dim)
+
+
+def kv_heads_in(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """Linear [K*H, D] -> ours [D, K * replicas, H], each KV head repeated in place."""
+    w = w.T.reshape(c.hidden_size, c.checkpoint_kv_heads, c.head_dim)
+    return np.repeat(w, c.kv_head_replicas, axis=1) if c.kv_head_replicas > 1 else w
+
+
+def kv_heads_bias(b: np.ndarray, c: ModelConfig) -> np.ndarray:
+    b = b.reshape(c.checkpoint_kv_heads, c.head_dim)
+    return np.repeat(b, c.kv_head_replicas, axis=0) if c.kv_head_replicas > 1 else b
+
+
+def o_proj(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """Linear [D, N*H] -> ours [N, H, D]."""
+    return w.T.reshape(c.num_heads, c.head_dim, c.hidden_size)
