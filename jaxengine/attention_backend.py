@@ -10,8 +10,9 @@ which kernel runs, and the kernels know nothing of the engine's names.
 What each name runs:
   "auto"           the Pallas GPU kernels on an NVIDIA GPU of sm_80+ (with the Mosaic GPU
                    prefill kernel on Hopper for calls of gpu_backend.MOSAIC_PREFILL_MIN_TOKENS+
-                   token rows, the Triton kernels elsewhere); `ragged_paged_attention_cpu` on the
-                   CPU; the jnp reference anywhere else
+                   token rows, the Triton kernels elsewhere and for a model outside its scope:
+                   head size, group size, a window or a soft cap on any layer);
+                   `ragged_paged_attention_cpu` on the CPU; the jnp reference anywhere else
   "pallas-mosaic"  the same GPU kernels as "auto"; the jnp reference off supported GPUs
   "pallas"         the Triton-lowered GPU kernels only; the jnp reference off supported GPUs
   "reference"      the jnp reference everywhere
@@ -102,26 +103,35 @@ def select_attention_backend(name: str, model_config: ModelConfig, dtype: jnp.dt
                              mesh: Mesh | None = None) -> AttentionBackend:
     """The backend `name` (config.ATTENTION_BACKENDS) runs on this machine for this model.
 
-    `model_config`, `dtype` and `block_size` only shape the description: whether the Mosaic
-    prefill kernel applies to the model at all (its head size, group size, window). `mesh`: the
-    tensor-parallel mesh, or None on one device.
+    `model_config`, `dtype` and `block_size` decide whether the Mosaic prefill kernel applies to
+    the model at all (its head size, group size, any layer's window or soft cap): where it does
+    not, the Triton kernels run every call. `mesh`: the tensor-parallel mesh, or None on one device.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     platform = jax.default_backend()
     if name in ("pallas", "pallas-mosaic") or (name == "auto" and platform == "gpu"):
         kernel = gpu_backend.get_kernel(mosaic_prefill=name in ("auto", "pallas-mosaic"))
+        if kernel is not None and not _mosaic_applies(kernel, model_config, dtype, block_size):
+            # No layer of this model runs the Mosaic prefill kernel, not even the global layers of
+            # a model whose windows or soft cap are on some layers only (Gemma 3's 1 in 6).
+            kernel = gpu_backend.get_kernel(mosaic_prefill=False)
+            return AttentionBackend(name, f"{_name(kernel)} (the Mosaic prefill kernel does not apply)", kernel, mesh)
         if kernel is not None:
-            return AttentionBackend(name, _kernel_description(kernel, model_config, dtype, block_size), kernel, mesh)
+            return AttentionBackend(name, _name(kernel), kernel, mesh)
     if name == "auto" and platform == "cpu":
         return AttentionBackend(name, "ragged_paged_attention_cpu", ragged_paged_attention_cpu, mesh)
     return AttentionBackend(name, "jnp reference", ragged_paged_attention_reference, mesh)
 
 
-def _kernel_description(kernel: AttentionFn, mc: ModelConfig, dtype: jnp.dtype, block_size: int) -> str:
-    description = getattr(kernel, "__name__", "pallas kernel")
+def _name(kernel: AttentionFn) -> str:
+    return getattr(kernel, "__name__", "pallas kernel")
+
+
+def _mosaic_applies(kernel: AttentionFn, mc: ModelConfig, dtype: jnp.dtype, block_size: int) -> bool:
+    """Whether the kernel's Mosaic prefill path serves this model at all: its head size, group
+    size, window (`sliding_window`: any layer's) and soft cap (`attention_soft_cap`: any layer's).
+    True for a kernel without that path (nothing to avoid)."""
     applies = getattr(kernel, "mosaic_applies", None)
-    if applies is not None and not applies(dtype, mc.head_dim, mc.num_heads // mc.num_kv_heads, block_size,
-                                           mc.sliding_window):
-        return "ragged_paged_attention_gpu (the Mosaic prefill kernel does not apply)"
-    return description
+    return applies is None or applies(dtype, mc.head_dim, mc.num_heads // mc.num_kv_heads, block_size,
+                                      mc.sliding_window, mc.attention_soft_cap)

@@ -26,7 +26,7 @@ class EngineConfig:
     tokenizer: str | None = None
     revision: str | None = None
     dtype: str = "auto"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (longrope: its original context)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: 8192 on accelerators, 512 on CPU
     block_size: int = 16

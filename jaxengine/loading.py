@@ -52,6 +52,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     enable_compilation_cache(config.compilation_cache_dir)
     model_config, ckpt, tokenizer = _open_model(config)
     config = derive_config(config, model_config)
+    model_config = model_config.with_max_model_len(config.max_model_len)  # longrope: short or long factors
+    if model_config.rope_scaling is not None and model_config.rope_scaling.rope_type == "longrope":
+        logger.info("longrope: %s factors at every position (max_model_len %d, original context %d)",
+                    "long" if model_config.rope_scaling.long_context else "short", config.max_model_len,
+                    model_config.rope_scaling.original_max_position_embeddings)
     dtype = resolve_dtype(config.dtype, model_config)
     if jax.process_count() > 1 and config.tensor_parallel_size != jax.device_count():
         raise ValueError(f"across {jax.process_count()} processes, tensor_parallel_size must span every device "
@@ -103,7 +108,7 @@ def _open_model(config: EngineConfig):
 
 def derive_config(config: EngineConfig, mc: ModelConfig) -> EngineConfig:
     """The config with the model's context length and the platform's token budget filled in."""
-    max_len = config.max_model_len or mc.max_position_embeddings
+    max_len = config.max_model_len or mc.default_max_model_len  # longrope: its original context, as in vLLM
     if max_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                          f"{mc.max_position_embeddings}")

@@ -25,9 +25,18 @@ class RopeScaling:
     "dynamic": NTK-aware base scaling, fixed at the scaled maximum length (as vLLM computes it);
     "yarn": NTK-by-parts interpolation between `beta_fast` and `beta_slow` rotations, with cos
     and sin scaled by the attention factor.
+    "longrope" (Phi-3's; "su" is its older name): every frequency divided by its own factor, from
+    `short_factor` or `long_factor`, cos and sin scaled by the attention factor. transformers picks
+    the list per forward pass by the sequence's length (re-computing the whole cache when a
+    sequence grows past `original_max_position_embeddings`); vLLM picks it once, by the engine's
+    max_model_len, so that every key in the cache keeps its rotation. This engine does as vLLM:
+    `long_context` (set by `ModelConfig.with_max_model_len`) is True when max_model_len exceeds
+    `original_max_position_embeddings`, and every position then uses the long factors; the
+    default max_model_len of a longrope model is `original_max_position_embeddings` (short
+    factors: transformers' numbers for every sequence that fits), as in vLLM.
     """
 
-    rope_type: str  # "llama3" | "linear" | "dynamic" | "yarn"
+    rope_type: str  # "llama3" | "linear" | "dynamic" | "yarn" | "longrope"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -39,9 +48,15 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # longrope only (attention_factor above too; None: from factor, unless a list's mscale is given)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    short_mscale: float | None = None
+    long_mscale: float | None = None
+    long_context: bool = False  # long_factor at every position (max_model_len > original)
 
 
-ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope", "su")
 
 
 def _rope_scaling(rs: Mapping, arch: str, max_pos: int) -> RopeScaling | None:
@@ -52,6 +67,8 @@ def _rope_scaling(rs: Mapping, arch: str, max_pos: int) -> RopeScaling | None:
     if rtype not in ROPE_TYPES:
         raise ValueError(f"{arch}: rope_scaling type {rtype!r} is not supported (supported: "
                          f"{', '.join(t for t in ROPE_TYPES if t != 'default')})")
+    if rtype in ("longrope", "su"):
+        return _longrope(rs, arch, max_pos)
     factor = rs.get("factor")
     if factor is None and rtype == "yarn" and rs.get("original_max_position_embeddings"):
         factor = max_pos / float(rs["original_max_position_embeddings"])
@@ -69,6 +86,20 @@ def _rope_scaling(rs: Mapping, arch: str, max_pos: int) -> RopeScaling | None:
                            attention_factor=opt("attention_factor"), mscale=opt("mscale"),
                            mscale_all_dim=opt("mscale_all_dim"), truncate=bool(rs.get("truncate", True)))
     return RopeScaling(rtype, float(factor), original_max_position_embeddings=max_pos)
+
+
+def _longrope(rs: Mapping, arch: str, max_pos: int) -> RopeScaling:
+    """A longrope entry: both factor lists and the original context are required; `factor`
+    defaults to max_position_embeddings / original_max_position_embeddings (as in transformers)."""
+    for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        if not rs.get(key):
+            raise ValueError(f"{arch}: rope_scaling of type 'longrope' needs {key!r}")
+    original = int(rs["original_max_position_embeddings"])
+    opt = lambda k: float(rs[k]) if rs.get(k) is not None else None  # noqa: E731
+    return RopeScaling("longrope", opt("factor") or max_pos / original, original_max_position_embeddings=original,
+                       attention_factor=opt("attention_factor"), short_factor=tuple(map(float, rs["short_factor"])),
+                       long_factor=tuple(map(float, rs["long_factor"])), short_mscale=opt("short_mscale"),
+                       long_mscale=opt("long_mscale"))
 
 
 def hf_field(cfg: Mapping, key: str) -> object:
@@ -98,6 +129,10 @@ def hf_rope(cfg: Mapping, arch: str, max_pos: int) -> tuple[float, RopeScaling |
         rope_theta = rope_params.get("rope_theta", rope_theta)
         if rope_params.get("rope_type", "default") != "default" and not rs:
             rs = rope_params
+    longrope = rs and (rs.get("rope_type") or rs.get("type")) in ("longrope", "su")
+    if longrope and cfg.get("original_max_position_embeddings"):
+        # Phi-3 states the original context beside max_position_embeddings; it wins (as in transformers)
+        rs = {**rs, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
     return float(rope_theta if rope_theta is not None else 10000.0), (_rope_scaling(rs, arch, max_pos) if rs else None)
 
 
@@ -105,6 +140,8 @@ def scaled_max_positions(max_pos: int, scaling: RopeScaling | None) -> int:
     """The context a scaled rope serves, as vLLM derives it: yarn stretches its original length by
     `factor`, linear and dynamic the config's; llama3 configs already state the long length."""
     if scaling is None or scaling.rope_type == "llama3":
+        return max_pos
+    if scaling.rope_type == "longrope":  # the config's max_position_embeddings is the long context
         return max_pos
     base = scaling.original_max_position_embeddings if scaling.rope_type == "yarn" else max_pos
     return max(max_pos, int(base * scaling.factor))
@@ -128,6 +165,8 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     sliding_window: int | None = None
+    # Rotary positions turn only the first int(H * factor) dimensions of each head (Phi-4-mini: 0.75).
+    partial_rotary_factor: float = 1.0
     torch_dtype: str = "float32"
     hidden_act: str = "silu"  # the MLP's activation (HF names: silu, gelu, gelu_new, relu, ...)
     bos_token_id: int | None = None
@@ -150,6 +189,39 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads}")
         if self.torch_dtype not in _DTYPE_NAMES:
             raise ValueError(f"model config: unsupported torch_dtype {self.torch_dtype!r}")
+        rd = self.rotary_dim
+        if self.partial_rotary_factor != 1.0 and not (0 < rd <= self.head_dim and rd % 2 == 0):
+            raise ValueError(f"{self.architecture}: partial_rotary_factor={self.partial_rotary_factor} gives "
+                             f"{self.rotary_dim} rotary dimensions of head_dim={self.head_dim} (needs an even number)")
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(rs, name)) != self.rotary_dim // 2:
+                    raise ValueError(f"{self.architecture}: rope_scaling {name} has {len(getattr(rs, name))} "
+                                     f"entries; the {self.rotary_dim} rotary dimensions need {self.rotary_dim // 2}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def default_max_model_len(self) -> int:
+        """The context the engine serves when max_model_len is not given: max_position_embeddings,
+        except for longrope, whose default is its original context (vLLM's: short factors, no
+        degradation on the lengths most requests have; a larger max_model_len selects the long ones)."""
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "longrope":
+            return min(rs.original_max_position_embeddings, self.max_position_embeddings)
+        return self.max_position_embeddings
+
+    def with_max_model_len(self, max_model_len: int) -> "ModelConfig":
+        """The model as an engine of this context length builds it: longrope's factor list is
+        chosen once, by the context (RopeScaling), so cached keys never change rotation."""
+        rs = self.rope_scaling
+        if rs is None or rs.rope_type != "longrope":
+            return self
+        long = max_model_len > rs.original_max_position_embeddings
+        return dataclasses.replace(self, rope_scaling=dataclasses.replace(rs, long_context=long))
 
     @property
     def checkpoint_kv_heads(self) -> int:
@@ -163,6 +235,12 @@ class ModelConfig:
     def with_split_projections(self) -> "ModelConfig":
         """The same model with q/k/v and gate/up as separate parameters (for tensor parallelism)."""
         return dataclasses.replace(self, fused_projections=False)
+
+    @property
+    def attention_soft_cap(self) -> float | None:
+        """The tanh cap on attention scores where some layer has one (Gemma 2; a family's config
+        overrides this), read by the attention kernel choice as `sliding_window` is."""
+        return None
 
     @property
     def q_per_kv(self) -> int:

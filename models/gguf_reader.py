@@ -6,6 +6,7 @@ Three translations happen here so that nothing downstream knows about GGUF:
 - values: quantized blocks are dequantized to float32 with ``gguf.quants.dequantize``, and for
   llama-architecture files the rotary permutation that llama.cpp's converter applies to the q and
   k projections is undone (HF applies rotary embeddings to halves, llama.cpp to adjacent pairs);
+  Gemma 3's norm scales, which llama.cpp stores as 1 + weight, are shifted back;
 - config: the ``config.json`` dict is rebuilt from the GGUF metadata.
 
 The numpy arrays the ``gguf`` reader returns are already row-major in HF order (``[out, in]``):
@@ -39,6 +40,7 @@ _ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -48,6 +50,11 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 names its four norms per layer as llama.cpp's Gemma converters do: the pre-MLP norm is
+# ffn_norm (Llama's post_attention_layernorm), and the post-attention / post-MLP norms are their own.
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
 # Meta's Llama 3.1/3.2/3.3 rope scaling, which llama.cpp stores only as a rope_freqs tensor.
@@ -58,12 +65,13 @@ _tokenizer_cache: dict[tuple[str, int, int], "PreTrainedTokenizerBase"] = {}
 _tokenizer_lock = threading.Lock()
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """HF parameter name of a llama.cpp tensor, or None when it has no HF counterpart."""
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     if m := _LAYER_TENSOR.match(name):
         layer, kind, suffix = m.groups()
-        if kind in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+        if kind in names:
+            return f"model.layers.{layer}.{names[kind]}.{suffix}"
     elif (m := _GLOBAL_TENSOR.match(name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     return None
@@ -99,7 +107,7 @@ class GGUFCheckpoint(Checkpoint):
         self._tensors: dict[str, "gguf.ReaderTensor"] = {}  # HF name (or GGUF name) -> tensor
         extra: list[str] = []
         for t in self._reader.tensors:
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, arch)
             if hf is None and t.name != "rope_freqs.weight":
                 extra.append(t.name)
             self._tensors[hf or t.name] = t
@@ -165,7 +173,26 @@ class GGUFCheckpoint(Checkpoint):
                 cfg[f"{key}_token_id"] = int(tok_id)
         if rope_scaling := self._rope_scaling():
             cfg["rope_scaling"] = rope_scaling
+        if self._arch == "gemma3":
+            cfg.update(self._gemma3_config(cfg))
         return cfg
+
+    def _gemma3_config(self, cfg: dict) -> dict:
+        """What llama.cpp's loader fixes for Gemma 3 rather than reads (llama-model.cpp): every 6th
+        layer global, or all of them when no window is stored; local layers with rope base 10000,
+        unscaled (rope.freq_base and any rope scaling are the global layers'); scores scaled by
+        head_dim^-0.5, except the 27B (62 layers): (hidden / heads)^-0.5, its query_pre_attn_scalar."""
+        window = int(self._arch_value("attention.sliding_window", 0) or 0)
+        layers = cfg["num_hidden_layers"]
+        extra: dict = {"sliding_window": window or None, "sliding_window_pattern": 6,
+                       "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
+                       "query_pre_attn_scalar": (cfg["hidden_size"] // cfg["num_attention_heads"]
+                                                 if layers == 62 else cfg["head_dim"])}
+        if not window:
+            extra["layer_types"] = ["full_attention"] * layers
+        if cap := self._arch_value("final_logit_softcapping"):  # 0: none
+            extra["final_logit_softcapping"] = float(cap)
+        return extra
 
     def _rope_scaling(self) -> dict | None:
         kind = self._arch_value("rope.scaling.type")
@@ -233,6 +260,8 @@ class GGUFCheckpoint(Checkpoint):
         if _ARCHITECTURES[self._arch][2] and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
             w = unpermute_rotary(w, self.hf_config[key])
+        if self._arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + weight) norm scales
         return np.ascontiguousarray(w)
 
     # ---- tokenizer and generation defaults -------------------------------------------------

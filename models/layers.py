@@ -78,6 +78,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return (1.0 / (base ** exponents)).astype(np.float32), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if kind == "longrope":
+        return _longrope_inv_freq(head_dim, theta, scaling)
     # llama3: long wavelengths divided by factor, short kept, a smooth ramp between.
     low_wl = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wl = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -120,14 +122,33 @@ def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, 
     return inv.astype(np.float32), float(attention)
 
 
+def _longrope_inv_freq(dim: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, float]:
+    """LongRoPE (Phi-3): frequency i divided by its own factor, from the long list when the
+    engine's context exceeds the original one (`s.long_context`, fixed per engine: see
+    RopeScaling), else the short list; cos and sin scaled by sqrt(1 + ln(factor) / ln(original))
+    unless the config states the attention factor (or vLLM's short_mscale / long_mscale)."""
+    ext = np.asarray(s.long_factor if s.long_context else s.short_factor, np.float64)
+    assert ext.shape == (dim // 2,), (ext.shape, dim)  # ModelConfig checks the lengths
+    inv = 1.0 / (ext * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    mscale = s.long_mscale if s.long_context else s.short_mscale
+    if mscale is None:
+        mscale = s.attention_factor
+    if mscale is None:
+        mscale = 1.0 if s.factor <= 1.0 else math.sqrt(
+            1 + math.log(s.factor) / math.log(s.original_max_position_embeddings))
+    return inv.astype(np.float32), float(mscale)
+
+
 class RotaryEmbedding(nnx.Module):
-    """Rotate-half RoPE as in the Hugging Face Llama implementation."""
+    """Rotate-half RoPE as in the Hugging Face Llama implementation, over the first
+    `cfg.rotary_dim` dimensions of each head (all of them unless partial_rotary_factor < 1)."""
 
     def __init__(self, cfg: ModelConfig):
         # Config-derived constants, not parameters: plain Python values, so they are static.
-        inv, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        inv, scale = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_dim = cfg.rotary_dim
         self.inv_freq = tuple(float(f) for f in inv)
-        self.scale = scale  # cos and sin are multiplied by it (yarn's attention factor)
+        self.scale = scale  # cos and sin are multiplied by it (yarn's and longrope's attention factor)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x [T, heads, H], positions [T] -> x rotated."""
@@ -137,8 +158,10 @@ class RotaryEmbedding(nnx.Module):
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
         xf = x.astype(jnp.float32)
-        x1, x2 = jnp.split(xf, 2, axis=-1)
-        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        rot, rest = xf[..., :self.rotary_dim], xf[..., self.rotary_dim:]  # rest: passed through (partial rotary)
+        x1, x2 = jnp.split(rot, 2, axis=-1)
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin] + ([rest] if rest.shape[-1] else [])
+        out = jnp.concatenate(parts, axis=-1)
         return out.astype(x.dtype)
 
 

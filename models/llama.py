@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3 (flags in ModelConfig).
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3 (flags in ModelConfig),
+and by Phi-3, whose config parser and checkpoint table are models/phi3.py.
 
 Legend: T tokens, D model, V vocab. The forward takes the paged KV caches (one (k, v) pair per
 layer) and returns them updated, so the compiled step can donate them. It also takes the engine's

@@ -24,4 +24,21 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 8192, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
         "bos_token_id": 1, "eos_token_id": 2,
     },
+    # microsoft/Phi-3-mini-4k-instruct's config.json shape
+    "phi-3-mini": {
+        "architectures": ["Phi3ForCausalLM"], "vocab_size": 32064, "hidden_size": 3072,
+        "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "sliding_window": 2047,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 32000,
+    },
+    # google/gemma-2-9b's config.json shape: even layers local (window 4096), odd global, both soft caps
+    "gemma-2-9b": {
+        "architectures": ["Gemma2ForCausalLM"], "vocab_size": 256000, "hidden_size": 3584,
+        "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": [1, 107],
+    },
 }

@@ -13,6 +13,8 @@ from typing import Callable, Mapping
 from flax import nnx
 
 from jaxengine.models import gpt2, llama, opt
+from jaxengine.models import phi3
+from jaxengine.models import gemma
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.weights import WeightRule
 
@@ -31,8 +33,11 @@ _REGISTRY: dict[str, Family] = {
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
+    "Phi3ForCausalLM": Family(phi3.ForCausalLM, phi3.config_from_hf, phi3.WEIGHTS, phi3.IGNORED),
     "GPT2LMHeadModel": Family(gpt2.GPT2LMHeadModel, gpt2.config_from_hf, gpt2.WEIGHTS, gpt2.IGNORED),
     "OPTForCausalLM": Family(opt.OPTForCausalLM, opt.config_from_hf, opt.WEIGHTS),
+    "Gemma2ForCausalLM": Family(gemma.ForCausalLM, gemma.config_from_hf, gemma.WEIGHTS),
+    "Gemma3ForCausalLM": Family(gemma.ForCausalLM, gemma.config_from_hf, gemma.WEIGHTS),
 }
 
 

@@ -24,6 +24,18 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
     "qwen2-yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+    # Phi-3: fused qkv_proj / gate_up_proj tensors; Phi-3-mini-4k's sliding window, shrunk so prompts pass it.
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(sliding_window=24)),
+    # Phi-3.5-mini's longrope over an original context of 64 positions (head_dim 16: 8 factors a list).
+    "phi3-longrope": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        original_max_position_embeddings=64, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0], "original_max_position_embeddings": 64})),
+    # Phi-4-mini's shape: longrope on the first 3/4 of each head only (6 factors a list), tied embeddings.
+    "phi4-mini": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        original_max_position_embeddings=64, partial_rotary_factor=0.75, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0], "original_max_position_embeddings": 64})),
     # Learned positions, LayerNorm, biases; the hidden_size-style names map onto GPT-2's n_embd, ...
     "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel, dict(num_key_value_heads=4)),
     "gpt2-tied": (transformers.GPT2Config, transformers.GPT2LMHeadModel, dict(
@@ -34,7 +46,20 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
     "opt-post-ln": (transformers.OPTConfig, transformers.OPTForCausalLM, dict(
         num_key_value_heads=4, ffn_dim=128, tie_word_embeddings=True, do_layer_norm_before=False,
         word_embed_proj_dim=32)),
+    # Gemma 2: a window of 8 (prompts run past it), both soft caps small enough to bite, a score
+    # scale other than head_dim's; layer 0 local, layer 1 global.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0, tie_word_embeddings=True)),
+    # Gemma 3 text: q/k norms, its own local rope base, linear scaling on the global layers only.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        rope_theta=10000.0, rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+        tie_word_embeddings=True)),
 }
+# Families whose norm weights are random too (Gemma's zero-initialised (1 + weight) norms would
+# otherwise leave the weight untested).
+RANDOM_NORMS = {"gemma2", "gemma3"}
 
 
 def make_checkpoint(family: str, path: str, *, seed: int = 0, tokenizer=None, num_layers: int = 2,
@@ -53,6 +78,8 @@ def make_checkpoint(family: str, path: str, *, seed: int = 0, tokenizer=None, nu
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+            elif family in RANDOM_NORMS and name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     if tokenizer is not None:

@@ -76,6 +76,43 @@ def test_names_pick_the_mosaic_prefill_on_hopper(monkeypatch):
     assert select_attention_backend("reference", LLAMA3_8B, jnp.bfloat16, 16).description == "jnp reference"
 
 
+def test_gemma_never_gets_the_mosaic_prefill(monkeypatch):
+    """A window on some layers only (Gemma 3's local layers) or a soft cap (Gemma 2's) keeps every
+    layer of the model on the Triton kernels, even with a head size and group size the Mosaic
+    prefill kernel serves (128, 2); the same model with only global layers and no cap gets it."""
+    from jaxengine.pallas_kernels import ragged_paged_attention_gpu as rpa_gpu
+
+    calls = []
+
+    def ragged_paged_attention_gpu(q, *args, **kwargs):  # stands in for the kernel, by its name
+        calls.append(kwargs.get("prefill", "triton"))
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(
+        compute_capability="9.0", core_count=132, device_kind="H100")])
+    monkeypatch.setattr(rpa_gpu, "ragged_paged_attention_gpu", ragged_paged_attention_gpu)
+    shape = dict(PRESETS["gemma-2-9b"], head_dim=128, num_hidden_layers=6)
+    all_global = ["full_attention"] * 6
+    gemma3 = dict(shape, architectures=["Gemma3ForCausalLM"], attn_logit_softcapping=None, sliding_window_pattern=6)
+    configs = {
+        "gemma2": ModelConfig.from_hf_dict(shape),
+        "gemma2, soft cap only": ModelConfig.from_hf_dict(dict(shape, layer_types=all_global)),
+        "gemma3": ModelConfig.from_hf_dict(gemma3),
+        "gemma3, global layers only": ModelConfig.from_hf_dict(dict(gemma3, layer_types=all_global)),
+    }
+    assert configs["gemma3"].layer_types.count("sliding_attention") == 5
+    q = jax.ShapeDtypeStruct((gpu_backend.MOSAIC_PREFILL_MIN_TOKENS, 16, 128), jnp.bfloat16)
+    described = {}
+    for name, cfg in configs.items():
+        backend = select_attention_backend("auto", cfg, jnp.bfloat16, 16)
+        backend.fn(q, None, None, None, None, None, None, sm_scale=0.1)
+        described[name] = backend.description
+    no = "ragged_paged_attention_gpu (the Mosaic prefill kernel does not apply)"
+    assert described == {"gemma2": no, "gemma2, soft cap only": no, "gemma3": no,
+                         "gemma3, global layers only": "ragged_paged_attention_gpu_mosaic_prefill"}
+    assert calls == ["triton", "triton", "triton", "auto"]
+
+
 def _step(rng: np.random.Generator):
     """A ragged batch, this step's new K/V [T, K, H] and the metadata writing them to free slots."""
     b = make_batch(rng, q_lens=[1, 9, 4], ctx_lens=[20, 0, 7], num_heads=8, num_kv_heads=2, head_dim=16,

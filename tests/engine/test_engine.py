@@ -56,7 +56,8 @@ def assert_close_greedy(ours, ref_toks: list[int], ref_logprobs: np.ndarray, k: 
     assert len(got) == len(ref_toks)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral", "gpt2", "opt-post-ln"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral", "gpt2", "opt-post-ln",
+                                        "gemma2", "gemma3"])
 def family_llm(request, tiny_model_factory, xla_cache_dir):
     path = tiny_model_factory(request.param)
     return request.param, path, make_llm(path, xla_cache_dir)

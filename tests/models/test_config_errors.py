@@ -21,9 +21,13 @@ GPT2 = dict(architectures=["GPT2LMHeadModel"], vocab_size=50257, n_embd=768, n_l
 OPT = dict(architectures=["OPTForCausalLM"], vocab_size=50272, hidden_size=768, ffn_dim=3072,
            num_hidden_layers=12, num_attention_heads=12, word_embed_proj_dim=768, max_position_embeddings=2048,
            do_layer_norm_before=True, activation_function="relu")
+PHI3 = dict(architectures=["Phi3ForCausalLM"], vocab_size=1000, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
+            original_max_position_embeddings=64)
+LONGROPE = dict(type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8)  # head_dim 16: 8 factors
 
 
-@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Phi3ForCausalLM", "NoSuchForCausalLM"])
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "NoSuchForCausalLM"])
 def test_unsupported_architecture_is_named(arch: str) -> None:
     with pytest.raises(ValueError, match=f"unsupported model architecture '{arch}'; supported: .*LlamaForCausalLM"):
         ModelConfig.from_hf_dict({**LLAMA, "architectures": [arch]})
@@ -46,6 +50,16 @@ def test_vllm_quick_start_configs_parse() -> None:
     ({**OPT, "layer_norm_elementwise_affine": False}, "OPTForCausalLM: layer_norm_elementwise_affine=False"),
     ({k: v for k, v in GPT2.items() if k != "n_embd"}, "GPT2LMHeadModel: config.json lacks 'n_embd'"),
     ({k: v for k, v in OPT.items() if k != "ffn_dim"}, "OPTForCausalLM: config.json lacks 'ffn_dim'"),
+    # transformers reads a Phi-3 "yarn" as longrope, vLLM as YaRN: refused, as is any other type
+    ({**PHI3, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "Phi3ForCausalLM: rope_scaling type 'yarn'"),
+    ({**PHI3, "rope_scaling": {"type": "linear", "factor": 2.0}}, "Phi3ForCausalLM: rope_scaling type 'linear'"),
+    ({**PHI3, "hidden_act": "gelu_new"}, "Phi3ForCausalLM: hidden_act 'gelu_new' is not supported"),
+    ({**PHI3, "rope_scaling": {k: v for k, v in LONGROPE.items() if k != "long_factor"}},
+     "Phi3ForCausalLM: rope_scaling of type 'longrope' needs 'long_factor'"),
+    ({**PHI3, "rope_scaling": {**LONGROPE, "short_factor": [1.0] * 3}},
+     "Phi3ForCausalLM: rope_scaling short_factor has 3 entries; the 16 rotary dimensions need 8"),
+    ({**PHI3, "partial_rotary_factor": 0.1}, "Phi3ForCausalLM: partial_rotary_factor=0.1 gives 1 rotary dimensions"),
+    ({k: v for k, v in PHI3.items() if k != "hidden_size"}, "Phi3ForCausalLM: config.json lacks 'hidden_size'"),
 ])
 def test_family_specific_refusals_name_the_field(cfg: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -69,9 +83,9 @@ def test_an_unsupported_folder_fails_clearly_in_llm(tmp_path) -> None:
     """What a user meets who points LLM at a family this engine does not implement."""
     from jaxengine import LLM
 
-    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["Gemma2ForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["MixtralForCausalLM"]}))
     save_file({"model.embed_tokens.weight": np.zeros((4, 4), np.float32)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="unsupported model architecture 'Gemma2ForCausalLM'"):
+    with pytest.raises(ValueError, match="unsupported model architecture 'MixtralForCausalLM'"):
         LLM(str(tmp_path), skip_tokenizer_init=True)
 
 

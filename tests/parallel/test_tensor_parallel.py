@@ -132,7 +132,7 @@ def test_dummy_weights_are_made_in_their_shards():
     assert res["equal"] and res["bad"] == [] and res["split"] > 0, res
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"])
 def test_plan_model_config_has_rules_for_every_parameter(arch):
     """The model a plan shards holds q/k/v and gate/up apart (column shards of a fused weight
     would mix them), every parameter named in the rules table; without a plan the loader's fused
@@ -144,7 +144,7 @@ def test_plan_model_config_has_rules_for_every_parameter(arch):
     from jaxengine.models.weights import FUSED
     from jaxengine.sharding import LOGICAL_AXES
 
-    # Qwen2 adds q/k/v biases, Qwen3 q/k norms
+    # Qwen2 adds q/k/v biases, Qwen3 q/k norms; Phi-3 loads its fused checkpoint tensors into the same parts
     cfg = ModelConfig.from_hf_dict(dict(PRESETS["llama-3-8b"], architectures=[arch], num_hidden_layers=1))
     plan = make_plan(cfg, 1)
     split = plan.model_config(cfg)
@@ -163,7 +163,13 @@ def test_plan_model_config_has_rules_for_every_parameter(arch):
     dict(architectures=["GPT2LMHeadModel"], vocab_size=512, n_embd=64, n_layer=1, n_head=4, n_positions=128),
     dict(architectures=["OPTForCausalLM"], vocab_size=512, hidden_size=64, ffn_dim=128, num_hidden_layers=1,
          num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=32, do_layer_norm_before=False),
-], ids=["gpt2", "opt"])
+    # Gemma's four norms per layer and (Gemma 3) q/k norms: every one a replicated "weight"
+    dict(architectures=["Gemma2ForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
+         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8),
+    dict(architectures=["Gemma3ForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
+         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+         layer_types=["sliding_attention", "full_attention"]),
+], ids=["gpt2", "opt", "gemma2", "gemma3"])
 def test_learned_position_families_have_rules_for_every_parameter(hf):
     """GPT-2 and OPT under a plan: every parameter (biases, LayerNorms, positions, OPT's
     projections) named in the rules table, and each gets a sharding."""
