@@ -95,22 +95,6 @@ class RMSNorm(layers.RMSNorm):
         return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
-class MLP(layers.MLP):
-    """GeGLU: down(gelu_tanh(gate(x)) * up(x)); the gated MLP's parameters with Gemma's activation."""
-
-    def __init__(self, cfg: GemmaConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        super().__init__(cfg, dtype, rngs)
-        self.act = activation(cfg.hidden_act, cfg.architecture)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        if self.fused:
-            gate, up = jnp.split(jnp.einsum("TD,DF->TF", x, self.gate_up_proj[...]), 2, axis=-1)
-        else:
-            gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
-            up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
-        return jnp.einsum("TF,FD->TD", self.act(gate) * up, self.down_proj[...])
-
-
 class Attention(nnx.Module):
     """Grouped-query attention of one layer: its window (local layers), its rope, Gemma's scale."""
 
@@ -144,7 +128,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, layer, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(d, eps, dtype)
         self.pre_feedforward_layernorm = RMSNorm(d, eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = layers.MLP(cfg, dtype, rngs)  # GeGLU: cfg.hidden_act is the tanh GELU
         self.post_feedforward_layernorm = RMSNorm(d, eps, dtype)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache, md: AttentionMetadata,

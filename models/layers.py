@@ -166,7 +166,8 @@ class RotaryEmbedding(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)); SwiGLU with SiLU (Llama), GeGLU with the
+    tanh GELU (Gemma): cfg.hidden_act."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         """cfg.fused_projections: gate and up as one [D, 2F] parameter (gate columns first), one
@@ -180,6 +181,7 @@ class MLP(nnx.Module):
             self.gate_proj = nnx.Param(init(rngs.params(), (d, f), dtype))  # DF
             self.up_proj = nnx.Param(init(rngs.params(), (d, f), dtype))  # DF
         self.down_proj = nnx.Param(init(rngs.params(), (f, d), dtype))  # FD
+        self.act = activation(cfg.hidden_act, cfg.architecture)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.fused:
@@ -187,7 +189,7 @@ class MLP(nnx.Module):
         else:
             gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
             up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
-        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down_proj[...])
+        return jnp.einsum("TF,FD->TD", self.act(gate) * up, self.down_proj[...])
 
 
 class BiasMLP(nnx.Module):

@@ -87,6 +87,8 @@ def config_from_hf(cfg: Mapping) -> ModelConfig:
     hidden, heads = int(hf_field(cfg, "hidden_size")), int(hf_field(cfg, "num_attention_heads"))
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     theta, scaling = hf_rope(cfg, arch, max_pos)
+    rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
+    partial = cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
     use_sw = cfg.get("use_sliding_window", arch.startswith("Mistral"))
     sliding = cfg.get("sliding_window") if use_sw else None
     return ModelConfig(
@@ -106,6 +108,7 @@ def config_from_hf(cfg: Mapping) -> ModelConfig:
         attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
         qk_norm=arch.startswith("Qwen3"),
         sliding_window=int(sliding) if sliding else None,
+        partial_rotary_factor=float(partial),
         torch_dtype=hf_dtype(cfg),
         hidden_act=str(cfg.get("hidden_act", "silu")),
         bos_token_id=cfg.get("bos_token_id"),

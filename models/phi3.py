@@ -19,13 +19,14 @@ Legend: T tokens, D model, N query heads, K KV heads, H head dim, F ffn.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import numpy as np
 
 from jaxengine.models import llama
 from jaxengine.models import weights as w
-from jaxengine.models.config import ModelConfig, hf_dtype, hf_eos_ids, hf_field, hf_rope, scaled_max_positions
+from jaxengine.models.config import ModelConfig
 
 # transformers' Phi3Config accepts these rope types only ("su" and "yarn" are renamed longrope there;
 # vLLM reads "yarn" as YaRN, so a Phi-3 config saying "yarn" is refused rather than guessed).
@@ -35,7 +36,6 @@ _ROPE_TYPES = ("default", "longrope", "su")
 def config_from_hf(cfg: Mapping) -> ModelConfig:
     """Phi-3, Phi-3.5 and Phi-4-mini config.json -> ModelConfig."""
     arch = cfg["architectures"][0]
-    hidden, heads = int(hf_field(cfg, "hidden_size")), int(hf_field(cfg, "num_attention_heads"))
     rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
     rs = cfg.get("rope_scaling") or rope_params or {}
     rtype = rs.get("rope_type") or rs.get("type") or "default"
@@ -45,30 +45,13 @@ def config_from_hf(cfg: Mapping) -> ModelConfig:
     act = str(cfg.get("hidden_act", "silu"))
     if act not in ("silu", "swish"):
         raise ValueError(f"{arch}: hidden_act {act!r} is not supported (the gated MLP is SiLU)")
-    partial = cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
-    max_pos = int(cfg.get("max_position_embeddings", 4096))
-    theta, scaling = hf_rope(cfg, arch, max_pos)
+    base = llama.config_from_hf(cfg)  # no q/k/v bias, no q/k norm, no window: Phi-3 sets its own below
     sliding = cfg.get("sliding_window")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(hf_field(cfg, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(hf_field(cfg, "intermediate_size")),
-        num_layers=int(hf_field(cfg, "num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+    return dataclasses.replace(
+        base,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=scaled_max_positions(max_pos, scaling),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        sliding_window=int(sliding) if sliding and int(sliding) < max_pos else None,
-        partial_rotary_factor=float(partial),
-        torch_dtype=hf_dtype(cfg),
-        hidden_act=act,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=hf_eos_ids(cfg),
+        sliding_window=int(sliding) if sliding and int(sliding) < int(cfg.get("max_position_embeddings", 4096))
+        else None,
     )
 
 
