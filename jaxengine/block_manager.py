@@ -17,6 +17,12 @@ and goes to the END of the free list, so it is evicted last; it leaves the hash 
 it is popped for reuse (lazy eviction). A request's blocks are freed tail first, so its tail
 blocks, the least likely to be shared, are evicted before its head. Freed blocks without a
 hash go to the FRONT: reusing them loses nothing.
+
+Sliding windows. When every layer of the model attends only to the `sliding_window` most recent
+positions, a block wholly before the window of the next token to compute is never read again:
+`allocate_slots` frees it and its table entry becomes the null block (attention masks those
+positions, so what the null block holds does not matter). Models with any global layer keep
+full tables.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
 class BlockManager:
     """KV block allocation for requests, with ref-counted sharing of cached prefix blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 sliding_window: int | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -54,6 +61,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # every layer's window (None: some layer is global)
         self._ref_counts = [0] * num_blocks
         # Free blocks in eviction order: the front is handed out (and evicted) first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
@@ -143,6 +151,8 @@ class BlockManager:
             num_tokens = request.num_computed_tokens + num_new_tokens
             if num_tokens <= len(table) * bs:
                 return True  # fast path: a decode inside its last block
+            if self.sliding_window is not None:
+                self._free_outside_window(table, request.num_computed_tokens)
             num_needed = -(-num_tokens // bs) - len(table)
             if num_needed > len(self._free):
                 return False
@@ -163,7 +173,27 @@ class BlockManager:
             table.append(b)
         for _ in range(num_needed):
             table.append(self._pop_free_block())
+        if self.sliding_window is not None and new_computed_blocks:
+            self._free_outside_window(table, len(new_computed_blocks) * bs)
         return True
+
+    def _free_outside_window(self, table: list[int], first_position: int) -> None:
+        """Frees the table's blocks wholly before the window of the token at `first_position`
+        (it reads positions > first_position - sliding_window), leaving null entries."""
+        num_out = (first_position - self.sliding_window + 1) // self.block_size
+        for i in range(min(num_out, len(table))):
+            b = table[i]
+            if b == NULL_BLOCK:
+                continue
+            table[i] = NULL_BLOCK
+            self._release(b)
+
+    def _release(self, b: int) -> None:
+        self._ref_counts[b] -= 1
+        if self._ref_counts[b] == 0:
+            self._free[b] = None
+            if self._block_hash[b] is None:
+                self._free.move_to_end(b, last=False)
 
     def _pop_free_block(self) -> int:
         block, _ = self._free.popitem(last=False)
@@ -183,11 +213,8 @@ class BlockManager:
         if table is None:
             return
         for b in reversed(table):
-            self._ref_counts[b] -= 1
-            if self._ref_counts[b] == 0:
-                self._free[b] = None
-                if self._block_hash[b] is None:
-                    self._free.move_to_end(b, last=False)
+            if b != NULL_BLOCK:  # an entry a sliding window already freed
+                self._release(b)
 
     # ------------------------------------------------------------------ prefix cache
     def cache_full_blocks(self, request: Request) -> None:
@@ -213,7 +240,7 @@ class BlockManager:
             if i == len(hashes):
                 hashes.append(hash_block_tokens(hashes[-1] if i else None, tokens))
             b, h = table[i], hashes[i]
-            if self._block_hash[b] is None and h not in self._cached:
+            if b != NULL_BLOCK and self._block_hash[b] is None and h not in self._cached:
                 self._cached[h] = b
                 self._block_hash[b] = h
                 self._block_tokens[b] = tuple(tokens)
@@ -232,8 +259,10 @@ class BlockManager:
         assert NULL_BLOCK not in self._free and self._ref_counts[NULL_BLOCK] == 0
         expected = [0] * self.num_blocks
         for table in self._tables.values():
-            for b in table:
-                assert b != NULL_BLOCK
+            for i, b in enumerate(table):
+                if b == NULL_BLOCK:  # only a sliding window leaves these, and only in front
+                    assert self.sliding_window is not None and all(x == NULL_BLOCK for x in table[:i])
+                    continue
                 expected[b] += 1
         assert expected == self._ref_counts, "ref counts differ from block tables"
         free = {b for b in range(1, self.num_blocks) if self._ref_counts[b] == 0}

@@ -51,7 +51,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, num_blocks=config.num_kv_blocks,
-            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching))
+            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=m.model_config.kv_window))
         self.outputs = OutputProcessor(self.tokenizer)
         self.core = EngineCore(self.scheduler, self.runner, self.outputs)
         self._seed_rng = np.random.default_rng(config.seed)

@@ -42,6 +42,7 @@ class SchedulerConfig:
     num_blocks: int  # KV blocks in the device cache, the null block 0 included
     block_size: int  # token slots per block
     enable_prefix_caching: bool = True
+    sliding_window: int | None = None  # every layer's attention window: KV blocks before it are freed
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -103,7 +104,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.sliding_window
         )
         self.waiting: deque[Request] = deque()  # preempted requests at the front
         self.running: list[Request] = []  # oldest first; preemption takes from the tail

@@ -243,6 +243,13 @@ class ModelConfig:
         return None
 
     @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends within, when all of them do: a sequence's KV blocks
+        wholly before it can be freed. None where some layer attends to the whole context (a
+        family with per-layer windows overrides this)."""
+        return self.sliding_window
+
+    @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 

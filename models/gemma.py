@@ -71,6 +71,10 @@ class GemmaConfig(ModelConfig):
     def attention_soft_cap(self) -> float | None:
         return self.attn_logit_softcapping
 
+    @property
+    def kv_window(self) -> int | None:
+        return self.sliding_window if GLOBAL not in self.layer_types else None
+
     def layer_rope(self, layer: int) -> ModelConfig:
         """The config whose rope fields are layer `layer`'s rope (what RotaryEmbedding reads)."""
         if self.layer_types[layer] == GLOBAL:

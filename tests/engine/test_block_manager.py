@@ -262,3 +262,54 @@ def test_constructor_validation() -> None:
         BlockManager(1, 16, True)
     with pytest.raises(ValueError, match="block_size"):
         BlockManager(8, 0, True)
+
+
+# ---------------------------------------------------------------------------- sliding windows
+def test_blocks_before_every_layers_window_are_freed() -> None:
+    """Window 6, blocks of 4: the token at position p reads positions > p - 6, so once the next
+    token is at 13 blocks 0 and 1 (positions 0-7) are never read again and go back to the pool;
+    the table keeps their places as null entries."""
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True, sliding_window=6)
+    req = make_req("a", list(range(10, 22)))  # 12 prompt tokens: blocks for positions 0-11
+    prefill(bm, req)
+    assert bm.get_block_ids("a") == [1, 2, 3] and bm.num_free_blocks == 6
+    req.output_token_ids.append(5)  # position 12 needs a new block; its window starts at 7
+    assert bm.allocate_slots(req, 1)
+    assert bm.get_block_ids("a") == [0, 2, 3, 4]  # positions 0-3 freed; 4-7 still read (7 > 12 - 6)
+    bm.check_invariants()
+    req.num_computed_tokens = 13
+    for t in range(3):  # positions 13-15 fit the last block
+        req.output_token_ids.append(t)
+        assert bm.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        bm.cache_full_blocks(req)  # as the scheduler does once a step is dispatched
+    req.output_token_ids.append(9)  # position 16: a new block, window from 11
+    assert bm.allocate_slots(req, 1)
+    assert bm.get_block_ids("a") == [0, 0, 3, 4, bm.get_block_ids("a")[-1]]
+    bm.check_invariants()
+    # the freed blocks kept their prefix-cache hashes: they are evicted last, not dropped
+    assert bm.num_cached_blocks == 4 and set(bm.free_block_ids()[-2:]) == {1, 2}
+    bm.free(req)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 9
+
+
+def test_prefix_hit_frees_what_the_window_no_longer_reads() -> None:
+    bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True, sliding_window=4)
+    first = make_req("a", list(range(10, 30)))  # 20 tokens, 5 blocks
+    prefill(bm, first)
+    bm.free(first)
+    second = make_req("b", list(range(10, 30)) + [7, 8])  # the same 20 tokens, then 2 more
+    blocks = prefill(bm, second)
+    # 20 cached tokens: the next token (20) reads positions > 16, so blocks 0-3 are dropped at once
+    assert blocks[:4] == [0, 0, 0, 0] and all(b != 0 for b in blocks[4:])
+    bm.check_invariants()
+
+
+def test_models_with_a_global_layer_keep_full_tables() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)  # no window
+    req = make_req("a", list(range(10, 30)))
+    prefill(bm, req)
+    req.output_token_ids.append(1)
+    assert bm.allocate_slots(req, 1)
+    assert 0 not in bm.get_block_ids("a")

@@ -278,3 +278,35 @@ def test_nan_logits_fail_only_their_request(tiny_model_factory, xla_cache_dir):
     assert "NaN" in eng.request_errors.pop(outs[1].request_id)
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == solo
     assert eng.scheduler.block_manager.num_free_blocks == eng.config.num_kv_blocks - 1
+
+
+def test_sliding_window_frees_blocks_and_keeps_outputs(tiny_model_factory, xla_cache_dir):
+    """Every layer of the tiny Mistral attends within 24 positions: while a long request decodes,
+    its blocks before the window go back to the pool (the table holds null entries there), and
+    its greedy tokens still equal transformers'."""
+    path = tiny_model_factory("mistral")
+    llm = make_llm(path, xla_cache_dir)
+    eng = llm.llm_engine
+    bm = eng.scheduler.block_manager
+    assert bm.sliding_window == 24 and eng.model_config.kv_window == 24
+    ids = [int(t) for t in np.random.default_rng(3).integers(100, 40000, 100)]
+    ref = load_reference(path)
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, pad_token_id=0)[0, 100:].tolist()
+    eng.add_request("long", {"prompt_token_ids": ids}, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+    held, nulls, final = [], 0, None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final = out
+        table = bm.tables.get("long")
+        if table is not None:
+            held.append(sum(b != 0 for b in table))
+            nulls = max(nulls, table.count(0))
+    assert final.outputs[0].token_ids == want
+    # 148 positions in blocks of 16 would take 10 blocks; the window needs 24 positions, at most
+    # 3 blocks, plus the block being filled
+    assert nulls >= 6 and held[-1] <= 4
+    bm.check_invariants()
+    assert bm.num_free_blocks == eng.config.num_kv_blocks - 1
