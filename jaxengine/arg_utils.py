@@ -44,3 +44,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     if out.get("compilation_cache_dir") is None:
         out.pop("compilation_cache_dir", None)
     return out
+
+
+def normalize_flags(argv: list[str]) -> list[str]:
+    """vLLM's command lines spell flags either way (`--max-num-seqs`, `--max_num_seqs`): options
+    are rewritten with dashes before parsing. Values, and everything after a bare `--`, stay."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        if a == "--":
+            return out + argv[i:]
+        if a.startswith("--") and "_" in a.partition("=")[0]:
+            name, eq, value = a.partition("=")
+            a = name.replace("_", "-") + eq + value
+        out.append(a)
+    return out

@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
+    from jaxengine.arg_utils import normalize_flags
+
+    argv = normalize_flags(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
     args.argv, args.prog_module = argv, "jaxengine.cli"  # for worker processes that repeat the command
     try:

@@ -12,6 +12,10 @@ from pathlib import Path
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
+# vLLM's `runner` / older `task` values; only generation is served so far.
+RUNNERS = ("auto", "generate")
+POOLING_RUNNERS = ("pooling", "embed", "classify", "score", "reward", "encode")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas-mosaic", "reference")
 
 
@@ -45,6 +49,13 @@ class EngineConfig:
     # vLLM's flag, accepted for its users' commands: this engine implements each architecture it
     # serves itself and never runs code that comes with a checkpoint, whatever the value.
     trust_remote_code: bool = False
+    # vLLM's arguments, accepted with their meaning here: the runner / task (generation only so
+    # far), eager mode (XLA always compiles the bucketed programs: nothing is captured that eager
+    # mode would skip), chunked prefill (always on: one token budget serves prefill and decode).
+    runner: str = "auto"
+    task: str = "auto"
+    enforce_eager: bool = False
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -55,8 +66,20 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "num_kv_blocks", "tensor_parallel_size", "cpu_kv_cache_bytes"):
             positive(name)
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
+        for name in ("runner", "task"):
+            value = getattr(self, name)
+            if value in POOLING_RUNNERS:
+                raise ValueError(f"{name}={value!r}: pooling models (embeddings, classification, scoring) are "
+                                 "not supported yet; jaxengine serves generative models")
+            if value not in RUNNERS:
+                raise ValueError(f"{name} must be one of {', '.join(RUNNERS)}, got {value!r}")
+        if not self.enable_chunked_prefill:
+            raise ValueError("enable_chunked_prefill=False: chunked prefill is always on in jaxengine (prefill "
+                             "and decode share one token budget per step)")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES + tuple(DTYPE_ALIASES))}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -100,6 +100,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt)
         if isinstance(prompt, dict):
+            for key in ("multi_modal_data", "mm_processor_kwargs"):
+                if prompt.get(key):
+                    raise ValueError(f"{key}: model {self.model_config.architecture} takes text only; images, "
+                                     "audio and video are not supported")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
             if "prompt" in prompt:

@@ -25,6 +25,7 @@ before scheduling N+1, as a synchronous engine would.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 
@@ -34,6 +35,10 @@ from jaxengine.outputs import RequestOutput
 from jaxengine.request import Request, RequestStatus
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PREEMPTION_LOG_INTERVAL_S = 60.0  # at most one warning about preemptions per interval
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,6 +55,8 @@ class EngineCore:
         self.runner = runner
         self.outputs = outputs
         self._inflight: _Dispatched | None = None  # the step running on the device
+        self._preempted_since_log = 0
+        self._preemption_logged_at = float("-inf")
         # Where step time goes: waiting for the device vs everything else (host work).
         self.timing = {"steps": 0, "device_wait_s": 0.0, "step_s": 0.0}
 
@@ -85,6 +92,10 @@ class EngineCore:
             if prev is not None and self.scheduler.running_uses_penalties():
                 done, prev = self._resolve(prev), None
             sched = self.scheduler.schedule()
+            if sched.num_cached_tokens:
+                self.outputs.scheduled(sched.num_cached_tokens, time.monotonic())
+            if sched.preempted_ids:
+                self._log_preemptions(len(sched.preempted_ids))
             dispatched = None
             if sched.seqs:
                 dispatched = _Dispatched(sched, self.runner.dispatch(sched, prev.handle if prev else None))
@@ -96,6 +107,17 @@ class EngineCore:
             return self._outputs(done) if done is not None else []
         finally:
             self.timing["step_s"] += time.perf_counter() - t_start
+
+    def _log_preemptions(self, n: int) -> None:
+        """A warning with the count, at most once per interval: preemption costs recomputation."""
+        self._preempted_since_log += n
+        now = time.monotonic()
+        if now - self._preemption_logged_at >= PREEMPTION_LOG_INTERVAL_S:
+            logger.warning("%d request(s) preempted for lack of KV cache blocks since the last warning "
+                           "(%d in all); they are recomputed later. More KV cache (gpu_memory_utilization, "
+                           "num_kv_blocks) or a lower max_num_seqs avoids it.", self._preempted_since_log,
+                           self.scheduler.num_preemptions)
+            self._preempted_since_log, self._preemption_logged_at = 0, now
 
     def _resolve(self, step: _Dispatched) -> ResolvedStep:
         """Waits for a dispatched step's tokens and hands them to the scheduler."""

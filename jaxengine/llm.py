@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Sequence
 
@@ -58,12 +59,14 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
-        """Applies the model's chat template (or `chat_template`) to each conversation, then generates."""
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, object] | None = None) -> list[RequestOutput]:
+        """Applies the model's chat template (or `chat_template`) to each conversation, then generates.
+        `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": ids, "prompt": text} for text, ids in (
             render_chat(self.llm_engine.tokenizer, conv, chat_template, add_generation_prompt,
-                        continue_final_message) for conv in conversations)]
+                        continue_final_message, chat_template_kwargs) for conv in conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # -- helpers ---------------------------------------------------------------------------
@@ -125,17 +128,30 @@ class LLM:
 
 
 def render_chat(tokenizer, conversation: list[Message], chat_template: str | None,
-                add_generation_prompt: bool, continue_final_message: bool = False) -> tuple[str, list[int]]:
-    """Renders one conversation with the chat template; returns (text, token ids)."""
+                add_generation_prompt: bool, continue_final_message: bool = False,
+                chat_template_kwargs: dict[str, object] | None = None) -> tuple[str, list[int]]:
+    """Renders one conversation with the chat template; returns (text, token ids).
+    `chat_template_kwargs` are extra variables for the template."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so chat is not available")
     msgs = [normalize_message(m) for m in conversation]
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("the model has no chat template; pass chat_template=")
+    extra = dict(chat_template_kwargs or {})
+    # Template variables only: the rendering call's own parameters (tokenize, return_dict, ...)
+    # are not the caller's to set.
+    params = inspect.signature(tokenizer.apply_chat_template).parameters
+    if extra and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        raise ValueError("chat_template_kwargs: this tokenizer's chat template takes no extra variables")
+    own = {name for name, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    reserved = (own | {"conversation", "messages"}) & set(extra)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: they are not "
+                         "template variables")
     text = tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                         continue_final_message=continue_final_message)
+                                         continue_final_message=continue_final_message, **extra)
     ids = tokenizer.encode(text, add_special_tokens=False)
     return text, list(ids)
 
@@ -148,7 +164,11 @@ def normalize_message(m: Message) -> dict[str, object]:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url"):
+                raise ValueError(f"content part of type {kind!r}: this model takes text only; images, audio "
+                                 "and video are not supported")
+            if kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"unsupported content part {part!r}: only {{'type': 'text', 'text': ...}}")
             texts.append(part["text"])
         content = "\n".join(texts)

@@ -49,6 +49,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.trust_remote_code:
         logger.info("trust_remote_code: accepted, but no code from a checkpoint is ever run; "
                     "jaxengine implements the architectures it serves")
+    if config.enforce_eager:
+        logger.info("enforce_eager: accepted; the engine still runs compiled programs, one per token "
+                    "bucket (XLA has no eager step; nothing is captured that eager mode would skip)")
     enable_compilation_cache(config.compilation_cache_dir)
     model_config, ckpt, tokenizer = _open_model(config)
     config = derive_config(config, model_config)

@@ -169,13 +169,18 @@ class OutputProcessor:
                 self.child_states.pop(c.request_id, None)
 
     # -- one step -------------------------------------------------------------------------
-    def process(self, step: ResolvedStep) -> ProcessedStep:
-        """Records a resolved step's tokens; returns the outputs and what the scheduler must end."""
-        sched, out = step.sched, step.out
-        for cid, n_cached in sched.num_cached_tokens.items():
+    def scheduled(self, num_cached_tokens: dict[str, int], now: float) -> None:
+        """Requests (child ids) admitted by the step just scheduled -> prompt tokens the prefix
+        cache served: the first admission of each request is its first scheduled time."""
+        for cid, n_cached in num_cached_tokens.items():
             parent = self.child_to_parent.get(cid)
             if parent is not None and parent.num_cached_tokens is None:
                 parent.num_cached_tokens = n_cached
+                parent.metrics.first_scheduled_time = now
+
+    def process(self, step: ResolvedStep) -> ProcessedStep:
+        """Records a resolved step's tokens; returns the outputs and what the scheduler must end."""
+        sched, out = step.sched, step.out
         touched: list[ChildState] = []  # children that got a token
         stopped: list[str] = []
         failed: dict[str, Exception] = {}  # parent id -> what broke while processing its output

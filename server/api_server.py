@@ -149,7 +149,8 @@ def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = Non
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         ctx.resolve_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message)
+            text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                        req.chat_template_kwargs)
             if req.add_special_tokens:
                 ids = ctx.tokenize(text, add_special_tokens=True)
         else:

@@ -317,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxengine.server",
                                      description="OpenAI-compatible HTTP server for jaxengine")
     add_serve_args(parser)
-    argv = sys.argv[1:] if argv is None else list(argv)
+    from jaxengine.arg_utils import normalize_flags
+
+    argv = normalize_flags(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
     args.argv, args.prog_module = argv, "jaxengine.server"  # for worker processes that repeat the command
     try:

@@ -130,6 +130,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int | None = None
     add_generation_prompt: Bool = True  # vLLM
     continue_final_message: Bool = False  # vLLM
+    chat_template_kwargs: dict[Str, JSONValue] | None = None  # vLLM: extra template variables
     # Accepted and ignored: they do not change what is generated.
     metadata: dict[Str, Str] | None = None
     service_tier: Str | None = None
@@ -171,6 +172,7 @@ class TokenizeChatRequest(RequestModel):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
+    chat_template_kwargs: dict[Str, JSONValue] | None = None
     add_special_tokens: Bool = False
     return_token_strs: Bool = False
 

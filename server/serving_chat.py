@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 def render_messages(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool) -> tuple[str, list[int]]:
+                    continue_final_message: bool,
+                    chat_template_kwargs: dict[str, object] | None = None) -> tuple[str, list[int]]:
     """(prompt text, token ids) of a conversation; template failures are the caller's 400."""
     if continue_final_message and add_generation_prompt:
         raise OpenAIError("add_generation_prompt and continue_final_message cannot both be true.", 400,
@@ -44,12 +45,13 @@ def render_messages(ctx: ServingContext, messages: list[ChatMessage], add_genera
     conversation = [m.template_dict() for m in messages]
     try:
         return render_chat(ctx.tokenizer, conversation, ctx.chat_template, add_generation_prompt,
-                           continue_final_message)
+                           continue_final_message, chat_template_kwargs)
     except ValueError as e:
-        raise OpenAIError(str(e), 400, param="messages") from e
-    except jinja2.TemplateError as e:
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+        raise OpenAIError(str(e), 400, param=param) from e
+    except (jinja2.TemplateError, TypeError) as e:  # TypeError: a value the template cannot use
         raise OpenAIError(f"The chat template could not render these messages: {e}", 400,
-                          param="messages") from e
+                          param="chat_template_kwargs" if chat_template_kwargs else "messages") from e
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -57,7 +59,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     reject_unsupported(req)
     top_logprobs = chat_logprobs_setting(req)
     ctx.limits.check_stop(req.stop, req.stop_token_ids)
-    text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message)
+    text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                req.chat_template_kwargs)
     max_tokens = req.max_new_tokens
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     ctx.check_prompt(len(ids), max_tokens, "messages", max_name)

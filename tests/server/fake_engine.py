@@ -29,9 +29,9 @@ class FakeTokenizer:
         return [chr(i) for i in ids]
 
     def apply_chat_template(self, messages, chat_template, tokenize, add_generation_prompt,  # noqa: ANN001, ANN201
-                            continue_final_message):
+                            continue_final_message, **template_vars):
         import jinja2
-        return jinja2.Template(chat_template).render(messages=messages)
+        return jinja2.Template(chat_template).render(messages=messages, **template_vars)
 
 
 @dataclasses.dataclass

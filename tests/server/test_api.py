@@ -92,6 +92,19 @@ def test_tokenize_and_detokenize(server, reference):
     assert back == {"prompt": "Hello world"}
 
 
+def test_chat_template_kwargs_reach_the_template(server, client):
+    """vLLM's chat_template_kwargs are template variables: an unknown one is simply available to
+    the template; one that is an argument of its own is a 400 naming the field."""
+    r = httpx.post(server.url + "/tokenize", json={"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    bad = httpx.post(server.url + "/tokenize", json={"messages": CHAT,
+                                                      "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.choices[0].finish_reason == "length"
+
+
 # -- completions ------------------------------------------------------------------------------------
 def test_completions_greedy_equal_llm_generate(client, reference):
     resp = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=16, temperature=0)
