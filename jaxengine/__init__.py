@@ -33,6 +33,10 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+# transformers (tokenizers, configs, chat templates) warns at import that PyTorch is missing;
+# jaxengine never uses PyTorch, so the advice is noise here.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 _level = os.environ.get("JAXENGINE_LOGGING_LEVEL", "INFO").upper()
 _logger = logging.getLogger("jaxengine")
 if not _logger.handlers:
@@ -42,7 +46,8 @@ if not _logger.handlers:
     _logger.propagate = False
 _logger.setLevel(_level)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -56,4 +61,7 @@ def __getattr__(name: str):
     if name in ("RequestOutput", "CompletionOutput"):
         from jaxengine import outputs
         return getattr(outputs, name)
+    if name in ("TextPrompt", "TokensPrompt"):
+        from jaxengine import inputs
+        return getattr(inputs, name)
     raise AttributeError(f"module 'jaxengine' has no attribute {name!r}")

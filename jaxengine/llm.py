@@ -48,10 +48,20 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
+    def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates completions; results come back in input order."""
+                 use_tqdm: bool = True, prompt_token_ids: list[int] | list[list[int]] | None = None
+                 ) -> list[RequestOutput]:
+        """Generates completions; results come back in input order. `prompts` are strings, token-id
+        lists or vLLM's TextPrompt / TokensPrompt dicts; vLLM's older `prompt_token_ids=` keyword
+        (one list or a list of lists) stands for TokensPrompts."""
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise ValueError("give prompts or prompt_token_ids, not both")
+            lists = [prompt_token_ids] if prompt_token_ids and isinstance(prompt_token_ids[0], int) else prompt_token_ids
+            prompts = [{"prompt_token_ids": list(ids)} for ids in lists]
+        if prompts is None:
+            raise ValueError("no prompts given")
         prompt_list = self._as_list(prompts)
         params = self._params_list(sampling_params, len(prompt_list))
         return self._run(prompt_list, params, use_tqdm)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 
 import pytest
@@ -105,3 +106,29 @@ def test_preemption_is_a_warning_with_the_count(tiny_model_factory, xla_cache_di
     warned = [r for r in records if r.levelno == logging.WARNING and "preempted for lack of KV cache" in r.getMessage()]
     assert len(warned) == 1  # once per interval, however many preemptions
     assert re.match(r"\d+ request\(s\) preempted .* \(\d+ in all\)", warned[0].getMessage())
+
+
+def test_vllm_prompt_types_and_the_prompt_token_ids_keyword(llm: LLM) -> None:
+    from jaxengine import TextPrompt, TokensPrompt
+
+    params = SamplingParams(max_tokens=4, temperature=0)
+    ids = llm.get_tokenizer().encode("Hello, my name is")
+    by_text = llm.generate(TextPrompt(prompt="Hello, my name is"), params, use_tqdm=False)[0]
+    by_ids = llm.generate(TokensPrompt(prompt_token_ids=ids), params, use_tqdm=False)[0]
+    by_keyword = llm.generate(sampling_params=params, prompt_token_ids=[ids, ids], use_tqdm=False)
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids == by_keyword[1].outputs[0].token_ids
+    assert len(by_keyword) == 2 and by_keyword[0].prompt_token_ids == ids
+    with pytest.raises(ValueError, match="not both"):
+        llm.generate("hi", params, prompt_token_ids=ids)
+
+
+def test_no_pytorch_advice_at_import() -> None:
+    """transformers tells a PyTorch-less process that models are unavailable; jaxengine needs none."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['torch'] = None\nimport jaxengine, jaxengine.models.checkpoint\nimport transformers"
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "PyTorch was not found" not in r.stderr

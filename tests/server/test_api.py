@@ -105,6 +105,15 @@ def test_chat_template_kwargs_reach_the_template(server, client):
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_unserved_routes_answer_in_openai_error_json(server, client):
+    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi"})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "route_not_found" and "POST /v1/responses is not served" in err["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model=MODEL, input="hi")
+
+
 # -- completions ------------------------------------------------------------------------------------
 def test_completions_greedy_equal_llm_generate(client, reference):
     resp = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=16, temperature=0)
