@@ -177,3 +177,15 @@ def make_llm(args: argparse.Namespace, **overrides):
 def weight_bytes(llm) -> int:
     import jax
     return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(llm.llm_engine.runner.state)))
+
+
+def decode_weight_bytes(llm) -> int:
+    """Weight bytes one decode step reads: every weight, except an input embedding table that is
+    not also the output projection (it is gathered, a row per token, not read whole)."""
+    import numpy as np
+    eng = llm.llm_engine
+    mc = eng.model_config
+    total = weight_bytes(llm)
+    if not mc.tie_word_embeddings:
+        total -= mc.vocab_size * mc.hidden_size * np.dtype(eng.runner.dtype).itemsize
+    return total

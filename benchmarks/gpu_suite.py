@@ -402,7 +402,8 @@ def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
     import numpy as np
 
     from jaxengine import LLM
-    from jaxengine.benchmarks.common import SampleRequest, percentiles, random_requests, weight_bytes
+    from jaxengine.benchmarks.common import (SampleRequest, decode_weight_bytes, percentiles, random_requests,
+                                             weight_bytes)
     from jaxengine.benchmarks.latency import run_batch
     from jaxengine.benchmarks.sweep import release
     from jaxengine.benchmarks.throughput import run_throughput
@@ -422,11 +423,13 @@ def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
     llm = LLM(**spec.engine_kwargs(), tokenizer=tokdir)
     eng = llm.llm_engine
     wbytes = weight_bytes(llm)
-    kv_tok = kv_bytes_per_block(eng.model_config, eng.config.block_size, eng.runner.dtype) / eng.config.block_size
+    read_bytes = decode_weight_bytes(llm)  # the input embedding table is gathered, not read
+    kv_tok = kv_bytes_per_block(eng.model_config, eng.config.block_size, eng.runner.dtype,
+                                     eng.runner.attention.kv_head_dim(eng.model_config.head_dim)) / eng.config.block_size
     res["llama"] = r8 = {"model": spec.label, "startup_s": time.perf_counter() - t0, "compile_s": eng.runner.compile_seconds,
                          "num_kv_blocks": eng.config.num_kv_blocks, "block_size": eng.config.block_size,
                          "attention_impl": eng.runner.attention_impl, "token_buckets": list(eng.runner.token_buckets),
-                         "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
+                         "weight_bytes": wbytes, "decode_weight_bytes": read_bytes, "kv_bytes_per_token": kv_tok,
                          "tokenizer": "synthetic word-level (see the module docstring)"}
     print(f"[engine] {spec.label}: start-up {r8['startup_s']:.1f} s, attention {r8['attention_impl']}", flush=True)
 
@@ -443,7 +446,7 @@ def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
     dec_timing = timing_summary(dict(eng.timing))
     steps = [g for r in runs for g in r["decode_steps"]]
     step = percentiles(steps)
-    step_bytes = wbytes + bs * (il + ol / 2) * kv_tok
+    step_bytes = read_bytes + bs * (il + ol / 2) * kv_tok
     roof_s = step_bytes / bw
     r8["decode_b1"] = {"batch_size": bs, "input_len": il, "output_len": ol, "iters": d["iters"],
                        "decode_step_ms": {k: v * 1e3 for k, v in step.items()}, "steps_measured": len(steps),

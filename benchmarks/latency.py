@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from jaxengine.benchmarks.common import (args_dict, default_out, environment, make_llm, percentiles,
-                                         random_requests, weight_bytes, write_json)
+from jaxengine.benchmarks.common import (args_dict, decode_weight_bytes, default_out, environment, make_llm,
+                                         percentiles, random_requests, weight_bytes, write_json)
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,9 @@ def cmd_latency(args: argparse.Namespace) -> int:
     startup = time.perf_counter() - t0
     eng = llm.llm_engine
     wbytes = weight_bytes(llm)
-    kv_per_token = kv_bytes_per_block(eng.model_config, eng.config.block_size, eng.runner.dtype) / eng.config.block_size
+    read_bytes = decode_weight_bytes(llm)  # the input embedding table is gathered, not read
+    kv_per_token = kv_bytes_per_block(eng.model_config, eng.config.block_size, eng.runner.dtype,
+                                     eng.runner.attention.kv_head_dim(eng.model_config.head_dim)) / eng.config.block_size
     rows = []
     for bs, il, ol in itertools.product(args.batch_size, args.input_len, args.output_len):
         if bs > eng.config.max_num_seqs:
@@ -91,7 +93,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         step = percentiles(steps)
         totals = [r["total_s"] for r in runs]
         ttfts = [r["ttft_s"] for r in runs]
-        step_bytes = wbytes + bs * (il + ol / 2) * kv_per_token
+        step_bytes = read_bytes + bs * (il + ol / 2) * kv_per_token
         roof_s = step_bytes / bw
         rows.append({
             "batch_size": bs, "input_len": il, "output_len": ol, "iters": args.num_iters,
@@ -104,11 +106,12 @@ def cmd_latency(args: argparse.Namespace) -> int:
         })
     payload = {"benchmark": "latency", "environment": environment(), "args": args_dict(args),
                "engine_config": dataclasses.asdict(eng.config), "startup_s": startup, "compile_s": eng.runner.compile_seconds,
-               "weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token,
+               "weight_bytes": wbytes, "decode_weight_bytes": read_bytes, "kv_bytes_per_token": kv_per_token,
                "bandwidth": {"copy_bandwidth_GBps": bw / 1e9, "buffer_bytes": nbytes,
                              "kind": "host memory (CPU)" if on_cpu else "device memory (HBM)",
                              "roofline_note": ("CPU: the roofline is host memory bandwidth, a loose bound"
-                                               if on_cpu else "HBM roofline: weight + KV bytes per decode step")},
+                                               if on_cpu else "HBM roofline: weight bytes read (an untied input embedding "
+                                               "table is gathered, not read) + KV bytes per decode step")},
                "results": rows}
     path = write_json(default_out(args, "latency"), payload)
     mem = "host-mem" if on_cpu else "HBM"

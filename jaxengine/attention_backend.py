@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import TYPE_CHECKING, Callable
 
 import jax
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 # pallas_kernels.ragged_paged_attention.
 AttentionFn = Callable[..., jax.Array]
 
+logger = logging.getLogger(__name__)
+
 
 def shard_map(f: Callable, *, mesh: Mesh, in_specs, out_specs) -> Callable:
     """`jax.shard_map` without replication checks (Pallas kernels carry no replication rules)."""
@@ -69,6 +72,15 @@ class AttentionBackend:
     description: str  # what runs, for the log and ModelRunner.attention_impl
     fn: AttentionFn  # the chosen ragged paged-attention function
     mesh: Mesh | None = None  # tensor parallelism: heads and KV cache split over its "model" axis
+    # Head size of the KV cache and of the kernel's q/k/v. The Pallas GPU kernels take power-of-two
+    # head sizes only; a model whose head size is not one (Phi-3's 96) keeps its cache at the next
+    # power of two, its q/k/v zero-padded on the way in and the output cut back: zero columns add
+    # nothing to q.k and their output columns are dropped. None: the model's own head size.
+    cache_head_dim: int | None = None
+
+    def kv_head_dim(self, head_dim: int) -> int:
+        """Head size of the KV cache for a model of head size `head_dim`."""
+        return self.cache_head_dim or head_dim
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
@@ -93,10 +105,13 @@ class AttentionBackend:
                           md: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
                           soft_cap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One device's share (all of it without a mesh): (o, k_cache, v_cache)."""
+        h, pad = q.shape[-1], k_cache.shape[-1] - q.shape[-1]
+        if pad:  # cache head size above the model's (cache_head_dim): zero columns
+            q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (q, k, v))
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         o = self.fn(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
                     sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-        return o, k_cache, v_cache
+        return o[..., :h], k_cache, v_cache
 
 
 def select_attention_backend(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: int,
@@ -112,16 +127,31 @@ def select_attention_backend(name: str, model_config: ModelConfig, dtype: jnp.dt
     platform = jax.default_backend()
     if name in ("pallas", "pallas-mosaic") or (name == "auto" and platform == "gpu"):
         kernel = gpu_backend.get_kernel(mosaic_prefill=name in ("auto", "pallas-mosaic"))
+        h = model_config.head_dim
+        if kernel is not None and h > gpu_backend.MAX_HEAD_DIM:
+            logger.warning("head size %d is above the Pallas GPU kernels' %d: attention runs the jnp reference",
+                           h, gpu_backend.MAX_HEAD_DIM)
+            kernel = None
+        padded = _padded_head_dim(h) if kernel is not None else None
+        note = f" (head size {h} padded to {padded} in the KV cache)" if padded else ""
         if kernel is not None and not _mosaic_applies(kernel, model_config, dtype, block_size):
             # No layer of this model runs the Mosaic prefill kernel, not even the global layers of
             # a model whose windows or soft cap are on some layers only (Gemma 3's 1 in 6).
             kernel = gpu_backend.get_kernel(mosaic_prefill=False)
-            return AttentionBackend(name, f"{_name(kernel)} (the Mosaic prefill kernel does not apply)", kernel, mesh)
+            return AttentionBackend(name, f"{_name(kernel)} (the Mosaic prefill kernel does not apply){note}",
+                                    kernel, mesh, padded)
         if kernel is not None:
-            return AttentionBackend(name, _name(kernel), kernel, mesh)
+            return AttentionBackend(name, _name(kernel) + note, kernel, mesh, padded)
     if name == "auto" and platform == "cpu":
         return AttentionBackend(name, "ragged_paged_attention_cpu", ragged_paged_attention_cpu, mesh)
     return AttentionBackend(name, "jnp reference", ragged_paged_attention_reference, mesh)
+
+
+def _padded_head_dim(h: int) -> int | None:
+    """The power-of-two head size (at least 16) the GPU kernels run a head size `h` at; None
+    where `h` is one already."""
+    p = max(16, 1 << (h - 1).bit_length())
+    return None if p == h else p
 
 
 def _name(kernel: AttentionFn) -> str:
@@ -133,5 +163,5 @@ def _mosaic_applies(kernel: AttentionFn, mc: ModelConfig, dtype: jnp.dtype, bloc
     size, window (`sliding_window`: any layer's) and soft cap (`attention_soft_cap`: any layer's).
     True for a kernel without that path (nothing to avoid)."""
     applies = getattr(kernel, "mosaic_applies", None)
-    return applies is None or applies(dtype, mc.head_dim, mc.num_heads // mc.num_kv_heads, block_size,
+    return applies is None or applies(dtype, _padded_head_dim(mc.head_dim) or mc.head_dim, mc.num_heads // mc.num_kv_heads, block_size,
                                       mc.sliding_window, mc.attention_soft_cap)

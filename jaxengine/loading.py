@@ -131,7 +131,7 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graph
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     # per device: the KV heads are split over the tensor-parallel devices
-    per_block = kv_bytes_per_block(mc, config.block_size, dtype) // config.tensor_parallel_size
+    per_block = kv_bytes_per_block(mc, config.block_size, dtype, attention.kv_head_dim(mc.head_dim)) // config.tensor_parallel_size
     most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:

@@ -114,7 +114,7 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     r = min(t, config.max_num_seqs)
     c = model_config
     rep = plan.replicated() if plan is not None else None
-    kv = jax.ShapeDtypeStruct((2, c.num_kv_heads, config.block_size, c.head_dim), dtype,
+    kv = jax.ShapeDtypeStruct((2, c.num_kv_heads, config.block_size, attention.kv_head_dim(c.head_dim)), dtype,
                               sharding=plan.kv_sharding() if plan is not None else None)
 
     layout = Layout.of(abstract_inputs(t, r, config.max_blocks_per_seq))
@@ -145,8 +145,11 @@ def _sample_padded(logits: jax.Array, packed_md: jax.Array, *, layout: Layout, u
     return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0])), nan_rows
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype, head_dim: int | None = None) -> int:
+    """Bytes of one KV block over all layers; `head_dim`: the cache's head size where the
+    attention backend pads it (AttentionBackend.kv_head_dim), else the model's."""
+    h = head_dim or cfg.head_dim
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * h * jnp.dtype(dtype).itemsize
 
 
 class ModelRunner:
@@ -170,6 +173,7 @@ class ModelRunner:
         self.plan = plan
         self.kv_sharding = plan.kv_sharding() if plan is not None else None
         self._rep = plan.replicated() if plan is not None else None
+        self.attention = attention
         self.kv_caches = self._allocate_kv()
         # stand-in for the previous step's tokens when nothing is in flight
         self._no_prev = jax.device_put(np.zeros((config.max_num_seqs,), np.int32), self._rep)
@@ -185,7 +189,6 @@ class ModelRunner:
         self._jit_prompt_lp = jax.jit(_flat(_prompt_logprobs, graphdef, self.param_treedef,
                                             k=config.max_logprobs or 1))
         self.compile_seconds = 0.0
-        self.attention = attention
         self.attention_impl = self.attention.description  # what runs (benchmarks record it)
         logger.info("attention: %s", self.attention_impl)
 
@@ -195,7 +198,7 @@ class ModelRunner:
 
     def _allocate_kv(self) -> list[tuple[jax.Array, jax.Array]]:
         c = self.model_config
-        shape = (self.num_blocks, c.num_kv_heads, self.config.block_size, c.head_dim)
+        shape = (self.num_blocks, c.num_kv_heads, self.config.block_size, self.attention.kv_head_dim(c.head_dim))
         make = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.kv_sharding)
         return [(make(), make()) for _ in range(c.num_layers)]
 

@@ -12,6 +12,8 @@ logger = logging.getLogger(__name__)
 
 # The Triton-lowered kernels use bf16 tensor-core products: Ampere (sm_80) or newer.
 _MIN_COMPUTE_CAPABILITY = (8, 0)
+# Largest head size the kernels take (they take powers of two from 16 up to it).
+MAX_HEAD_DIM = 256
 
 
 def _compute_capability(device: jax.Device) -> tuple[int, int] | None:

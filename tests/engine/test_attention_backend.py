@@ -149,3 +149,37 @@ def test_attend_under_a_mesh_equals_one_device():
         outs.append(jax.jit(lambda *a: backend.attend(*a, sm_scale=0.25))(b.q, k, v, (b.k_cache, b.v_cache), md))
     for a, c in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-6)
+
+
+def test_head_size_not_a_power_of_two_is_padded_for_the_gpu_kernels(monkeypatch):
+    """The Pallas GPU kernels take power-of-two head sizes: Phi-3's 96 runs them with a KV cache of
+    head size 128; a power-of-two head size keeps its own; the CPU path never pads."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(
+        compute_capability="9.0", core_count=132, device_kind="H100")])
+    phi3 = ModelConfig.from_hf_dict(PRESETS["phi-3-mini"])
+    assert phi3.head_dim == 96
+    backend = select_attention_backend("auto", phi3, jnp.bfloat16, 16)
+    assert backend.kv_head_dim(96) == 128
+    assert backend.description.endswith("(head size 96 padded to 128 in the KV cache)")
+    assert select_attention_backend("pallas", LLAMA3_8B, jnp.bfloat16, 16).kv_head_dim(128) == 128
+    assert select_attention_backend("reference", phi3, jnp.bfloat16, 16).kv_head_dim(96) == 96
+    big = ModelConfig.from_hf_dict(dict(PRESETS["llama-3-8b"], head_dim=512))
+    assert select_attention_backend("auto", big, jnp.bfloat16, 16).description == "jnp reference"
+
+
+def test_attend_with_a_padded_cache_equals_the_unpadded():
+    """q/k/v of head size 16 through a cache of head size 32 (zero columns): the same output, and
+    the cache holds the keys/values in its first 16 columns and zeros after."""
+    b, k, v, md = _step(np.random.default_rng(2))
+    plain = AttentionBackend("reference", "jnp reference", ragged_paged_attention_reference)
+    padded = AttentionBackend("reference", "jnp reference", ragged_paged_attention_reference, cache_head_dim=32)
+    want, (wk, wv) = jax.jit(lambda *a: plain.attend(*a, sm_scale=0.25, sliding_window=8))(
+        b.q, k, v, (b.k_cache, b.v_cache), md)
+    zeros = jnp.zeros(b.k_cache.shape[:3] + (16,), b.k_cache.dtype)
+    caches = (jnp.concatenate([b.k_cache, zeros], -1), jnp.concatenate([b.v_cache, zeros], -1))
+    got, (gk, gv) = jax.jit(lambda *a: padded.attend(*a, sm_scale=0.25, sliding_window=8))(b.q, k, v, caches, md)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(gk[..., :16]), np.asarray(wk))
+    np.testing.assert_array_equal(np.asarray(gv[..., 16:]), 0)
