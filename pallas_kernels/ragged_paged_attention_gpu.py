@@ -99,6 +99,61 @@ class Tiling:
                 raise ValueError(f"Tiling.{name} must be >= 1, got {getattr(self, name)}")
 
 
+# Shared memory one program may use (CUDA's opt-in maximum per block), by compute capability;
+# Hopper's where the device is unknown (interpret mode). A little is kept back for Triton's own
+# scratch (layout conversions, barriers).
+_SMEM_BYTES = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448}
+_SMEM_DEFAULT = 232448
+_SMEM_SLACK = 8 << 10
+
+
+def smem_estimate(rows: int, block_kv: int, stages: int, h: int, itemsize: int) -> int:
+    """Shared memory of one attention program: its query tile (rows x h) plus the K and V tiles
+    (block_kv x h each) of the pipeline's stages in flight (stages - 1, at least one)."""
+    return (rows + max(stages - 1, 1) * 2 * block_kv) * h * itemsize
+
+
+def fit_shared_memory(tiling: Tiling, h: int, itemsize: int, g: int, smem_bytes: int) -> Tiling:
+    """`tiling` with each pipeline shrunk, where it does not fit `smem_bytes`, until it does:
+    first fewer stages (down to 2), then smaller KV tiles (down to 32), then fewer prefill rows
+    (down to 32), then KV tiles down to 16. Large head sizes (256) and float32 need this; the
+    defaults of bf16 head sizes up to 128 fit Hopper unchanged."""
+    budget = smem_bytes - _SMEM_SLACK
+    rows_dec = max(16, _next_pow2(g))
+
+    def shrink(rows: int, bkv: int, stages: int, can_shrink_rows: bool) -> tuple[int, int, int]:
+        while smem_estimate(rows, bkv, stages, h, itemsize) > budget:
+            if stages > 2:
+                stages -= 1
+            elif bkv > 32:
+                bkv //= 2
+            elif can_shrink_rows and rows > max(32, _next_pow2(g)):
+                rows //= 2
+            elif bkv > 16:
+                bkv //= 2
+            else:
+                break  # nothing left to shrink: the compiler will say what it needs
+        return rows, bkv, stages
+
+    _, dec_kv, dec_st = shrink(rows_dec, tiling.decode_block_kv, tiling.decode_num_stages, False)
+    rows, pre_kv, pre_st = shrink(tiling.prefill_rows, tiling.prefill_block_kv, tiling.prefill_num_stages, True)
+    fitted = dataclasses.replace(tiling, decode_block_kv=dec_kv, decode_num_stages=dec_st, prefill_rows=rows,
+                                 prefill_block_kv=pre_kv, prefill_num_stages=pre_st)
+    return tiling if fitted == tiling else fitted
+
+
+def _smem_bytes(interpret: bool) -> int:
+    """Shared memory per program on the device the kernels run on."""
+    if interpret:
+        return _SMEM_DEFAULT
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        major, minor = (int(x) for x in str(cc).split(".")[:2])
+    except ValueError:
+        return _SMEM_DEFAULT
+    return _SMEM_BYTES.get((major, minor), _SMEM_DEFAULT if major >= 9 else _SMEM_BYTES[(8, 6)])
+
+
 @dataclasses.dataclass(frozen=True)
 class _Dims:
     """Static shapes of one call, derived once in the wrapper."""
@@ -803,5 +858,7 @@ def ragged_paged_attention_gpu(
                      sm_scale=float(sm_scale),
                      soft_cap=None if soft_cap is None else float(soft_cap),
                      window=None if sliding_window is None else int(sliding_window),
-                     tiling=tiling or Tiling(), interpret=interpret, prefill=prefill,
+                     tiling=fit_shared_memory(tiling or Tiling(), q.shape[2], q.dtype.itemsize,
+                                              q.shape[1] // k_cache.shape[1], _smem_bytes(interpret)),
+                     interpret=interpret, prefill=prefill,
                      decode_only=bool(decode_only), prefill_only=bool(prefill_only))
