@@ -107,36 +107,37 @@ _SMEM_DEFAULT = 232448
 _SMEM_SLACK = 8 << 10
 
 
-def smem_estimate(rows: int, block_kv: int, stages: int, h: int, itemsize: int) -> int:
-    """Shared memory of one attention program: its query tile (rows x h) plus the K and V tiles
-    (block_kv x h each) of the pipeline's stages in flight (stages - 1, at least one)."""
-    return (rows + max(stages - 1, 1) * 2 * block_kv) * h * itemsize
+def smem_estimate(rows: int, block_kv: int, kv_buffers: int, h: int, itemsize: int) -> int:
+    """Shared memory of one attention program: its query tile (rows x h) plus `kv_buffers` K and
+    V tiles (block_kv x h each). Fitted to what Triton requested on an H100/H200
+    (lab/kernels/smem_probe.py): the prefill kernel double-buffers K and V once pipelined
+    (num_stages >= 2; a third stage adds ~1 KiB), the decode kernel holds one K and one V tile."""
+    return (rows + kv_buffers * 2 * block_kv) * h * itemsize
 
 
 def fit_shared_memory(tiling: Tiling, h: int, itemsize: int, g: int, smem_bytes: int) -> Tiling:
-    """`tiling` with each pipeline shrunk, where it does not fit `smem_bytes`, until it does:
-    first fewer stages (down to 2), then smaller KV tiles (down to 32), then fewer prefill rows
-    (down to 32), then KV tiles down to 16. Large head sizes (256) and float32 need this; the
-    defaults of bf16 head sizes up to 128 fit Hopper unchanged."""
+    """`tiling` with each kernel's tiles shrunk, where they do not fit `smem_bytes`, until they
+    do: smaller KV tiles first (down to 32), then fewer prefill rows (down to 32), then an
+    unpipelined prefill, then KV tiles down to 16. Head size 256 (Gemma) and float32 need
+    this; bf16 head sizes up to 128 keep the defaults."""
     budget = smem_bytes - _SMEM_SLACK
-    rows_dec = max(16, _next_pow2(g))
 
-    def shrink(rows: int, bkv: int, stages: int, can_shrink_rows: bool) -> tuple[int, int, int]:
-        while smem_estimate(rows, bkv, stages, h, itemsize) > budget:
-            if stages > 2:
-                stages -= 1
-            elif bkv > 32:
+    def shrink(rows: int, bkv: int, stages: int, decode: bool) -> tuple[int, int, int]:
+        while smem_estimate(rows, bkv, 1 if decode else min(stages, 2), h, itemsize) > budget:
+            if bkv > 32:
                 bkv //= 2
-            elif can_shrink_rows and rows > max(32, _next_pow2(g)):
+            elif not decode and rows > max(32, _next_pow2(g)):
                 rows //= 2
+            elif not decode and stages > 1:
+                stages = 1
             elif bkv > 16:
                 bkv //= 2
             else:
                 break  # nothing left to shrink: the compiler will say what it needs
         return rows, bkv, stages
 
-    _, dec_kv, dec_st = shrink(rows_dec, tiling.decode_block_kv, tiling.decode_num_stages, False)
-    rows, pre_kv, pre_st = shrink(tiling.prefill_rows, tiling.prefill_block_kv, tiling.prefill_num_stages, True)
+    _, dec_kv, dec_st = shrink(max(16, _next_pow2(g)), tiling.decode_block_kv, tiling.decode_num_stages, True)
+    rows, pre_kv, pre_st = shrink(tiling.prefill_rows, tiling.prefill_block_kv, tiling.prefill_num_stages, False)
     fitted = dataclasses.replace(tiling, decode_block_kv=dec_kv, decode_num_stages=dec_st, prefill_rows=rows,
                                  prefill_block_kv=pre_kv, prefill_num_stages=pre_st)
     return tiling if fitted == tiling else fitted
