@@ -78,6 +78,8 @@ class LLMEngine:
         Bad input raises `ValueError` and adds nothing."""
         params = params or SamplingParams()
         text, ids = self._prompt_ids(prompt)
+        ids = self._truncate(ids, params)
+        params.update_from_tokenizer(self.tokenizer)
         self._validate(ids, params)
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -88,6 +90,7 @@ class LLMEngine:
             if params.n > 1:  # children sample independently; a given seed is offset per child
                 seed = params.seed + i if params.seed is not None else None
                 child_params = dataclasses.replace(params, n=1, seed=seed)
+                child_params.update_from_tokenizer(self.tokenizer)
             seed = child_params.seed
             if seed is None:
                 seed = int(self._seed_rng.integers(0, 2**31 - 1))
@@ -113,6 +116,16 @@ class LLMEngine:
             return None, [int(t) for t in prompt]
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
+    def _truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len - 1), as vLLM."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = self.config.max_model_len - 1 if k == -1 else k
+        if k >= self.config.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens={k} must be below max_model_len={self.config.max_model_len}")
+        return ids[-k:]
+
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("the prompt is empty")
@@ -129,6 +142,10 @@ class LLMEngine:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        for name, tokens in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            out_of_vocab = [t for t in tokens if t >= vocab]
+            if out_of_vocab:
+                raise ValueError(f"{name} has token ids out of vocabulary [0, {vocab}): {out_of_vocab[:5]}")
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Ends requests with finish_reason "abort" (unknown or finished ids are ignored)."""

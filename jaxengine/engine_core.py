@@ -18,8 +18,8 @@ device:
 4. outputs: the output processor detokenizes, applies stop strings, records logprobs and builds
    the `RequestOutput`s while the device runs N+1; requests it stops or fails are ended in the
    scheduler.
-When a running request uses penalties (which read every output token) the step resolves N
-before scheduling N+1, as a synchronous engine would.
+When a running request uses penalties or bad words of several tokens (which read its output
+tokens) the step resolves N before scheduling N+1, as a synchronous engine would.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class EngineCore:
         try:
             prev, self._inflight = self._inflight, None
             done = None
-            if prev is not None and self.scheduler.running_uses_penalties():
+            if prev is not None and self.scheduler.running_reads_history():
                 done, prev = self._resolve(prev), None
             sched = self.scheduler.schedule()
             if sched.num_cached_tokens:

@@ -1,7 +1,8 @@
 """Owns the device side: parameters, the paged KV cache, and the compiled step programs.
 
 Per token bucket T one forward program (KV caches donated, logits for R = min(T, max_num_seqs)
-rows); per row count R two small sampler programs (with and without penalties). All of them are
+rows); per row count R two small sampler programs (with and without logits processors:
+penalties, logit_bias, allowed_token_ids, bad_words). All of them are
 compiled ahead of time at start-up; running a shape that was not compiled is a bug and raises.
 The host waits once per step, for the sampler's output.
 """
@@ -106,7 +107,7 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     """Device memory one step of the largest bucket needs beyond weights and KV cache, per device.
 
     Compiles that bucket's forward against a 2-block cache (the temporaries do not depend on the
-    pool size) plus the penalties sampler, placed as the runner places them (`plan`: sharded over
+    pool size) plus the processors sampler, placed as the runner places them (`plan`: sharded over
     the mesh), and reads XLA's buffer assignment of one device. None when the backend reports no
     memory analysis. `attention`: the backend the runner will use.
     """
@@ -122,8 +123,8 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
                   donate_argnums=(1,)).lower(
         _abstract(state), [(kv, kv)] * c.num_layers, layout.abstract(rep),
         jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile()
-    md = Layout.of(build_sampling_metadata([], r, config.max_model_len))
-    smp = jax.jit(functools.partial(_sample_padded, layout=md, use_penalties=True, pad_to=config.max_num_seqs)).lower(
+    md = Layout.of(build_sampling_metadata([], r, config.max_model_len, processors=True))
+    smp = jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True, pad_to=config.max_num_seqs)).lower(
         jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32, sharding=rep), md.abstract(rep)).compile()
     total = 0
     for compiled in (fwd, smp):
@@ -136,11 +137,11 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     return max(total - weights, 0)
 
 
-def _sample_padded(logits: jax.Array, packed_md: jax.Array, *, layout: Layout, use_penalties: bool, pad_to: int):
+def _sample_padded(logits: jax.Array, packed_md: jax.Array, *, layout: Layout, use_processors: bool, pad_to: int):
     """The sampler on metadata packed with `layout`, plus its tokens padded to [pad_to] (a fixed
     shape the next forward reads) and a [R] flag for rows whose logits hold a NaN (that request
     is failed alone, not sampled from)."""
-    out = sample(logits, unpack(packed_md, layout), use_penalties=use_penalties)
+    out = sample(logits, unpack(packed_md, layout), use_processors=use_processors)
     nan_rows = jnp.any(jnp.isnan(logits), axis=-1)
     return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0])), nan_rows
 
@@ -214,15 +215,15 @@ class ModelRunner:
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._rep)
         return self._jit_prompt_lp.lower(self._params_abs, hidden, targets).compile()
 
-    def _compile_sampler(self, r: int, penalties: bool) -> jax.stages.Compiled:
-        layout = Layout.of(build_sampling_metadata([], r, self._history_len(penalties)))
+    def _compile_sampler(self, r: int, processors: bool) -> jax.stages.Compiled:
+        layout = Layout.of(build_sampling_metadata([], r, self._history_len(processors), processors=processors))
         logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32, sharding=self._rep)
-        fn = jax.jit(functools.partial(_sample_padded, layout=layout, use_penalties=penalties,
+        fn = jax.jit(functools.partial(_sample_padded, layout=layout, use_processors=processors,
                                        pad_to=self.config.max_num_seqs))
         return fn.lower(logits, layout.abstract(self._rep)).compile()
 
-    def _history_len(self, penalties: bool) -> int:
-        return self.config.max_model_len if penalties else 1
+    def _history_len(self, processors: bool) -> int:
+        return self.config.max_model_len if processors else 1
 
     def warmup(self) -> None:
         """Compiles every bucket (forward and prompt logprobs per token bucket, samplers per row
@@ -263,8 +264,8 @@ class ModelRunner:
     def _get_prompt_lp(self, t: int) -> jax.stages.Compiled:
         return self._get(self._prompt_lp_fns, t, self._compile_prompt_logprobs, "prompt-logprob program for bucket")
 
-    def _get_sampler(self, r: int, penalties: bool) -> jax.stages.Compiled:
-        return self._get(self._sample_fns, (r, penalties), self._compile_sampler, "sampler (rows, penalties)")
+    def _get_sampler(self, r: int, processors: bool) -> jax.stages.Compiled:
+        return self._get(self._sample_fns, (r, processors), self._compile_sampler, "sampler (rows, processors)")
 
     # -- one step --------------------------------------------------------------------------
     def dispatch(self, sched: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
@@ -279,7 +280,7 @@ class ModelRunner:
         r = self.rows_for(t)
         inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None else None)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
-        md, penalties = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True))
+        md, processors = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True))
         # Each numpy argument is its own host-to-device copy: one packed buffer per program.
         self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches, pack(inputs),
                                                               prev_tokens)
@@ -287,7 +288,7 @@ class ModelRunner:
         targets = prompt_logprob_targets(seqs, t)
         if targets is not None:
             prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, targets)
-        sampler_out, tokens, nan_rows = self._get_sampler(r, penalties)(logits, pack(md))
+        sampler_out, tokens, nan_rows = self._get_sampler(r, processors)(logits, pack(md))
         rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
         return InFlight(sampler_out, len(seqs), prompt_lp, tokens, rows_of, nan_rows)
 

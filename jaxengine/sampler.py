@@ -6,8 +6,10 @@ registered pytree of fixed-shape arrays built on the host by `build_sampling_met
 rows are greedy with neutral parameters, so they cost nothing special and change nothing.
 
 Order of operations (as vLLM): logprobs are taken from the raw logits; then, only in the
-`use_penalties` variant, repetition / frequency / presence penalties; the tokens that may not
-end the output yet (min_tokens) are banned; greedy rows take the argmax; random rows divide by
+`use_processors` variant, repetition / frequency / presence penalties, `logit_bias`,
+`allowed_token_ids` (every other token masked) and `bad_words` (a word's last token banned when
+the output ends with the tokens before it); the tokens that may not end the output yet
+(min_tokens) are banned; greedy rows take the argmax; random rows divide by
 the temperature, keep the top-k, then the top-p nucleus, then drop tokens below min_p times the
 most likely one, and draw with the Gumbel-max trick from a key that depends only on the row's
 (seed, step), so a seeded request samples the same tokens whatever batch it lands in.
@@ -27,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxengine.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+                                       MAX_LOGPROBS, SamplingParams)
 from jaxengine.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
@@ -40,7 +43,11 @@ MAX_BANNED_IDS = 8
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingMetadata:
-    """Per-row sampling state for one step. R = request-bucket rows, L = history length."""
+    """Per-row sampling state for one step. R = request-bucket rows, L = history length.
+
+    The history and the logit edits are read only by the `use_processors` variant; the plain
+    variant is compiled with width 1 for each (`build_sampling_metadata(..., processors=False)`).
+    """
 
     temperature: jax.Array  # [R] f32, 0 = greedy
     top_p: jax.Array  # [R] f32, 1 = off
@@ -51,9 +58,14 @@ class SamplingMetadata:
     repetition_penalty: jax.Array  # [R] f32, 1 = off
     seeds: jax.Array  # [R] uint32 per-row seed
     steps: jax.Array  # [R] int32 output index of the token being sampled
-    history: jax.Array  # [R, L] int32 prompt then output tokens, -1 padded (read only with penalties)
+    history: jax.Array  # [R, L] int32 prompt then output tokens, -1 padded (rows that read it: penalties, bad words)
     num_prompt: jax.Array  # [R] int32 how many leading history entries are prompt tokens
     banned_ids: jax.Array  # [R, MAX_BANNED_IDS] int32 ids that may not be sampled now, -1 padded
+    bias_ids: jax.Array  # [R, E] int32 logit_bias token ids, -1 padded
+    bias_values: jax.Array  # [R, E] f32 their biases
+    allowed_ids: jax.Array  # [R, A] int32 allowed_token_ids, -1 padded; all -1 = no restriction
+    bad_prefix: jax.Array  # [R, W, MAX_BAD_WORD_TOKENS - 1] int32 tokens before a bad word's last, right-aligned, -1 padded
+    bad_last: jax.Array  # [R, W] int32 a bad word's last token, -1 = none
 
 
 @jax.tree_util.register_dataclass
@@ -74,14 +86,15 @@ class SamplingRow(NamedTuple):
     params: SamplingParams
     seed: int  # the request's seed (its own, or one the engine drew for it)
     step: int  # number of output tokens so far = index of the token being sampled
-    prompt_ids: Sequence[int]  # read only when the row uses penalties; numpy arrays copy fastest
+    prompt_ids: Sequence[int]  # read only when the row reads its history; numpy arrays copy fastest
     output_ids: Sequence[int]
     eos_token_ids: Sequence[int] = ()  # banned with stop_token_ids until min_tokens are out
 
 
-def needs_penalties(params_list: Sequence[SamplingParams]) -> bool:
-    """Whether any row needs the penalties variant (which reads the token history)."""
-    return any(p.uses_penalties for p in params_list)
+def needs_processors(params_list: Sequence[SamplingParams]) -> bool:
+    """Whether any row needs the `use_processors` variant: penalties (which read the token
+    history) or logit edits (logit_bias, allowed_token_ids, bad_words)."""
+    return any(p.uses_penalties or p.uses_logit_edits for p in params_list)
 
 
 # -- host side: building the metadata --------------------------------------------------------
@@ -98,11 +111,12 @@ _NEUTRAL_ROW = (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0)
 
 
 def _fill_history(history: np.ndarray, num_prompt: np.ndarray, rows: Sequence[SamplingRow]) -> None:
-    """Writes prompt + output ids of the rows that use penalties; a row longer than `L` keeps
-    its newest `L` tokens (output tokens matter most: frequency / presence read only them)."""
+    """Writes prompt + output ids of the rows whose sampling reads them (penalties, bad words
+    of several tokens); a row longer than `L` keeps its newest `L` tokens (output tokens matter
+    most: frequency / presence and bad words read only them)."""
     length = history.shape[1]
     for i, r in enumerate(rows):
-        if not r.params.uses_penalties:
+        if not r.params.reads_history:
             continue
         n_p, n_o = len(r.prompt_ids), len(r.output_ids)
         if n_p + n_o <= length:
@@ -119,25 +133,29 @@ def _fill_history(history: np.ndarray, num_prompt: np.ndarray, rows: Sequence[Sa
             num_prompt[i] = keep
 
 
-def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int, history_len: int) -> SamplingMetadata:
+def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int, history_len: int,
+                            processors: bool | None = None) -> SamplingMetadata:
     """Fixed-shape numpy metadata for `rows`, padded to `num_rows` with neutral greedy rows.
 
-    The history (prompt + output ids per row, for penalties) is filled only for rows that use
-    penalties: the plain variant never reads it, so callers compiling that variant may pass
-    `history_len=1`. Histories longer than `history_len` keep their most recent tokens.
+    `processors`: the layout of the `use_processors` variant (the logit edits at full width);
+    None: whether any row needs it. The history (prompt + output ids per row) is filled only for
+    rows whose sampling reads it: the plain variant never reads it, so callers compiling that
+    variant may pass `history_len=1`. Histories longer than `history_len` keep their most recent
+    tokens.
     """
     return _metadata([r.params for r in rows], [r.seed for r in rows], [r.step for r in rows],
-                     rows.__getitem__, num_rows, history_len)
+                     rows.__getitem__, num_rows, history_len, processors)
 
 
 def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequence[int], num_rows: int,
-                            penalty_history_len: int) -> tuple[SamplingMetadata, bool]:
+                            processors_history_len: int) -> tuple[SamplingMetadata, bool]:
     """`build_sampling_metadata` for one step's rows straight from the scheduler's output, and
-    whether any row uses penalties (then the history is `penalty_history_len` long, else 1).
+    whether any row needs the `use_processors` variant (then the history is
+    `processors_history_len` long, else 1).
 
     This runs every step for every running request, so the per-row Python work is a few
     attribute reads; a `SamplingRow` is made only for the rare rows that need one (penalties,
-    banned ids before min_tokens).
+    logit edits, banned ids before min_tokens).
     """
     specs = [s.spec for s in seqs]
     params = [sp.params for sp in specs]
@@ -148,14 +166,31 @@ def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequenc
         return SamplingRow(sp.params, sp.seed, steps[i], sp.prompt_token_ids, seqs[i].output_token_ids or (),
                            eos_token_ids)
 
-    penalties = needs_penalties(params)
+    processors = needs_processors(params)
     return _metadata(params, [sp.seed for sp in specs], steps, row, num_rows,
-                     penalty_history_len if penalties else 1, penalties), penalties
+                     processors_history_len if processors else 1, processors), processors
+
+
+def _fill_logit_edits(md: dict[str, np.ndarray], rows: Sequence[SamplingRow]) -> None:
+    """Writes each row's logit_bias, allowed_token_ids and bad words into the edit columns."""
+    lb = md["bad_prefix"].shape[2]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.logit_bias:
+            ids = list(p.logit_bias)
+            md["bias_ids"][i, : len(ids)] = ids
+            md["bias_values"][i, : len(ids)] = [p.logit_bias[t] for t in ids]
+        if p.allowed_token_ids:
+            md["allowed_ids"][i, : len(p.allowed_token_ids)] = p.allowed_token_ids
+        for j, word in enumerate(p.bad_words_token_ids):
+            md["bad_last"][i, j] = word[-1]
+            if len(word) > 1:
+                md["bad_prefix"][i, j, lb - len(word) + 1:] = word[:-1]
 
 
 def _metadata(params: list[SamplingParams], seeds: Sequence[int], steps: list[int],
               row: Callable[[int], SamplingRow], num_rows: int, history_len: int,
-              penalties: bool | None = None) -> SamplingMetadata:
+              processors: bool | None = None) -> SamplingMetadata:
     """The metadata from per-row columns; `row(i)` gives row i's full state where needed.
 
     The parameter columns come from bytes cached on each frozen SamplingParams.
@@ -165,6 +200,8 @@ def _metadata(params: list[SamplingParams], seeds: Sequence[int], steps: list[in
         raise ValueError(f"{n} sampling rows do not fit in a bucket of {num_rows}")
     if history_len < 1:
         raise ValueError(f"history_len must be at least 1, got {history_len}")
+    if processors is None:
+        processors = needs_processors(params)
     width = len(_NEUTRAL_ROW)
     values = np.empty((num_rows, width), np.float32)
     values[n:] = _NEUTRAL_ROW
@@ -173,12 +210,21 @@ def _metadata(params: list[SamplingParams], seeds: Sequence[int], steps: list[in
     num_prompt = np.zeros((num_rows,), np.int32)
     history = np.full((num_rows, history_len), -1, np.int32)
     banned = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
+    e, a, w = (MAX_LOGIT_BIAS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS) if processors else (1, 1, 1)
+    edits = {"bias_ids": np.full((num_rows, e), -1, np.int32), "bias_values": np.zeros((num_rows, e), np.float32),
+             "allowed_ids": np.full((num_rows, a), -1, np.int32),
+             "bad_prefix": np.full((num_rows, w, MAX_BAD_WORD_TOKENS - 1 if processors else 1), -1, np.int32),
+             "bad_last": np.full((num_rows, w), -1, np.int32)}
     if n:
         values[:n] = np.frombuffer(b"".join([p.sampler_row_f32 for p in params]), np.float32).reshape(n, width)
         seeds_a[:n] = [s & 0xFFFFFFFF for s in seeds]
         steps_a[:n] = steps
-        if needs_penalties(params) if penalties is None else penalties:
-            _fill_history(history, num_prompt, [row(i) for i in range(n)])
+        if processors:
+            edited = [i for i, p in enumerate(params) if p.reads_history or p.uses_logit_edits]
+            if edited:
+                full = [row(i) for i in range(n)]
+                _fill_history(history, num_prompt, full)
+                _fill_logit_edits(edits, full)
         min_tokens = [p.min_tokens for p in params]
         if any(min_tokens):
             for i in np.flatnonzero(steps_a[:n] < np.asarray(min_tokens)):
@@ -193,7 +239,7 @@ def _metadata(params: list[SamplingParams], seeds: Sequence[int], steps: list[in
         temperature=columns[0].copy(), top_p=columns[1].copy(), top_k=columns[2].astype(np.int32),
         min_p=columns[3].copy(), presence_penalty=columns[4].copy(), frequency_penalty=columns[5].copy(),
         repetition_penalty=columns[6].copy(), seeds=seeds_a, steps=steps_a,
-        history=history, num_prompt=num_prompt, banned_ids=banned)
+        history=history, num_prompt=num_prompt, banned_ids=banned, **edits)
 
 
 # -- device side -----------------------------------------------------------------------------
@@ -224,6 +270,29 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     logits = logits - md.frequency_penalty[:, None] * output_counts
     logits = logits - md.presence_penalty[:, None] * (output_counts > 0)
     return logits
+
+
+def apply_logit_edits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """logit_bias added, tokens outside allowed_token_ids and matched bad words set to -inf.
+
+    A bad word of several tokens matches when the row's output (the history after its prompt)
+    ends with the tokens before the word's last; a one-token bad word always matches.
+    """
+    r, vocab = logits.shape
+    logits = logits + _scatter_rows(md.bias_ids, md.bias_values, vocab)
+    restricted = md.allowed_ids[:, 0] >= 0  # [R]
+    allowed = _scatter_rows(md.allowed_ids, jnp.ones(md.allowed_ids.shape, jnp.float32), vocab) > 0
+    logits = jnp.where(restricted[:, None] & ~allowed, -jnp.inf, logits)
+    hist = md.history  # [R, L]
+    lp = md.bad_prefix.shape[2]
+    n_valid = jnp.sum(hist >= 0, axis=-1)  # [R]: prompt + output tokens held
+    idx = n_valid[:, None] - lp + jnp.arange(lp)[None, :]  # [R, lp]: the last lp positions
+    tail = jnp.take_along_axis(hist, jnp.clip(idx, 0, hist.shape[1] - 1), axis=-1)
+    tail_is_output = (idx >= md.num_prompt[:, None]) & (idx >= 0)
+    ok = (md.bad_prefix < 0) | ((md.bad_prefix == tail[:, None, :]) & tail_is_output[:, None, :])
+    hit = jnp.all(ok, axis=-1) & (md.bad_last >= 0)  # [R, W]
+    banned = _scatter_rows(jnp.where(hit, md.bad_last, -1), jnp.ones(hit.shape, jnp.float32), vocab) > 0
+    return jnp.where(banned, -jnp.inf, logits)
 
 
 def _sort_key(x: jax.Array) -> jax.Array:
@@ -327,9 +396,10 @@ def _random_tokens(logits: jax.Array, row_max: jax.Array, md: SamplingMetadata) 
     return jnp.argmax(jnp.where(scaled >= floor[:, None], scaled, -jnp.inf) + noise, axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, *, use_penalties: bool,
+def sample(logits: jax.Array, md: SamplingMetadata, *, use_processors: bool,
            num_top_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
-    """Samples one token per row of `logits` [R, V] under `md`; jit with `use_penalties` static.
+    """Samples one token per row of `logits` [R, V] under `md`; jit with `use_processors` static
+    (penalties and logit edits: see `needs_processors`).
 
     Logprobs, top logprobs and ranks describe the raw model distribution (before penalties,
     bans and temperature), as vLLM reports them. The full [R, V] log-softmax is never built:
@@ -337,7 +407,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, use_penalties: bool,
     """
     logits = logits.astype(jnp.float32)
     log_norm = jax.nn.logsumexp(logits, axis=-1)  # [R]
-    processed = apply_penalties(logits, md) if use_penalties else logits
+    processed = apply_logit_edits(apply_penalties(logits, md), md) if use_processors else logits
     processed = _mask_banned(processed, md.banned_ids)
 
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [R]

@@ -33,6 +33,13 @@ MIN_POSITIVE_TEMPERATURE = 1e-2
 MAX_LOGPROBS = 20
 # Most sequences one request may fan out into.
 MAX_N = 1024
+# Widths of the sampler's per-row logit edits (compile-time constants of the sampler variant that
+# reads them): logit_bias entries, allowed_token_ids, bad words (token sequences after both
+# spellings, with and without a leading space) and tokens per bad word.
+MAX_LOGIT_BIAS = 300
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 32
+MAX_BAD_WORD_TOKENS = 8
 
 
 class SamplingType(enum.IntEnum):
@@ -86,6 +93,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, before sampling
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words never generated (their last token is banned after the rest)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len - 1)
 
     def __post_init__(self) -> None:
         # Normalise first, then validate. Frozen, so normalising goes through `_set`.
@@ -120,6 +131,12 @@ class SamplingParams:
             set_("top_k", 0)
         set_("stop", self._normalise_stop(self.stop))
         set_("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
+        set_("logit_bias", self._normalise_logit_bias(self.logit_bias))
+        set_("allowed_token_ids", self._normalise_allowed(self.allowed_token_ids))
+        set_("bad_words", self._normalise_bad_words(self.bad_words))
+        _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True)
+        if self.truncate_prompt_tokens is not None:
+            set_("truncate_prompt_tokens", int(self.truncate_prompt_tokens))
 
         self._verify_args()
 
@@ -162,6 +179,52 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must contain only non-negative integers, got {list(ids)}.")
         return list(dict.fromkeys(int(t) for t in ids))
 
+    @staticmethod
+    def _normalise_logit_bias(bias: object) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}.")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:  # JSON object keys arrive as strings
+                tid = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}.") from None
+            if isinstance(key, (bool, float)) or tid < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}.")
+            _check_float(f"logit_bias[{key!r}]", value)
+            out[tid] = out.get(tid, 0.0) + float(value)
+        if len(out) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(out)}.")
+        return out or None
+
+    @staticmethod
+    def _normalise_allowed(ids: object) -> list[int] | None:
+        if ids is None:
+            return None
+        if not isinstance(ids, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in ids):
+            raise ValueError(f"allowed_token_ids must be a list of non-negative token ids, got {ids!r}.")
+        if not ids:
+            raise ValueError("allowed_token_ids must not be empty: nothing could be sampled.")
+        out = list(dict.fromkeys(int(t) for t in ids))
+        if len(out) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} tokens, got {len(out)}.")
+        return out
+
+    @staticmethod
+    def _normalise_bad_words(words: object) -> list[str] | None:
+        if words is None:
+            return None
+        if isinstance(words, str):
+            words = [words]
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"bad_words must be a list of strings, got {words!r}.")
+        if any(not w.strip() for w in words):
+            raise ValueError("bad_words cannot contain an empty string.")
+        return list(words) or None
+
     def _verify_args(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}.")
@@ -195,6 +258,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True.")
+        if self.truncate_prompt_tokens is not None and (self.truncate_prompt_tokens == 0
+                                                        or self.truncate_prompt_tokens < -1):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len - 1) or at least 1, "
+                             f"got {self.truncate_prompt_tokens}.")
 
     # -- derived views ---------------------------------------------------------------------
     @property
@@ -212,6 +279,46 @@ class SamplingParams:
         """Whether the sampler needs this request's token history (the slower variant)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @functools.cached_property
+    def uses_logit_edits(self) -> bool:
+        """Whether the sampler edits this request's logits: logit_bias, allowed_token_ids or
+        bad_words (read by the same sampler variant as penalties)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """The bad words as token sequences (`update_from_tokenizer`); [] before that."""
+        return self.__dict__.get("_bad_words_token_ids", [])
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenizes the bad words, as vLLM does: each word as written (leading spaces
+        stripped) and, where it tokenizes differently and to as many tokens, with one leading
+        space (the form it takes mid-sentence). Idempotent."""
+        if not self.bad_words or "_bad_words_token_ids" in self.__dict__:
+            return
+        if tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model has none")
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (plain, spaced if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else None):
+                if ids and ids not in seqs:
+                    if len(ids) > MAX_BAD_WORD_TOKENS:
+                        raise ValueError(f"bad word {word!r} is {len(ids)} tokens long; at most "
+                                         f"{MAX_BAD_WORD_TOKENS} are supported.")
+                    seqs.append(ids)
+        if len(seqs) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words tokenize to {len(seqs)} token sequences; at most {MAX_BAD_WORDS} "
+                             "are supported.")
+        self.__dict__["_bad_words_token_ids"] = seqs
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the request's output tokens so far: penalties, and bad words
+        of several tokens (banned only after the tokens before their last)."""
+        return self.uses_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @property
     def output_text_buffer_length(self) -> int:

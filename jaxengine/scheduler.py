@@ -72,7 +72,7 @@ class ScheduledSeq:
     block_ids: list[int]  # the request's whole block table after allocation (live: read only)
     samples: bool  # this step reaches the end of the request's tokens: sample from its last row
     spec: RequestSpec  # the request's sampling parameters, seed and prompt
-    output_token_ids: list[int] | None  # a copy of the outputs, only when the sampler reads them (penalties)
+    output_token_ids: list[int] | None  # a copy of the outputs, only when the sampler reads them (penalties, bad words)
 
     @property
     def is_decode(self) -> bool:
@@ -111,7 +111,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._finished_ids: list[str] = []  # since the last schedule()
         self.num_preemptions = 0  # total
-        self._num_with_penalties = 0  # unfinished requests whose sampling reads their history
+        self._num_reading_history = 0  # unfinished requests whose sampling reads their history
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
@@ -135,8 +135,8 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has already been scheduled")
         self._requests[request.request_id] = request
         self.waiting.append(request)
-        if _uses_penalties(request):
-            self._num_with_penalties += 1
+        if _reads_history(request):
+            self._num_reading_history += 1
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -160,10 +160,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def running_uses_penalties(self) -> bool:
+    def running_reads_history(self) -> bool:
         """Whether a running request's sampling reads its token history (penalties): no scan
         of the running requests while no unfinished request uses them (the common case)."""
-        return self._num_with_penalties > 0 and any(_uses_penalties(r) for r in self.running)
+        return self._num_reading_history > 0 and any(_reads_history(r) for r in self.running)
 
     @property
     def num_running(self) -> int:
@@ -186,7 +186,7 @@ class Scheduler:
         add_decode, add_prefill = decodes.append, prefills.append
         decode_reqs: list[Request] = []
         prefill_reqs: list[Request] = []
-        any_penalties = self._num_with_penalties > 0  # else no row needs a copy of its outputs
+        any_history = self._num_reading_history > 0  # else no row needs a copy of its outputs
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -206,7 +206,7 @@ class Scheduler:
             if samples and n == 1 and start >= num_prompt:
                 outs = req.output_token_ids
                 add_decode(ScheduledSeq(req.request_id, start, 1, outs[-1:], table, True, req.spec,
-                                        outs[:] if any_penalties and req.sampling_params.uses_penalties else None))
+                                        outs[:] if any_history and req.sampling_params.reads_history else None))
                 decode_reqs.append(req)
             else:
                 add_prefill(self._scheduled(req, n, table))
@@ -263,7 +263,7 @@ class Scheduler:
             block_ids = self.block_manager.get_block_ids(req.request_id)
         return ScheduledSeq(req.request_id, start, n, req.token_ids_slice(start, start + n), block_ids,
                             start + n == req.num_tokens, req.spec,
-                            req.output_token_ids[:] if req.sampling_params.uses_penalties else None)
+                            req.output_token_ids[:] if req.sampling_params.reads_history else None)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
@@ -347,8 +347,8 @@ class Scheduler:
         self.block_manager.free(req)
         del self._requests[req.request_id]
         self._finished_ids.append(req.request_id)
-        if _uses_penalties(req):
-            self._num_with_penalties -= 1
+        if _reads_history(req):
+            self._num_reading_history -= 1
 
     def _drop_finished(self) -> None:
         self.running = [r for r in self.running if not r.status.is_finished]
@@ -356,5 +356,5 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.status.is_finished)
 
 
-def _uses_penalties(req: Request) -> bool:
-    return bool(getattr(req.sampling_params, "uses_penalties", False))
+def _reads_history(req: Request) -> bool:
+    return bool(getattr(req.sampling_params, "reads_history", False))

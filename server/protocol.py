@@ -62,7 +62,7 @@ class SamplingFields(RequestModel):
     seed: SeedInt | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
-    logit_bias: dict[Str, Float] | None = None  # not implemented: rejected unless empty
+    logit_bias: dict[Str, Float] | None = None  # token id (as a string) -> bias, clamped to [-100, 100]
     user: Str | None = None  # accepted and ignored, as an end-user id for abuse monitoring would be
     # vLLM's extras
     top_k: Int | None = None
@@ -75,6 +75,9 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     prompt_logprobs: Int | None = None  # top logprobs per prompt token (not with stream)
+    allowed_token_ids: list[Int] | None = None
+    bad_words: list[Str] | None = None
+    truncate_prompt_tokens: Int | None = None  # keep the prompt's last k tokens (-1: max_model_len - 1)
 
 
 Prompt = Str | list[Str] | list[Int] | list[list[Int]]
@@ -89,7 +92,7 @@ class CompletionRequest(SamplingFields):
     suffix: JSONValue | None = None  # not implemented
     add_special_tokens: Bool = True  # vLLM: tokenizer special tokens around a text prompt
 
-    _neutral: ClassVar[dict[str, tuple[object, ...]]] = {"suffix": ("",), "logit_bias": ({},)}
+    _neutral: ClassVar[dict[str, tuple[object, ...]]] = {"suffix": ("",)}
 
     def unsupported_fields(self) -> list[str]:
         out = super().unsupported_fields()
@@ -150,7 +153,7 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: JSONValue | None = None
 
     _neutral: ClassVar[dict[str, tuple[object, ...]]] = {
-        "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+        "tools": ([],), "tool_choice": ("none",), "functions": ([],),
         "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
         "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
         "verbosity": (), "store": (False,)}

@@ -61,6 +61,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.limits.check_stop(req.stop, req.stop_token_ids)
     text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
                                 req.chat_template_kwargs)
+    ids = ctx.truncate(ids, req.truncate_prompt_tokens)
     max_tokens = req.max_new_tokens
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     ctx.check_prompt(len(ids), max_tokens, "messages", max_name)

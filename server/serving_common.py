@@ -60,6 +60,15 @@ class ServingContext:
         """The same ids `LLMEngine.tokenize` gives (so server and `LLM.generate` agree)."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def truncate(self, ids: list[int], k: int | None) -> list[int]:
+        """The prompt's last `k` tokens (`truncate_prompt_tokens`; -1: max_model_len - 1)."""
+        if k is None:
+            return ids
+        if k == 0 or k < -1 or k >= self.max_model_len:
+            raise OpenAIError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len - 1}], got {k}.",
+                              400, param="truncate_prompt_tokens")
+        return ids[-(self.max_model_len - 1 if k == -1 else k):]
+
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None, param: str,
                      max_tokens_param: str = "max_tokens") -> None:
         """OpenAI's context-length errors (the engine checks too, but without the numbers)."""
@@ -111,9 +120,19 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs)
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
+            logit_bias=_clamped_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens)
     except ValueError as e:
         raise from_value_error(e, SAMPLING_PARAM_NAMES) from e
+
+
+def _clamped_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    """OpenAI's logit_bias with each bias clamped to [-100, 100], as vLLM does; keys stay as
+    sent (SamplingParams reads them as token ids and names a key that is not one)."""
+    if not bias:
+        return None
+    return {k: min(100.0, max(-100.0, float(v))) for k, v in bias.items()}
 
 
 def chat_logprobs_setting(req: ChatCompletionRequest) -> int | None:

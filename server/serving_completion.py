@@ -47,7 +47,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     model = ctx.resolve_model(req.model)
     reject_unsupported(req)
     ctx.limits.check_stop(req.stop, req.stop_token_ids)
-    prompts = completion_prompts(ctx, req)
+    prompts = [(text, ctx.truncate(ids, req.truncate_prompt_tokens)) for text, ids in completion_prompts(ctx, req)]
     for _, ids in prompts:
         ctx.check_prompt(len(ids), req.max_tokens, "prompt")
     echo_lp = req.echo and req.logprobs is not None  # the prompt's tokens get logprobs too

@@ -170,10 +170,46 @@ def test_no_compile_after_warmup(family_llm):
         (PROMPTS[:3], SamplingParams(max_tokens=10, repetition_penalty=1.3, presence_penalty=0.5,
                                      frequency_penalty=0.2, logprobs=3)),
         ([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(n=4, max_tokens=6, min_p=0.1)),
+        (PROMPTS[:2], SamplingParams(max_tokens=6, logit_bias={5: 3.0}, allowed_token_ids=list(range(5, 60)),
+                                     bad_words=["the"])),
     ]
     for prompts, params in workload:
         llm.generate(prompts, params, use_tqdm=False)
     assert compile_count() == before
+
+
+def test_logit_edits_and_prompt_truncation(family_llm):
+    """logit_bias, allowed_token_ids and bad_words (one token and several) steer what is sampled,
+    in greedy and random rows of one batch; truncate_prompt_tokens keeps the prompt's tail."""
+    name, _, llm = family_llm
+    if name not in ("llama", "gemma3"):
+        pytest.skip("the sampler is shared by every family")
+    tok = llm.get_tokenizer()
+    base = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    first = base[0].outputs[0].token_ids
+    allowed = sorted(set(first[:3]) | {11, 12})
+    forced, restricted, sampled = llm.generate(
+        PROMPTS[:3], [SamplingParams(max_tokens=6, temperature=0, logit_bias={13: 100.0}),
+                      SamplingParams(max_tokens=6, temperature=0, allowed_token_ids=allowed),
+                      SamplingParams(max_tokens=12, temperature=1.0, seed=3, allowed_token_ids=allowed)],
+        use_tqdm=False)
+    assert forced.outputs[0].token_ids == [13] * 6
+    assert set(restricted.outputs[0].token_ids) <= set(allowed)
+    assert set(sampled.outputs[0].token_ids) <= set(allowed)
+    # a two-token bad word taken from the greedy output: it never appears again
+    word = tok.decode(first[1:3])
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, bad_words=[word])
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    for seq in params.bad_words_token_ids or [first[1:3]]:
+        assert all(out[i:i + len(seq)] != seq for i in range(len(out))), (seq, out)
+    assert out[:1] == first[:1]  # the output before the word is unchanged
+    ids = tok.encode(PROMPTS[3])
+    trunc = llm.generate(PROMPTS[3], SamplingParams(max_tokens=2, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert trunc.prompt_token_ids == ids[-3:]
+    with pytest.raises(ValueError, match="allowed_token_ids has token ids out of vocabulary"):
+        llm.generate("x", SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias keys"):
+        SamplingParams(logit_bias={"x": 1.0})
 
 
 def test_bad_inputs(family_llm):

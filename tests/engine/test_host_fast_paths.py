@@ -89,13 +89,13 @@ def test_penalty_count_stays_in_sync(seed: int) -> None:
             if live:
                 sched.abort_requests([rng.choice(live).request_id])
         out = sched.schedule()
-        assert sched.running_uses_penalties() == any(r.sampling_params.uses_penalties for r in sched.running)
+        assert sched.running_reads_history() == any(r.sampling_params.reads_history for r in sched.running)
         unfinished = [r for r in reqs if not r.is_finished]
-        assert sched._num_with_penalties == sum(r.sampling_params.uses_penalties for r in unfinished)
+        assert sched._num_reading_history == sum(r.sampling_params.reads_history for r in unfinished)
         sched.update_from_output(out, [rng.randrange(10, 50) if s.samples else None for s in out.seqs])
         if step >= 60 and not sched.has_unfinished_requests():
             break
-    assert not sched.has_unfinished_requests() and sched._num_with_penalties == 0
+    assert not sched.has_unfinished_requests() and sched._num_reading_history == 0
     assert sched.num_preemptions > 0  # the small pool preempted on the way
 
 

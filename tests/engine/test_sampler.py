@@ -15,7 +15,7 @@ from jaxengine.sampler import (
     SamplingRow,
     apply_penalties,
     build_sampling_metadata,
-    needs_penalties,
+    needs_processors,
     sample,
     top_k_two_stage,
 )
@@ -26,15 +26,15 @@ DRAWS = 4000
 
 R = 8  # one bucket for most tests, so few programs compile
 HIST = 32
-_sample = jax.jit(sample, static_argnames=("use_penalties",))
+_sample = jax.jit(sample, static_argnames=("use_processors",))
 
 
-def _run(rows, logits, use_penalties=False, num_rows=R):
+def _run(rows, logits, use_processors=False, num_rows=R):
     """Samples `rows` padded to `num_rows`; padding logits are zeros."""
     logits = np.asarray(logits, np.float32)
     full = np.zeros((num_rows, logits.shape[-1]), np.float32)
     full[: logits.shape[0]] = logits
-    return _sample(full, build_sampling_metadata(rows, num_rows, HIST), use_penalties=use_penalties)
+    return _sample(full, build_sampling_metadata(rows, num_rows, HIST), use_processors=use_processors)
 
 
 def _row(params: SamplingParams, seed: int = 0, step: int = 0, prompt=(1, 2, 3), output=(), eos=()) -> SamplingRow:
@@ -107,20 +107,20 @@ def test_seeds_wrap_to_uint32():
     np.testing.assert_array_equal(md.seeds, np.uint32([5, 2**32 - 1]))
 
 
-def test_needs_penalties():
-    assert not needs_penalties([SamplingParams(), SamplingParams(temperature=0)])
-    assert needs_penalties([SamplingParams(), SamplingParams(presence_penalty=0.5)])
-    assert needs_penalties([SamplingParams(frequency_penalty=-0.1)])
-    assert needs_penalties([SamplingParams(repetition_penalty=1.1)])
-    assert not needs_penalties([])
+def test_needs_processors():
+    assert not needs_processors([SamplingParams(), SamplingParams(temperature=0)])
+    assert needs_processors([SamplingParams(), SamplingParams(presence_penalty=0.5)])
+    assert needs_processors([SamplingParams(frequency_penalty=-0.1)])
+    assert needs_processors([SamplingParams(repetition_penalty=1.1)])
+    assert not needs_processors([])
 
 
 # -- greedy, logprobs, padding -------------------------------------------------------------
-@pytest.mark.parametrize("use_penalties", [False, True])
-def test_greedy_is_argmax_and_logprobs_are_raw(use_penalties):
+@pytest.mark.parametrize("use_processors", [False, True])
+def test_greedy_is_argmax_and_logprobs_are_raw(use_processors):
     logits = _logits(8, seed=1)
     rows = [_row(SamplingParams(temperature=0)) for _ in range(5)]
-    out = _run(rows, logits, use_penalties)
+    out = _run(rows, logits, use_processors)
     np.testing.assert_array_equal(out.token_ids, logits.argmax(-1))
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
     np.testing.assert_allclose(out.logprob, ref[np.arange(8), logits.argmax(-1)], rtol=1e-6, atol=1e-6)
@@ -148,7 +148,7 @@ def test_logprob_and_rank_of_random_samples_use_raw_logits():
     logits = _logits(6, seed=2)
     params = SamplingParams(temperature=1.7, top_k=7, repetition_penalty=1.5, presence_penalty=1.0)
     rows = [_row(params, seed=s, output=[3, 4]) for s in range(6)]
-    out = _run(rows, logits, use_penalties=True)
+    out = _run(rows, logits, use_processors=True)
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
     tok = np.asarray(out.token_ids)[:6]
     np.testing.assert_allclose(out.logprob[:6], ref[np.arange(6), tok], rtol=1e-6, atol=1e-6)
@@ -205,7 +205,7 @@ def test_greedy_with_penalties_takes_argmax_of_penalised_logits():
     logits[:, 11] = 2.5
     params = SamplingParams(temperature=0, frequency_penalty=0.4)
     rows = [_row(params, output=[10, 10]), _row(SamplingParams(temperature=0), output=[10, 10])]
-    out = _run(rows, logits, use_penalties=True)
+    out = _run(rows, logits, use_processors=True)
     np.testing.assert_array_equal(out.token_ids[:2], [11, 10])  # 3.0 - 0.8 < 2.5; row 1 unpenalised
 
 
@@ -290,7 +290,7 @@ def test_same_seed_and_step_same_token_in_any_batch():
     others = [_row(SamplingParams(temperature=0.9, top_p=0.5), seed=s, step=s) for s in range(6)]
     a = _run([target], np.zeros((1, vocab)))
     b_rows = others[:3] + [target] + others[3:]
-    b = _run(b_rows, np.zeros((7, vocab)), use_penalties=True)
+    b = _run(b_rows, np.zeros((7, vocab)), use_processors=True)
     assert int(a.token_ids[0]) == int(b.token_ids[3])
     c = _run([target._replace(step=8)], np.zeros((1, vocab)))
     assert int(c.token_ids[0]) != int(a.token_ids[0])  # the step moves the key (1/1000 chance of a tie)
@@ -326,6 +326,63 @@ def test_sampler_output_is_a_pytree_of_arrays():
     md = build_sampling_metadata([], R, HIST)
     assert isinstance(md, SamplingMetadata)
     leaves = jax.tree_util.tree_leaves(md)
-    assert len(leaves) == 12 and all(isinstance(x, np.ndarray) for x in leaves)
-    out = _sample(_logits(R), md, use_penalties=False)
+    assert len(leaves) == 17 and all(isinstance(x, np.ndarray) for x in leaves)
+    out = _sample(_logits(R), md, use_processors=False)
     assert len(jax.tree_util.tree_leaves(out)) == 5
+
+
+# -- logit edits: logit_bias, allowed_token_ids, bad_words ----------------------------------
+def _with_bad_words(params: SamplingParams, words: list[list[int]]) -> SamplingParams:
+    """params with bad words already tokenized to `words` (as update_from_tokenizer leaves them)."""
+    params.__dict__["_bad_words_token_ids"] = words
+    return params
+
+
+def test_needs_processors_for_logit_edits():
+    assert needs_processors([SamplingParams(logit_bias={3: 1.0})])
+    assert needs_processors([SamplingParams(allowed_token_ids=[1, 2])])
+    assert needs_processors([SamplingParams(bad_words=["x"])])
+    plain = build_sampling_metadata([_row(SamplingParams())], R, 1)
+    assert plain.bias_ids.shape == (R, 1) and plain.allowed_ids.shape == (R, 1) and plain.bad_last.shape == (R, 1)
+    full = build_sampling_metadata([_row(SamplingParams(logit_bias={3: 1.0}))], R, HIST)
+    assert full.bias_ids.shape[1] > 1 and full.allowed_ids.shape[1] > 1
+
+
+def test_logit_bias_moves_greedy_but_not_logprobs():
+    logits = _logits(2)
+    target = int(np.argmin(logits[0]))
+    rows = [_row(SamplingParams(temperature=0, logit_bias={target: 100.0})), _row(SamplingParams(temperature=0))]
+    out = _run(rows, logits, use_processors=True)
+    assert int(out.token_ids[0]) == target
+    assert int(out.token_ids[1]) == int(np.argmax(logits[1]))  # a row without bias is untouched
+    raw = logits[0] - np.log(np.exp(logits[0]).sum())
+    np.testing.assert_allclose(float(out.logprob[0]), raw[target], rtol=1e-5)  # logprobs stay raw
+    banned = int(np.argmax(logits[1]))
+    out = _run([_row(SamplingParams(temperature=0, logit_bias={banned: -100.0}))], logits[1:], use_processors=True)
+    assert int(out.token_ids[0]) != banned
+
+
+def test_allowed_token_ids_restrict_greedy_and_random():
+    logits = _logits(1)[0]
+    allowed = [int(t) for t in np.argsort(logits)[:3]]  # the three least likely
+    out = _run([_row(SamplingParams(temperature=0, allowed_token_ids=allowed))], logits[None], use_processors=True)
+    assert int(out.token_ids[0]) == allowed[int(np.argmax(logits[allowed]))]
+    rows = [_row(SamplingParams(allowed_token_ids=allowed), seed=9, step=s) for s in range(R)]
+    out = _run(rows, np.broadcast_to(logits, (R, V)), use_processors=True)
+    assert set(np.asarray(out.token_ids).tolist()) <= set(allowed)
+
+
+def test_bad_words_one_token_always_and_longer_words_after_their_prefix():
+    logits = np.zeros((1, V), np.float32)
+    logits[0, 7], logits[0, 9] = 5.0, 4.0  # greedy picks 7, then 9
+    one = _with_bad_words(SamplingParams(temperature=0, bad_words=["a"]), [[7]])
+    assert int(_run([_row(one)], logits, use_processors=True).token_ids[0]) == 9
+    two = _with_bad_words(SamplingParams(temperature=0, bad_words=["a b"]), [[4, 5, 7]])
+    # 7 is banned only when the output so far ends with 4, 5 (in the output, not the prompt)
+    cases = {(): 7, (4, 5): 9, (1, 4, 5): 9, (5,): 7, (4, 5, 1): 7}
+    for output, want in cases.items():
+        out = _run([_row(two, step=len(output), output=output)], logits, use_processors=True)
+        assert int(out.token_ids[0]) == want, output
+    out = _run([_row(two, prompt=(1, 4, 5), output=())], logits, use_processors=True)
+    assert int(out.token_ids[0]) == 7  # the prefix in the prompt does not count
+    assert two.reads_history and not one.reads_history

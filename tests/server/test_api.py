@@ -140,6 +140,28 @@ def test_completions_greedy_equal_llm_generate(client, reference):
     assert single.choices[0].text == reference.get_tokenizer().decode(ids[0]) + ref[0].outputs[0].text
 
 
+def test_logit_edits_and_prompt_truncation(client, reference):
+    """logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens reach the sampler and
+    the prompt as they do through `LLM.generate`."""
+    edits = [dict(logit_bias={"7": 100}), dict(allowed_token_ids=[5, 9, 11]), dict(bad_words=["the", "and"])]
+    for kw in edits:
+        params = {k: ({int(t): v for t, v in val.items()} if k == "logit_bias" else val) for k, val in kw.items()}
+        want = reference.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, **params), use_tqdm=False)
+        extra = {k: v for k, v in kw.items() if k != "logit_bias"}
+        resp = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=8, temperature=0,
+                                         logit_bias=kw.get("logit_bias"), extra_body=extra or None)
+        assert [c.text for c in resp.choices] == [r.outputs[0].text for r in want], kw
+    assert set(want[0].outputs[0].token_ids) & set(reference.get_tokenizer().encode(" the", add_special_tokens=False)) == set()
+    blue = reference.get_tokenizer().encode(" blue", add_special_tokens=False)[0]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
+                                          logit_bias={str(blue): 100})
+    assert chat.choices[0].message.content == reference.get_tokenizer().decode([blue] * 4)
+    long = " ".join(["word"] * 400)  # above max_model_len: refused unless truncated
+    resp = client.completions.create(model=MODEL, prompt=long, max_tokens=4, temperature=0,
+                                     extra_body={"truncate_prompt_tokens": 20})
+    assert resp.usage.prompt_tokens == 20
+
+
 def test_completions_seeded_n_equal_llm_generate(client, reference):
     kw = dict(n=3, temperature=0.9, top_p=0.95, seed=1234, max_tokens=12)
     ref = reference.generate(PROMPTS[1], SamplingParams(**kw), use_tqdm=False)[0]

@@ -50,7 +50,12 @@ COMPLETION_CASES = [
     # (body changes, param, text in the message)
     ({"foo": 1}, "foo", "Unrecognized request argument supplied: foo"),
     ({"suffix": "!"}, "suffix", "suffix"),
-    ({"logit_bias": {"50": 10}}, "logit_bias", "logit_bias"),
+    ({"logit_bias": {"fifty": 10}}, "logit_bias", "logit_bias keys must be token ids"),
+    ({"logit_bias": {"1000000": 10}}, "logit_bias", "out of vocabulary"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+    ({"allowed_token_ids": [10**7]}, "allowed_token_ids", "out of vocabulary"),
+    ({"bad_words": [""]}, "bad_words", "bad_words"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens"),
     ({"best_of": 3}, "best_of", "best_of"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"max_tokens": -3}, "max_tokens", "max_tokens"),
