@@ -15,6 +15,7 @@ from flax import nnx
 from jaxengine.models import gpt2, llama, opt
 from jaxengine.models import phi3
 from jaxengine.models import gemma
+from jaxengine.models.bert import ENCODER_ARCHITECTURES
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.weights import WeightRule
 
@@ -41,11 +42,19 @@ _REGISTRY: dict[str, Family] = {
 }
 
 
+# Architectures implemented but not served by the decoder path: the encoders of models/bert.py
+# (embedding models, rerankers) run under the pooling runner, with no KV cache and no sampling.
+_POOLING_ONLY: frozenset[str] = ENCODER_ARCHITECTURES
+
+
 def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
 def get_family(architecture: str) -> Family:
+    if architecture in _POOLING_ONLY:
+        raise ValueError(f"{architecture} is an encoder (embedding / reranking) model, not a text "
+                         "generator: serve it with runner='pooling'")
     try:
         return _REGISTRY[architecture]
     except KeyError:
