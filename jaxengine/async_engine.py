@@ -52,7 +52,10 @@ PromptInput = str | list[int] | dict[str, object]
 
 
 class OutputObserver(Protocol):
-    """Sees every output on the engine thread (the server's Prometheus metrics)."""
+    """Sees every output and every step on the engine thread (the server's Prometheus metrics).
+    Its methods run inside the loop, so they must be O(1) per call and never block."""
+
+    def on_step(self, stats: dict[str, float]) -> None: ...  # after each `engine.step()`
 
     def on_output(self, output: RequestOutput, new_tokens: int, first: bool) -> None: ...
 
@@ -335,10 +338,13 @@ class AsyncEngine:
                 if not running:
                     self._send(deliveries)
                     break
-                if engine.has_unfinished_requests():
+                stepped = engine.has_unfinished_requests()
+                if stepped:
                     for output in engine.step():
                         self._on_output(output, deliveries)
                 self._stats = dict(engine.stats())
+                if stepped and self.observer is not None:
+                    self.observer.on_step(self._stats)
                 self._send(deliveries)
         except BaseException as e:  # noqa: BLE001 - any failure ends the engine; it is reported, not lost
             self._error = e

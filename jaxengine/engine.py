@@ -179,7 +179,10 @@ class LLMEngine:
         return self.core.timing
 
     def stats(self) -> dict[str, float]:
+        """Scheduler state now, cumulative cache and preemption counts, and `step_tokens`: the
+        tokens (prefill + decode) the last `step()` scheduled, 0 if it scheduled nothing."""
         bm = self.scheduler.block_manager
         return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
-                "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": self.scheduler.num_preemptions}
+                "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": self.scheduler.num_preemptions,
+                "step_tokens": self.core.last_step_tokens}

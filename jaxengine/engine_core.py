@@ -59,6 +59,11 @@ class EngineCore:
         self._preemption_logged_at = float("-inf")
         # Where step time goes: waiting for the device vs everything else (host work).
         self.timing = {"steps": 0, "device_wait_s": 0.0, "step_s": 0.0}
+        # Tokens scheduled (prefill + decode): by the last `step()` (0 if it scheduled nothing),
+        # and in all, with the number of steps that scheduled any (vLLM's iteration tokens).
+        self.last_step_tokens = 0
+        self.scheduled_tokens = 0
+        self.scheduled_steps = 0
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -92,6 +97,10 @@ class EngineCore:
             if prev is not None and self.scheduler.running_reads_history():
                 done, prev = self._resolve(prev), None
             sched = self.scheduler.schedule()
+            self.last_step_tokens = sched.num_batched_tokens
+            if sched.num_batched_tokens:
+                self.scheduled_tokens += sched.num_batched_tokens
+                self.scheduled_steps += 1
             if sched.num_cached_tokens:
                 self.outputs.scheduled(sched.num_cached_tokens, time.monotonic())
             if sched.preempted_ids:

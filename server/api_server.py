@@ -64,7 +64,7 @@ class ApiKeyMiddleware:
 def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = None, model_path: str | None = None,
               api_key: str | None = None, chat_template: str | None = None,
               shutdown_drain_timeout: float = 0.0, exit_requested: Callable[[], bool] | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, metrics_vllm_names: bool = False) -> FastAPI:
     """An app serving `engine`. The engine loop starts with the app's lifespan.
 
     `served_model_names`: the names clients may send as `model` (the first is reported);
@@ -73,6 +73,7 @@ def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = Non
     get `shutdown_drain_timeout` seconds to finish and the rest are aborted, so that their
     clients get a proper last chunk (finish_reason "abort") instead of a cut connection.
     `limits`: body size, queue length and per-request limits (default: `ServerLimits()`).
+    `metrics_vllm_names`: `/metrics` also exposes every metric under vLLM's `vllm:` name.
     """
     limits = limits or ServerLimits()
     llm_engine = engine.engine
@@ -80,7 +81,7 @@ def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = Non
     max_model_len = int(llm_engine.config.max_model_len)
     ctx = ServingContext(engine=engine, model_names=names, model_path=model_path or llm_engine.config.model,
                          max_model_len=max_model_len, chat_template=chat_template, limits=limits)
-    metrics = ServerMetrics(names[0], max_model_len, engine.stats)
+    metrics = ServerMetrics(names[0], max_model_len, engine.stats, vllm_names=metrics_vllm_names)
     if engine.observer is None:
         engine.observer = metrics
 

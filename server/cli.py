@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 API_KEY_ENV = "JAXENGINE_API_KEY"
+METRICS_VLLM_NAMES_ENV = "JAXENGINE_METRICS_VLLM_NAMES"
 _NOT_CONFIGURABLE = {"help", "config", "func", "_serve_actions"}
 
 
@@ -81,6 +82,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests held beyond the max-num-seqs running ones; more get 503 "
                         "(default: no limit, they wait)")
+    g.add_argument("--metrics-vllm-names", action=argparse.BooleanOptionalAction, default=None,
+                   help="/metrics also exposes every metric under vLLM's `vllm:` name, for dashboards built "
+                        f"for vLLM (or set ${METRICS_VLLM_NAMES_ENV}=1)")
     add_engine_args(parser)
     add_multihost_args(parser)
     actions = [a for a in parser._actions if a.dest not in _NOT_CONFIGURABLE or a.dest == "config"]
@@ -164,7 +168,18 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     out.model = out.model_tag if out.model_tag is not None else out.model
     if out.api_key is None:
         out.api_key = os.environ.get(API_KEY_ENV) or None
+    if out.metrics_vllm_names is None:
+        out.metrics_vllm_names = _env_bool(METRICS_VLLM_NAMES_ENV)
     return out
+
+
+def _env_bool(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"${name} must be 1/true/yes/on or 0/false/no/off, got {os.environ[name]!r}")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -190,6 +205,7 @@ class ServerSettings:
     shutdown_timeout: float = 10.0
     model: str | None = None
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
+    metrics_vllm_names: bool = False  # /metrics also under vLLM's `vllm:` names
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -204,7 +220,8 @@ class ServerSettings:
                    chat_template=load_chat_template(args.chat_template), uvicorn_log_level=args.uvicorn_log_level,
                    shutdown_timeout=args.shutdown_timeout, model=args.model,
                    limits=ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
-                                       max_queued_requests=args.max_queued_requests))
+                                       max_queued_requests=args.max_queued_requests),
+                   metrics_vllm_names=bool(args.metrics_vllm_names))
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -255,7 +272,8 @@ def run_server(engine: LLMEngine, settings: ServerSettings, sockets: Sequence[so
     app = build_app(async_engine, served_model_names=list(settings.served_model_names or []) or None,
                     model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template,
                     shutdown_drain_timeout=settings.shutdown_timeout,
-                    exit_requested=lambda: server is not None and server.should_exit, limits=settings.limits)
+                    exit_requested=lambda: server is not None and server.should_exit, limits=settings.limits,
+                    metrics_vllm_names=settings.metrics_vllm_names)
     # The app drains and aborts by itself (see build_app); uvicorn's own timeout is only a backstop
     # for connections that would still hang after that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,

@@ -4,6 +4,8 @@ server-plumbing tests (no JAX, no compile).
 Token ids are characters: the tokenizer maps text to code points. A request's k-th output token
 is `ord("a") + k % 26`, so a request with max_tokens=m produces the first m letters of the
 alphabet (cycling). Each running request holds one "block" of a pool, so leaks are countable.
+A request is scheduled and gets its first token in its first step; a step schedules each new
+request's prompt plus one token per unfinished sequence of the others (`step_tokens`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class FakeEngine:
         self.fail_at_step = fail_at_step
         self.step_delay = step_delay
         self.steps = 0
+        self.step_tokens = 0  # scheduled by the last step
+        self.scheduled_tokens = 0  # in all
         self.requests: dict[str, _Req] = {}
         self.aborted: list[str] = []
 
@@ -103,7 +107,13 @@ class FakeEngine:
             time.sleep(self.step_delay)
         now = time.monotonic()
         results = []
+        self.step_tokens = 0
         for rid, req in list(self.requests.items()):
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                self.step_tokens += len(req.prompt_ids)
+            else:
+                self.step_tokens += sum(f is None for f in req.finish)
             for i, out in enumerate(req.outputs):
                 if req.finish[i] is None:
                     out.append(ord("a") + len(out) % 26)
@@ -120,9 +130,10 @@ class FakeEngine:
             outs = [CompletionOutput(index=i, text=self.tokenizer.decode(o), token_ids=list(o), cumulative_logprob=None,
                                      logprobs=None, finish_reason=req.finish[i]) for i, o in enumerate(req.outputs)]
             results.append(RequestOutput(rid, req.prompt, req.prompt_ids, None, outs, done, req.metrics, 0))
+        self.scheduled_tokens += self.step_tokens
         return results
 
     def stats(self) -> dict[str, float]:
         return {"num_running": len(self.requests), "num_waiting": 0,
                 "kv_cache_usage": 1 - self.free_blocks / self.num_blocks, "prefix_cache_queries": 0,
-                "prefix_cache_hits": 0, "num_preemptions": 0}
+                "prefix_cache_hits": 0, "num_preemptions": 0, "step_tokens": self.step_tokens}

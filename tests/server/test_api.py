@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxengine import LLM, SamplingParams
@@ -425,3 +426,49 @@ def test_metrics_move_as_requests_complete(server, client, reference):
     assert delta("prefix_cache_hits_total") > 0  # the second request reuses the first one's prompt blocks
     assert after[("jaxengine:num_requests_running", None)] == 0
     assert after[("jaxengine:kv_cache_usage_perc", None)] == 0
+
+
+def test_step_and_phase_histograms(server, client):
+    """Iteration tokens are exactly what the scheduler scheduled; every finished request has its
+    queue, prefill, decode and inference time; and an inter-token interval per streamed step."""
+    from jaxengine.server.metrics import WithVllmNames
+
+    def scheduled(e) -> tuple[int, int]:  # noqa: ANN001
+        return e.core.scheduled_steps, e.core.scheduled_tokens
+
+    wait_idle(server)
+    before, (steps0, tokens0) = metric_samples(server), engine_call(server, scheduled)
+    n_req, max_tokens = 3, 6
+    for i in range(n_req):
+        client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    wait_idle(server)
+    after, (steps1, tokens1) = metric_samples(server), engine_call(server, scheduled)
+
+    def delta(name: str) -> float:
+        return after[("jaxengine:" + name, None)] - before[("jaxengine:" + name, None)]
+
+    assert steps1 - steps0 >= n_req * (max_tokens - 1)
+    assert delta("iteration_tokens_total_count") == steps1 - steps0
+    assert delta("iteration_tokens_total_sum") == tokens1 - tokens0
+    assert delta("inter_token_latency_seconds_count") == n_req * (max_tokens - 1)  # one token per step each
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"request_{phase}_time_seconds_count") == n_req, phase
+        assert delta(f"request_{phase}_time_seconds_sum") >= 0, phase
+    assert delta("request_inference_time_seconds_sum") == pytest.approx(
+        delta("request_prefill_time_seconds_sum") + delta("request_decode_time_seconds_sum"), abs=1e-6)
+    # queue + inference (arrival to last token) never exceeds end to end (arrival to finish).
+    assert delta("request_queue_time_seconds_sum") + delta("request_inference_time_seconds_sum") <= \
+        delta("e2e_request_latency_seconds_sum") + 1e-6
+    assert not [name for name, _ in after if name.startswith("vllm:")]  # only with --metrics-vllm-names
+    # The vLLM names, over this engine's own numbers: the same samples.
+    metrics = server.app.state.metrics
+    aliased = {}
+    for fam in text_string_to_metric_families(generate_latest(WithVllmNames(metrics.registry)).decode()):
+        for s in fam.samples:
+            aliased[(s.name, s.labels.get("finished_reason"))] = s.value
+    for name in ("iteration_tokens_total_sum", "request_queue_time_seconds_count", "request_decode_time_seconds_sum",
+                 "prompt_tokens_total", "num_requests_running", "kv_cache_usage_perc"):
+        assert aliased["vllm:" + name, None] == aliased["jaxengine:" + name, None] == after["jaxengine:" + name, None]
+    assert aliased["vllm:time_per_output_token_seconds_count", None] == \
+        aliased["jaxengine:inter_token_latency_seconds_count", None]
