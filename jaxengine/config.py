@@ -13,9 +13,9 @@ from pathlib import Path
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
-# vLLM's `runner` / older `task` values; only generation is served so far.
-RUNNERS = ("auto", "generate")
-POOLING_RUNNERS = ("pooling", "embed", "classify", "score", "reward", "encode")
+# vLLM's `runner` values and its older `task` values (a pooling task implies the pooling runner).
+RUNNERS = ("auto", "generate", "pooling")
+TASKS = ("auto", "generate", "embed", "classify", "score", "encode")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas-mosaic", "reference")
 
 
@@ -49,8 +49,8 @@ class EngineConfig:
     # vLLM's flag, accepted for its users' commands: this engine implements each architecture it
     # serves itself and never runs code that comes with a checkpoint, whatever the value.
     trust_remote_code: bool = False
-    # vLLM's arguments, accepted with their meaning here: the runner / task (generation only so
-    # far), eager mode (XLA always compiles the bucketed programs: nothing is captured that eager
+    # vLLM's arguments, accepted with their meaning here: the runner / task (pooling runs encoder
+    # models: jaxengine.pooling), eager mode (XLA always compiles the bucketed programs: nothing is captured that eager
     # mode would skip), chunked prefill (always on: one token budget serves prefill and decode).
     runner: str = "auto"
     task: str = "auto"
@@ -68,13 +68,13 @@ class EngineConfig:
             positive(name)
         if self.dtype in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
-        for name in ("runner", "task"):
-            value = getattr(self, name)
-            if value in POOLING_RUNNERS:
-                raise ValueError(f"{name}={value!r}: pooling models (embeddings, classification, scoring) are "
-                                 "not supported yet; jaxengine serves generative models")
-            if value not in RUNNERS:
-                raise ValueError(f"{name} must be one of {', '.join(RUNNERS)}, got {value!r}")
+        if self.task == "reward":
+            raise ValueError("task='reward': reward models are not supported yet")
+        for name, allowed in (("runner", RUNNERS), ("task", TASKS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.runner == "generate" and self.task not in ("auto", "generate"):
+            raise ValueError(f"runner='generate' and task={self.task!r} disagree")
         if not self.enable_chunked_prefill:
             raise ValueError("enable_chunked_prefill=False: chunked prefill is always on in jaxengine (prefill "
                              "and decode share one token budget per step)")
@@ -95,6 +95,11 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+
+    @property
+    def is_pooling(self) -> bool:
+        """runner="pooling" or a pooling task (embed, classify, score, encode)."""
+        return self.runner == "pooling" or self.task not in ("auto", "generate")
 
     @property
     def max_blocks_per_seq(self) -> int:

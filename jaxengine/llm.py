@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from typing import Sequence
@@ -10,7 +11,10 @@ from tqdm.auto import tqdm
 
 from jaxengine.config import EngineConfig
 from jaxengine.engine import LLMEngine
-from jaxengine.outputs import RequestOutput
+from jaxengine.outputs import (ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingRequestOutput,
+                               RequestOutput, ScoringOutput)
+from jaxengine.pooling import PoolingEngine, cosine, wants_pooling
+from jaxengine.pooling_params import PoolingParams
 from jaxengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,10 +47,30 @@ class LLM:
                               num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
                               tensor_parallel_size=tensor_parallel_size, seed=seed, load_format=load_format,
                               **kwargs)
-        self.llm_engine = LLMEngine(config)
+        # A pooling model (runner="pooling", an embed / classify / score task, or an encoder
+        # checkpoint) gets the pooling engine; everything else the generating engine.
+        self.pooling_engine: PoolingEngine | None = None
+        self.llm_engine: LLMEngine | None = None
+        if wants_pooling(config):
+            self.pooling_engine = PoolingEngine(config)
+        else:
+            self.llm_engine = LLMEngine(config)
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return self.pooling_engine.tokenizer if self.pooling_engine is not None else self.llm_engine.tokenizer
+
+    def _generating(self) -> LLMEngine:
+        if self.llm_engine is None:
+            raise ValueError(f"{self.pooling_engine.model_config.architecture} is a pooling model: use "
+                             f"{' / '.join(self.pooling_engine.supported_tasks())}, not generate / chat")
+        return self.llm_engine
+
+    def _pooling(self, task: str) -> PoolingEngine:
+        if self.pooling_engine is None:
+            raise ValueError(f"{self.llm_engine.model_config.architecture} is a generative model: {task} needs an "
+                             "embedding, classification or cross-encoder model, loaded with runner='pooling'")
+        self.pooling_engine.check_task(task)
+        return self.pooling_engine
 
     def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -62,6 +86,7 @@ class LLM:
             prompts = [{"prompt_token_ids": list(ids)} for ids in lists]
         if prompts is None:
             raise ValueError("no prompts given")
+        self._generating()
         prompt_list = self._as_list(prompts)
         params = self._params_list(sampling_params, len(prompt_list))
         return self._run(prompt_list, params, use_tqdm)
@@ -75,9 +100,86 @@ class LLM:
         `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": ids, "prompt": text} for text, ids in (
-            render_chat(self.llm_engine.tokenizer, conv, chat_template, add_generation_prompt,
+            render_chat(self._generating().tokenizer, conv, chat_template, add_generation_prompt,
                         continue_final_message, chat_template_kwargs) for conv in conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    # -- pooling -----------------------------------------------------------------------------
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), pooled as the model's
+        sentence-transformers config says, normalised unless `PoolingParams(normalize=False)`."""
+        engine = self._pooling("embed")
+        params = self._pooling_params(pooling_params, truncate_prompt_tokens, "embed")
+        prompt_list = self._as_list(prompts)
+        encoded = [engine.encode_prompt(p, params) for p in prompt_list]
+        pooled, _ = engine.run(encoded)
+        vectors = engine.embedding(pooled, params)
+        return [PoolingRequestOutput(rid, EmbeddingOutput(v.tolist()), e.ids)
+                for rid, v, e in zip(engine.new_request_ids(len(encoded)), vectors, encoded)]
+
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """The raw pooled vector per prompt (`.outputs.data`, a float32 numpy array): no
+        normalisation unless asked (`PoolingParams(normalize=True)`)."""
+        engine = self._pooling("encode")
+        params = self._pooling_params(pooling_params, truncate_prompt_tokens, "encode")
+        prompt_list = self._as_list(prompts)
+        encoded = [engine.encode_prompt(p, params) for p in prompt_list]
+        pooled, logits = engine.run(encoded)
+        data = logits if engine.model_config.num_labels else engine.embedding(
+            pooled, dataclasses.replace(params, normalize=bool(params.normalize)))
+        return [PoolingRequestOutput(rid, PoolingOutput(d), e.ids)
+                for rid, d, e in zip(engine.new_request_ids(len(encoded)), data, encoded)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Class probabilities per prompt (`.outputs.probs`): softmax over the labels, sigmoid for
+        a one-label model."""
+        engine = self._pooling("classify")
+        params = self._pooling_params(pooling_params, truncate_prompt_tokens, "classify")
+        prompt_list = self._as_list(prompts)
+        encoded = [engine.encode_prompt(p, params) for p in prompt_list]
+        _, logits = engine.run(encoded)
+        probs = engine.probabilities(logits, params)
+        return [PoolingRequestOutput(rid, ClassificationOutput(p.tolist()), e.ids)
+                for rid, p, e in zip(engine.new_request_ids(len(encoded)), probs, encoded)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, truncate_prompt_tokens: int | None = None
+              ) -> list[PoolingRequestOutput]:
+        """Scores of text pairs, as vLLM pairs them: one text against each of many, or N against
+        N. A cross-encoder (one-label classifier) reads each pair together and gives the sigmoid
+        of its logit; an embedding model gives the cosine similarity of the two embeddings."""
+        engine = self._pooling("score")
+        params = self._pooling_params(pooling_params, truncate_prompt_tokens, "score")
+        left = [data_1] if isinstance(data_1, str) else list(data_1)
+        right = [data_2] if isinstance(data_2, str) else list(data_2)
+        if not left or not right:
+            raise ValueError("score needs at least one text on each side")
+        if len(left) == 1:
+            left = left * len(right)
+        if len(left) != len(right):
+            raise ValueError(f"score pairs one text with many, or N with N; got {len(left)} and {len(right)}")
+        if engine.is_cross_encoder:
+            encoded = [engine.encode_pair(a, b, params) for a, b in zip(left, right)]
+            _, logits = engine.run(encoded)
+            scores = engine.probabilities(logits, params)[:, 0].tolist()
+        else:
+            texts = list(dict.fromkeys(left + right))
+            pooled, _ = engine.run([engine.encode_prompt(t, params) for t in texts])
+            vec = dict(zip(texts, engine.embedding(pooled, params)))
+            scores = [cosine(vec[a], vec[b]) for a, b in zip(left, right)]
+            encoded = [engine.encode_prompt(a, params) for a in left]
+        return [PoolingRequestOutput(rid, ScoringOutput(float(s)), e.ids)
+                for rid, s, e in zip(engine.new_request_ids(len(scores)), scores, encoded)]
+
+    @staticmethod
+    def _pooling_params(params: PoolingParams | None, truncate: int | None, task: str) -> PoolingParams:
+        params = params or PoolingParams()
+        if truncate is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate)
+        return dataclasses.replace(params, task=task)
 
     # -- helpers ---------------------------------------------------------------------------
     @staticmethod
@@ -102,7 +204,7 @@ class LLM:
         return sp
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
+        engine = self._generating()
         ids = []
         try:
             for prompt, p in zip(prompts, params):

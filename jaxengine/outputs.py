@@ -77,3 +77,48 @@ class RequestOutput:
                 f"prompt_logprobs={'None' if self.prompt_logprobs is None else '<...>'}, "
                 f"outputs={self.outputs}, finished={self.finished}, "
                 f"num_cached_tokens={self.num_cached_tokens})")
+
+
+# -- pooling (LLM.encode / embed / classify / score) ---------------------------------------------
+@dataclass
+class PoolingOutput:
+    """A pooling request's raw result: `data` is a float32 numpy array (vLLM: a tensor)."""
+
+    data: object
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # normalised unless PoolingParams(normalize=False)
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label: softmax over the labels (one label: sigmoid)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # cross-encoder: the sigmoid of its logit; embedding model: cosine similarity
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's pooling result; `outputs` is one of the four outputs above."""
+
+    request_id: str
+    outputs: object
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+# vLLM's names for the same shape, one per task.
+EmbeddingRequestOutput = ClassificationRequestOutput = ScoringRequestOutput = PoolingRequestOutput

@@ -27,12 +27,13 @@ def test_engine_arguments_accepted_with_their_meaning() -> None:
     assert EngineConfig(dtype="half").dtype == "float16" and EngineConfig(dtype="float").dtype == "float32"
     cfg = EngineConfig(task="generate", runner="generate", enforce_eager=True, enable_chunked_prefill=True,
                        trust_remote_code=True)
-    assert cfg.enforce_eager and cfg.trust_remote_code
+    assert cfg.enforce_eager and cfg.trust_remote_code and not cfg.is_pooling
+    assert EngineConfig(runner="pooling").is_pooling and EngineConfig(task="embed").is_pooling
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(runner="pooling"), "pooling models .* not supported yet"),
-    (dict(task="embed"), "pooling models .* not supported yet"),
+    (dict(task="reward"), "reward models are not supported yet"),
+    (dict(runner="generate", task="embed"), "disagree"),
     (dict(task="transcription"), "task must be one of auto, generate"),
     (dict(enable_chunked_prefill=False), "chunked prefill is always on"),
 ])

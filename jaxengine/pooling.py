@@ -1,0 +1,290 @@
+"""The pooling engine: embeddings, class scores and pair scores from encoder models.
+
+`LLM(model, runner="pooling")` (or vLLM's `task="embed" | "classify" | "score"`, or any encoder
+checkpoint: BERT, RoBERTa, XLM-R) builds a `PoolingEngine` instead of the generating engine.
+Prompts are tokenized (pairs with the tokenizer's pair template and token types), sorted by
+length and run in batches padded to power-of-two buckets (rows and tokens), one compiled program
+per bucket, compiled on first use. Each program returns the pooled vector per row on the device
+(CLS, MEAN over real tokens, or LAST real token: `PoolerConfig`) and the classification logits of
+models with a head; finishing (Matryoshka truncation, L2 normalisation, softmax or sigmoid,
+cosine similarity) runs on the host over those few numbers.
+
+The pooling method comes from the checkpoint's sentence-transformers files (`modules.json` and
+its Pooling module's `config.json`, plus a Normalize module) where present, else vLLM's default
+for encoders: CLS, normalised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxengine.config import EngineConfig
+from jaxengine.pooling_params import PoolingParams
+
+logger = logging.getLogger(__name__)
+
+POOLING_TYPES = ("CLS", "MEAN", "LAST")
+_MIN_TOKENS_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolerConfig:
+    pooling_type: str  # one of POOLING_TYPES
+    normalize: bool  # embeddings L2-normalised by default
+
+
+def pooler_config(folder: Path | None) -> PoolerConfig:
+    """The sentence-transformers pooling of a checkpoint folder; vLLM's encoder default (CLS,
+    normalised) where the folder has none."""
+    default = PoolerConfig("CLS", True)
+    if folder is None or not (folder / "modules.json").is_file():
+        return default
+    modules = json.loads((folder / "modules.json").read_text())
+    pooling, normalize = default.pooling_type, False
+    for m in modules:
+        kind = str(m.get("type", ""))
+        if kind.endswith("models.Pooling"):
+            cfg_path = folder / str(m.get("path", "")) / "config.json"
+            if cfg_path.is_file():
+                cfg = json.loads(cfg_path.read_text())
+                modes = {"CLS": cfg.get("pooling_mode_cls_token"), "MEAN": cfg.get("pooling_mode_mean_tokens"),
+                         "LAST": cfg.get("pooling_mode_lasttoken")}
+                chosen = [k for k, v in modes.items() if v]
+                others = [k for k in ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                                      "pooling_mode_weightedmean_tokens") if cfg.get(k)]
+                if others or len(chosen) > 1:
+                    raise ValueError(f"{cfg_path}: pooling {others + chosen} is not supported; "
+                                     f"one of {', '.join(POOLING_TYPES)} is")
+                if chosen:
+                    pooling = chosen[0]
+        elif kind.endswith("models.Normalize"):
+            normalize = True
+    return PoolerConfig(pooling, normalize)
+
+
+def wants_pooling(config: EngineConfig) -> bool:
+    """Whether `config` asks for the pooling engine: runner="pooling", a pooling task, or a local
+    checkpoint folder of an encoder architecture."""
+    if config.is_pooling:
+        return True
+    from jaxengine.models.bert import is_encoder_config
+
+    folder = Path(config.model).expanduser() if config.model else None
+    if folder is not None and (folder / "config.json").is_file():
+        try:
+            return is_encoder_config(json.loads((folder / "config.json").read_text()))
+        except ValueError:
+            return False
+    return False
+
+
+def _pool(hidden: jax.Array, mask: jax.Array, pooling_type: str) -> jax.Array:
+    """hidden [B, T, D], mask [B, T] (1 real, right-padded) -> [B, D] float32."""
+    h = hidden.astype(jnp.float32)
+    if pooling_type == "CLS":
+        return h[:, 0]
+    m = mask.astype(jnp.float32)
+    if pooling_type == "MEAN":
+        return jnp.einsum("btd,bt->bd", h, m) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
+    last = jnp.maximum(mask.sum(-1) - 1, 0)
+    return jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+
+
+def _run(graphdef, state, input_ids, mask, type_ids, *, pooling_type: str):
+    model = nnx.merge(graphdef, state)
+    out = model(input_ids, mask, type_ids)
+    logits = out.logits if out.logits is not None else jnp.zeros((input_ids.shape[0], 0), jnp.float32)
+    return _pool(out.hidden, mask, pooling_type), logits
+
+
+def _bucket(n: int, lo: int, hi: int) -> int:
+    return min(max(lo, 1 << max(0, (n - 1).bit_length())), hi)
+
+
+@dataclasses.dataclass
+class _Encoded:
+    """One prompt (or pair) as the model reads it."""
+
+    ids: list[int]
+    type_ids: list[int]
+
+
+class PoolingEngine:
+    """Runs an encoder checkpoint for pooling: `embed`, `classify`, `score`, `encode`."""
+
+    def __init__(self, config: EngineConfig):
+        from jaxengine.loading import enable_compilation_cache
+        from jaxengine.models.bert import EncoderConfig, is_encoder_config, load_encoder_params
+        from jaxengine.models.checkpoint import SafetensorsCheckpoint, open_checkpoint
+
+        t0 = time.perf_counter()
+        if config.model is None:
+            raise ValueError("pooling needs a model: the embedded default is a generative model")
+        enable_compilation_cache(config.compilation_cache_dir)
+        ckpt = open_checkpoint(config.model, revision=config.revision, tokenizer=config.tokenizer)
+        arch = (ckpt.hf_config.get("architectures") or ["?"])[0]
+        if not is_encoder_config(ckpt.hf_config):
+            raise ValueError(f"{arch}: pooling runs encoder models so far (BertModel, XLMRobertaModel, "
+                             "RobertaModel and their *ForSequenceClassification); a generative model's "
+                             "embeddings are not supported yet")
+        if not isinstance(ckpt, SafetensorsCheckpoint):
+            raise ValueError(f"{ckpt.path}: encoders load from a config.json + safetensors folder")
+        self.config = config
+        self.model_config = cfg = EncoderConfig.from_hf_dict(ckpt.hf_config)
+        self.dtype = jnp.float32 if config.dtype in ("auto", "float32") else jnp.dtype(config.dtype)
+        model = load_encoder_params(ckpt, cfg, self.dtype)
+        self.tokenizer = None if config.skip_tokenizer_init else ckpt.load_tokenizer()
+        self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
+        self.max_batch = _bucket(min(config.max_num_seqs, 64), 1, 64)
+        self.pooler = pooler_config(Path(ckpt.path))
+        self.graphdef, self.state = nnx.split(model)
+        self._programs: dict[tuple[int, int], object] = {}
+        self._next_id = 0
+        logger.info("pooling model %s (%s, %s): %s pooling%s, %s; max_model_len %d; ready in %.1f s",
+                    config.model, arch, jnp.dtype(self.dtype).name, self.pooler.pooling_type,
+                    ", normalised" if self.pooler.normalize else "",
+                    f"{cfg.num_labels} labels" if cfg.num_labels else "no classification head",
+                    self.max_model_len, time.perf_counter() - t0)
+
+    # -- what the model is for ----------------------------------------------------------------
+    @property
+    def is_cross_encoder(self) -> bool:
+        """A one-label classifier: scores a pair of texts read together (rerankers)."""
+        return self.model_config.num_labels == 1
+
+    def supported_tasks(self) -> tuple[str, ...]:
+        if self.model_config.num_labels:
+            return ("classify", "score", "encode") if self.is_cross_encoder else ("classify", "encode")
+        return ("embed", "score", "encode")
+
+    def check_task(self, task: str) -> None:
+        if task not in self.supported_tasks():
+            arch = self.model_config.architecture
+            raise ValueError(f"{arch} does not support {task!r}; it supports {', '.join(self.supported_tasks())}")
+
+    # -- inputs -------------------------------------------------------------------------------
+    def encode_prompt(self, prompt, params: PoolingParams) -> _Encoded:
+        """A text, a token id list or a {"prompt" | "prompt_token_ids"} dict -> model input."""
+        if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):
+                raise ValueError(f"multi_modal_data: model {self.model_config.architecture} takes text only")
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
+        if isinstance(prompt, str):
+            ids = list(self._tokenizer()(prompt)["input_ids"])
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+        return self._checked(_Encoded(ids, [0] * len(ids)), params)
+
+    def encode_pair(self, text_1: str, text_2: str, params: PoolingParams) -> _Encoded:
+        enc = self._tokenizer()(text_1, text_2)
+        ids = list(enc["input_ids"])
+        types = list(enc.get("token_type_ids") or [0] * len(ids))
+        if self.model_config.type_vocab_size < 2:  # RoBERTa / XLM-R: one segment embedding
+            types = [0] * len(ids)
+        return self._checked(_Encoded(ids, types), params)
+
+    def _tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as token ids")
+        return self.tokenizer
+
+    def _checked(self, enc: _Encoded, params: PoolingParams) -> _Encoded:
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            k = self.max_model_len if k == -1 else k
+            if k > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens={k} exceeds max_model_len={self.max_model_len}")
+            enc = _Encoded(enc.ids[-k:], enc.type_ids[-k:])
+        if not enc.ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in enc.ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:5]}")
+        if len(enc.ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(enc.ids)} tokens, the model accepts at most "
+                             f"max_model_len = {self.max_model_len} (truncate_prompt_tokens cuts it)")
+        return enc
+
+    # -- the device ---------------------------------------------------------------------------
+    def _program(self, b: int, t: int):
+        key = (b, t)
+        if key not in self._programs:
+            t0 = time.perf_counter()
+            fn = jax.jit(functools.partial(_run, self.graphdef, pooling_type=self.pooler.pooling_type))
+            spec = jax.ShapeDtypeStruct((b, t), jnp.int32)
+            self._programs[key] = fn.lower(self.state, spec, spec, spec).compile()
+            logger.info("compiled the pooling program for %d rows x %d tokens in %.1f s", b, t,
+                        time.perf_counter() - t0)
+        return self._programs[key]
+
+    def run(self, encoded: Sequence[_Encoded]) -> tuple[np.ndarray, np.ndarray]:
+        """(pooled [N, D] float32, logits [N, L] float32) for every input, in input order;
+        batched by length into bucketed programs."""
+        n = len(encoded)
+        d, labels = self.model_config.hidden_size, self.model_config.num_labels
+        pooled = np.zeros((n, d), np.float32)
+        logits = np.zeros((n, labels), np.float32)
+        order = sorted(range(n), key=lambda i: len(encoded[i].ids))
+        for start in range(0, n, self.max_batch):
+            rows = order[start:start + self.max_batch]
+            b = _bucket(len(rows), 1, self.max_batch)
+            t = _bucket(max(len(encoded[i].ids) for i in rows), _MIN_TOKENS_BUCKET, self.max_model_len)
+            ids = np.zeros((b, t), np.int32)
+            types = np.zeros((b, t), np.int32)
+            mask = np.zeros((b, t), np.int32)
+            for r, i in enumerate(rows):
+                e = encoded[i]
+                ids[r, : len(e.ids)] = e.ids
+                types[r, : len(e.ids)] = e.type_ids
+                mask[r, : len(e.ids)] = 1
+            p, lg = jax.device_get(self._program(b, t)(self.state, ids, mask, types))
+            pooled[rows] = p[: len(rows)]
+            logits[rows] = lg[: len(rows)]
+        return pooled, logits
+
+    # -- finishing ----------------------------------------------------------------------------
+    def embedding(self, pooled: np.ndarray, params: PoolingParams) -> np.ndarray:
+        """Matryoshka truncation, then L2 normalisation (the model's default unless asked)."""
+        if params.dimensions is not None:
+            if params.dimensions > pooled.shape[-1]:
+                raise ValueError(f"dimensions={params.dimensions} exceeds the model's "
+                                 f"{pooled.shape[-1]}-dimensional embeddings")
+            pooled = pooled[..., : params.dimensions]
+        normalize = self.pooler.normalize if params.normalize is None else params.normalize
+        if normalize:
+            pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+        return pooled
+
+    @staticmethod
+    def probabilities(logits: np.ndarray, params: PoolingParams) -> np.ndarray:
+        """Softmax over the labels (one label: sigmoid); the raw logits with activation=False."""
+        if params.activation is False:
+            return logits
+        if logits.shape[-1] == 1:
+            return 1.0 / (1.0 + np.exp(-logits))
+        z = np.exp(logits - logits.max(-1, keepdims=True))
+        return z / z.sum(-1, keepdims=True)
+
+    def new_request_ids(self, n: int) -> list[str]:
+        ids = [str(self._next_id + i) for i in range(n)]
+        self._next_id += n
+        return ids
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / max(math.sqrt(float(np.dot(a, a)) * float(np.dot(b, b))), 1e-12))
