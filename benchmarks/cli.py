@@ -16,7 +16,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     from jaxengine.benchmarks import latency, serve, sweep, throughput
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve (HTTP client), sweep (buckets)")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bsub = bench.add_subparsers(dest="bench_command", required=True,
+                                help="the benchmark; `jaxengine bench NAME --help` lists its flags")
     throughput.add_parser(bsub)
     latency.add_parser(bsub)
     serve.add_parser(bsub)

@@ -131,15 +131,17 @@ def add_parser(sub) -> None:
     from jaxengine.arg_utils import add_engine_args
 
     p = sub.add_parser("latency", help="per-batch latency: TTFT, decode step median/p99, share of the roofline")
-    p.add_argument("--model", default=None)
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
-    p.add_argument("--input-len", type=int, nargs="+", default=[32])
-    p.add_argument("--output-len", type=int, nargs="+", default=[128])
-    p.add_argument("--num-iters-warmup", type=int, default=1)
-    p.add_argument("--num-iters", type=int, default=3)
-    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="HF folder, GGUF file, hub id, or a preset with --load-format dummy "
+                                                "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to measure")
+    p.add_argument("--input-len", type=int, nargs="+", default=[32], help="prompt lengths in tokens")
+    p.add_argument("--output-len", type=int, nargs="+", default=[128], help="output lengths in tokens")
+    p.add_argument("--num-iters-warmup", type=int, default=1, help="untimed batches before the measurement")
+    p.add_argument("--num-iters", type=int, default=3, help="timed batches per configuration")
+    p.add_argument("--dataset-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--bandwidth-bytes", type=int, default=None,
                    help="buffer for the copy-bandwidth measurement (default 256 MiB on CPU, 2 GiB otherwise)")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None,
+                   help="where to write the results (default: ./bench_latency_<model>_<time>.json)")
     add_engine_args(p)
     p.set_defaults(func=cmd_latency)

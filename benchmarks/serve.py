@@ -193,20 +193,25 @@ def add_parser(sub) -> None:
     from jaxengine.benchmarks.throughput import add_dataset_args
 
     p = sub.add_parser("serve", help="HTTP client benchmark against a running server (TTFT, TPOT, ITL, goodput)")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions")
-    p.add_argument("--served-model-name", default=None, help="the `model` field (default: the server's first)")
-    p.add_argument("--model", default=None, help="recorded only (the server decides what runs)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer for text prompts / ShareGPT (HF folder or id)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's address")
+    p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions",
+                   help="completions: /v1/completions; chat: /v1/chat/completions")
+    p.add_argument("--served-model-name", default=None,
+                   help="the `model` field of requests (default: the server's first model)")
+    p.add_argument("--model", default=None, help="recorded only: the server decides what runs (default: none)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer for text prompts / ShareGPT, HF folder or id (default: none: random token ids)")
     p.add_argument("--vocab-size", type=int, default=1000,
                    help="random token-id prompts without a tokenizer: ids in [10, vocab-size)")
     add_dataset_args(p)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; <1 burstier, >1 more regular")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default: no limit)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys ttft, tpot, e2el)")
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys ttft, tpot, e2el; default: no goodput)")
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at eos (default: ignore it)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--api-key", default=None, help="the server's API key (default: $JAXENGINE_API_KEY, or none)")
+    p.add_argument("--output-json", default=None,
+                   help="where to write the results (default: ./bench_serve_<model>_<time>.json)")
     p.set_defaults(func=cmd_serve)

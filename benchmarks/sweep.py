@@ -298,14 +298,17 @@ def add_parser(sub) -> None:
     from jaxengine.benchmarks.throughput import add_dataset_args
 
     p = sub.add_parser("sweep", help="compare bucket schedules: compile time, step latency, padding waste")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help="HF folder, GGUF file, hub id, or a preset with --load-format dummy "
+                                                "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--schedule", action="append", default=None, metavar="TOKENS:SEQS:BLOCK",
                    help="a candidate (max_num_batched_tokens:max_num_seqs:block_size), repeatable "
                         "(default 256:64:16, 512:64:16, 1024:64:16)")
     add_dataset_args(p, num_prompts=64)
-    p.add_argument("--trace", default=None, help="JSONL workload trace (input_len/prompt_token_ids, output_len)")
+    p.add_argument("--trace", default=None,
+                   help="JSONL workload trace (input_len/prompt_token_ids, output_len) (default: the dataset flags)")
     p.add_argument("--bucket-iters", type=int, default=20, help="timed steps per bucket")
-    p.add_argument("--bucket-warmup", type=int, default=3)
-    p.add_argument("--output-prefix", default=None, help="path stem for .json, _buckets.csv, _schedules.csv, .png")
+    p.add_argument("--bucket-warmup", type=int, default=3, help="untimed steps per bucket before timing")
+    p.add_argument("--output-prefix", default=None,
+                   help="path stem for .json, _buckets.csv, _schedules.csv, .png (default: ./bench_sweep_<model>)")
     add_engine_args(p)
     p.set_defaults(func=cmd_sweep)

@@ -21,13 +21,15 @@ logger = logging.getLogger(__name__)
 def add_dataset_args(p: argparse.ArgumentParser, *, num_prompts: int = 100) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", default=None, help="ShareGPT-format JSON or JSONL file (default: random tokens)")
-    g.add_argument("--num-prompts", type=int, default=num_prompts)
+    g.add_argument("--num-prompts", type=int, default=num_prompts, help="requests in the benchmark")
     g.add_argument("--input-len", type=int, default=256, help="random dataset: prompt tokens")
     g.add_argument("--output-len", type=int, default=None,
-                   help="output tokens (random default 128; ShareGPT default: the reply's length)")
+                   help="output tokens per request (default: 128 with random tokens; with ShareGPT, each reply's "
+                        "length)")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="random dataset: lengths uniform in len*(1-r) .. len*(1+r)")
-    g.add_argument("--dataset-seed", type=int, default=0)
+    g.add_argument("--dataset-seed", type=int, default=0,
+                   help="seed of the random prompts, or of the shuffle of a ShareGPT file")
 
 
 def build_requests(args: argparse.Namespace, vocab_size: int, tokenizer, max_model_len: int) -> list[SampleRequest]:
@@ -95,9 +97,11 @@ def add_parser(sub) -> None:
     from jaxengine.arg_utils import add_engine_args
 
     p = sub.add_parser("throughput", help="offline throughput (requests/s, tokens/s) of LLM.generate")
-    p.add_argument("--model", default=None, help="HF folder, GGUF file, hub id, or a preset with --load-format dummy")
+    p.add_argument("--model", default=None, help="HF folder, GGUF file, hub id, or a preset with --load-format dummy "
+                                                "(default: the embedded SmolLM2-135M-Instruct)")
     add_dataset_args(p)
     p.add_argument("--num-warmup", type=int, default=0, help="requests run once, untimed, before the measurement")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None,
+                   help="where to write the results (default: ./bench_throughput_<model>_<time>.json)")
     add_engine_args(p)
     p.set_defaults(func=cmd_throughput)

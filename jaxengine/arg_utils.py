@@ -7,9 +7,70 @@ import dataclasses
 import types
 import typing
 
-from jaxengine.config import EngineConfig
+from jaxengine.config import ATTENTION_BACKENDS, DTYPE_ALIASES, DTYPES, LOAD_FORMATS, RUNNERS, EngineConfig
 
 _SKIP = {"model"}  # positional / given by each command
+
+# Help for each `EngineConfig` field's flag. argparse appends the default (see `HelpFormatter`);
+# where None stands for something computed, the text says what.
+_ENGINE_HELP = {
+    "tokenizer": "tokenizer folder or hub id (default: the model's own)",
+    "revision": "hub revision (branch, tag or commit) of the model (default: the newest)",
+    "dtype": "weights and activations dtype; auto: the checkpoint's (float32 on CPU); half and float are "
+             "vLLM's aliases",
+    "max_model_len": "longest prompt + output in tokens (default: the model's context length)",
+    "max_num_seqs": "most sequences running at once",
+    "max_num_batched_tokens": "tokens per engine step, prefill and decode together (default: 8192 on "
+                              "accelerators, 512 on CPU)",
+    "block_size": "tokens per KV-cache block (a power of two in [8, 256])",
+    "gpu_memory_utilization": "share of the device's memory the engine may use (weights + KV cache)",
+    "num_kv_blocks": "KV-cache blocks (default: sized from free device memory)",
+    "cpu_kv_cache_bytes": "KV-cache budget when the backend reports no memory size (CPU)",
+    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before",
+    "tensor_parallel_size": "devices one model is sharded over",
+    "seed": "engine seed: draws the seeds of requests that give none",
+    "load_format": "how to read the weights; dummy: random weights of the model's (or preset's) shape",
+    "attention_backend": "attention kernels; auto picks the fastest for the device",
+    "compilation_cache_dir": "persistent XLA compilation cache (default: $XDG_CACHE_HOME/jaxengine/xla or "
+                             "~/.cache/jaxengine/xla)",
+    "max_logprobs": "most logprobs a request may ask for (0..20)",
+    "warmup": "compile every bucket at start-up (no compile pauses while serving)",
+    "skip_tokenizer_init": "load no tokenizer: prompts are token ids and outputs carry no text",
+    "trust_remote_code": "accepted for vLLM's command lines; no checkpoint code is ever run",
+    "runner": f"vLLM's runner: {', '.join(RUNNERS)} (generation only; pooling runners are refused)",
+    "task": f"vLLM's older name for the runner: {', '.join(RUNNERS)}",
+    "enforce_eager": "accepted for vLLM's command lines; XLA always runs compiled programs",
+    "enable_chunked_prefill": "accepted for vLLM's command lines; chunked prefill is always on",
+}
+# Flags with a fixed set of values: argparse checks them and --help lists them. (runner and task
+# are not here: their pooling values get EngineConfig's explanation instead of argparse's error.)
+_ENGINE_CHOICES = {
+    "dtype": DTYPES + tuple(DTYPE_ALIASES),
+    "load_format": LOAD_FORMATS,
+    "attention_backend": ATTENTION_BACKENDS,
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says what the default is
+    (it mentions "default": used where None stands for something computed, e.g. "sized from memory")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+        return text
+
+
+def use_help_formatter(parser: argparse.ArgumentParser) -> None:
+    """Sets `HelpFormatter` on `parser` and on every subcommand's parser below it."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                use_help_formatter(sub)
 
 
 def _base_type(tp) -> type:
@@ -29,10 +90,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         tp = _base_type(f.type)
         default = f.default if f.default is not dataclasses.MISSING else None
+        help_ = _ENGINE_HELP.get(f.name)
         if tp is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
-            group.add_argument(flag, type=tp, default=default, dest=f.name)
+            group.add_argument(flag, type=tp, default=default, dest=f.name, help=help_,
+                               choices=_ENGINE_CHOICES.get(f.name))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:

@@ -70,7 +70,8 @@ def add_multihost_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host-rank", "--process-id", dest="host_rank", type=int, default=0,
                    help="this process's rank; rank 0 hosts the coordinator and (serve) answers HTTP")
     g.add_argument("--coordinator", "--coordinator-address", dest="coordinator", default=None,
-                   help="HOST:PORT of rank 0's coordinator, the same on every process")
+                   help="HOST:PORT of rank 0's coordinator, the same on every process; needed with "
+                        "--num-hosts > 1")
     g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="uni",
                    help="tensor parallelism on one machine: 'uni' drives every GPU from this process; 'mp' "
                         "starts one process per GPU (a local multi-host job; this process is rank 0)")

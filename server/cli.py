@@ -54,6 +54,9 @@ class _Default:
     def __repr__(self) -> str:
         return f"default({self.value!r})"
 
+    def __str__(self) -> str:  # what --help shows as the default
+        return str(self.value)
+
 
 def _unwrap(value: object) -> object:
     return value.value if isinstance(value, _Default) else value
@@ -63,18 +66,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` flags (server and engine) on `parser`."""
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="HF folder, GGUF file or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--model", default=None, help="the model, as a flag (same as MODEL)")
+    parser.add_argument("--model", default=None,
+                        help="the model, as a flag (same as MODEL; default: the embedded model)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set ${API_KEY_ENV})")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use as `model` (default: the model argument)")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template: a file, or the template itself (default: the model's own)")
-    g.add_argument("--config", default=None, help="YAML file with any of these flags as keys (flags win)")
-    g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    g.add_argument("--config", default=None,
+                   help="YAML file with any of these flags as keys; flags on the command line win (default: none)")
+    g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                   help="log level of the HTTP server (uvicorn)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are aborted")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -332,10 +338,12 @@ def _interrupt_on_sigterm() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m jaxengine.server ...`"""
+    from jaxengine.arg_utils import HelpFormatter, normalize_flags
+
     parser = argparse.ArgumentParser(prog="python -m jaxengine.server",
-                                     description="OpenAI-compatible HTTP server for jaxengine")
+                                     description="OpenAI-compatible HTTP server for jaxengine",
+                                     formatter_class=HelpFormatter)
     add_serve_args(parser)
-    from jaxengine.arg_utils import normalize_flags
 
     argv = normalize_flags(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
