@@ -75,6 +75,8 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     prompt_logprobs: Int | None = None  # top logprobs per prompt token (not with stream)
+    use_beam_search: Bool = False  # beam search with n beams, n choices best first (not with stream)
+    length_penalty: Float = 1.0  # beam search: the final score is cum_logprob / length ** length_penalty
 
 
 Prompt = Str | list[Str] | list[Int] | list[list[Int]]
