@@ -46,7 +46,7 @@ if not _logger.handlers:
     _logger.propagate = False
 _logger.setLevel(_level)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt",
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt",
            "__version__"]
 
 
@@ -55,9 +55,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from jaxengine.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from jaxengine.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("SamplingParams", "BeamSearchParams"):
+        from jaxengine import sampling_params
+        return getattr(sampling_params, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from jaxengine import outputs
         return getattr(outputs, name)

@@ -19,6 +19,9 @@ alone (finish_reason "error", `LLMEngine.request_errors`) and its stream raises 
 Across hosts (`channel`, a `jaxengine.distributed.StepChannel`): before each iteration the thread
 broadcasts the adds and aborts it applied, so the other processes' engines take the same steps
 (see jaxengine/distributed.py); while idle it sends an empty iteration every `HEARTBEAT_S`.
+Beam search (`beam_search`) is a loop on the event loop: each step adds one one-token request per
+live beam, all at once (they share an engine step with each other and with every other request),
+and awaits their final outputs; nothing blocks the engine thread or other requests.
 If a step raises, the engine is dead: every open stream (and every later `add`) raises
 `EngineDeadError`, `on_death` is called (the server then exits non-zero), and `is_alive` is False.
 
@@ -39,8 +42,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from jaxengine.beam_search import BeamSearch, BeamSearchOutput, PromptIds
 from jaxengine.outputs import CompletionOutput, RequestOutput
-from jaxengine.sampling_params import SamplingParams
+from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 from jaxengine.exceptions import EngineDeadError, RequestFailedError
 
 if TYPE_CHECKING:
@@ -291,6 +295,37 @@ class AsyncEngine:
                 yield output
         finally:
             stream.close()
+
+    async def beam_search(self, prompts: list[PromptIds], params: BeamSearchParams,
+                          request_id: str) -> list[BeamSearchOutput]:
+        """vLLM's beam search over the prompts (see jaxengine/beam_search.py), one batch of
+        one-token requests per step (ids `<request_id>-<step>-<beam>`). Raises `ValueError` for bad
+        input; cancelled, it aborts the step's requests."""
+        self._check_alive()
+        engine = self.engine
+        search = BeamSearch(prompts, params, engine.eos_token_ids, max_model_len=engine.config.max_model_len,
+                            max_logprobs=engine.config.max_logprobs)
+        step_params = search.step_params()
+        while not search.done:
+            rids = [f"{request_id}-{search.step}-{k}" for k in range(len(search.pending()))]
+            tasks = [asyncio.ensure_future(self._final_output({"prompt_token_ids": ids}, step_params, rid))
+                     for rid, ids in zip(rids, search.pending())]
+            try:
+                outs = await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:  # after an error or a cancellation: the rest are aborted
+                    t.cancel()
+            search.advance([out.outputs[0].logprobs[0] for out in outs])
+        return search.outputs(engine.tokenizer)
+
+    async def _final_output(self, prompt: PromptInput, params: SamplingParams, request_id: str) -> RequestOutput:
+        final = None
+        async for out in self.generate(prompt, params, request_id):
+            final = out
+        if final is None or final.outputs[0].finish_reason not in ("stop", "length") or not final.outputs[0].logprobs:
+            reason = final.outputs[0].finish_reason if final is not None else "no output"
+            raise RequestFailedError(f"request {request_id} ended with {reason}")
+        return final
 
     def abort(self, request_id: str) -> None:
         """Aborts a request (unknown or finished ids are ignored). Safe from any thread."""

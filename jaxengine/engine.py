@@ -77,7 +77,7 @@ class LLMEngine:
         """Validates and queues a request (n > 1: n child requests sharing the prompt).
         Bad input raises `ValueError` and adds nothing."""
         params = params or SamplingParams()
-        text, ids = self._prompt_ids(prompt)
+        text, ids = self.prompt_ids(prompt)
         ids = self._truncate(ids, params)
         params.update_from_tokenizer(self.tokenizer)
         self._validate(ids, params)
@@ -99,7 +99,8 @@ class LLMEngine:
                                     arrival_time=arrival))
         self.core.add_request(request_id, text, list(ids), params, children)
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+    def prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        """(text if given, token ids) of a prompt: a string, a token-id list or a prompt dict."""
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt)
         if isinstance(prompt, dict):

@@ -1,4 +1,4 @@
-"""`LLM`: the offline Python API, shaped like vLLM's (`generate`, `chat`)."""
+"""`LLM`: the offline Python API, shaped like vLLM's (`generate`, `chat`, `beam_search`)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from jaxengine.beam_search import BeamSearch, BeamSearchOutput
 from jaxengine.config import EngineConfig
 from jaxengine.engine import LLMEngine
 from jaxengine.outputs import (ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingRequestOutput,
                                RequestOutput, ScoringOutput)
 from jaxengine.pooling import PoolingEngine, cosine, wants_pooling
 from jaxengine.pooling_params import PoolingParams
-from jaxengine.sampling_params import SamplingParams
+from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +181,23 @@ class LLM:
         if truncate is not None:
             params = dataclasses.replace(params, truncate_prompt_tokens=truncate)
         return dataclasses.replace(params, task=task)
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, `params.beam_width` sequences, best first (see
+        jaxengine/beam_search.py). Each step runs every live beam of every prompt as one batch of
+        one-token requests; prefix caching (on by default) serves the beams' shared prefixes."""
+        engine = self._generating()
+        prompt_ids = [engine.prompt_ids(p) for p in self._as_list(prompts)]
+        search = BeamSearch(prompt_ids, params, engine.eos_token_ids, max_model_len=engine.config.max_model_len,
+                            max_logprobs=engine.config.max_logprobs)
+        step_params = search.step_params()
+        with tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            while not search.done:
+                beams = search.pending()
+                outs = self._run([{"prompt_token_ids": ids} for ids in beams], [step_params] * len(beams), False)
+                search.advance([out.outputs[0].logprobs[0] for out in outs])
+                bar.update(1)
+        return search.outputs(engine.tokenizer)
 
     # -- helpers ---------------------------------------------------------------------------
     @staticmethod

@@ -345,3 +345,39 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy (the stop lists are not shared)."""
         return copy.deepcopy(self)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search settings, with vLLM's field names and defaults (`LLM.beam_search`).
+
+    Each step extends every live beam by its `2 * beam_width` most likely next tokens and keeps the
+    `beam_width` best candidates by summed logprob; the results are sorted by
+    `cum_logprob / num_generated_tokens ** length_penalty` (see `jaxengine/beam_search.py`)."""
+
+    beam_width: int  # beams kept per prompt, and sequences returned per prompt
+    max_tokens: int  # tokens generated per beam at most
+    ignore_eos: bool = False  # True: EOS does not end a beam (every beam runs max_tokens)
+    temperature: float = 0.0  # of each step's sampled token; the candidates are the raw top logprobs
+    length_penalty: float = 1.0  # exponent of the generated length that divides the final score
+    include_stop_str_in_output: bool = False  # keep the EOS token's text in `output_text`
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            _check_int(name, getattr(self, name))
+            object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("temperature", "length_penalty"):
+            _check_float(name, getattr(self, name))
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            _check_flag(name, getattr(self, name))
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
+        if 2 * self.beam_width > MAX_LOGPROBS:
+            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2}: each step asks for "
+                             f"2 * beam_width top logprobs, and at most {MAX_LOGPROBS} are computed; "
+                             f"got {self.beam_width}.")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")

@@ -78,6 +78,8 @@ class SamplingFields(RequestModel):
     allowed_token_ids: list[Int] | None = None
     bad_words: list[Str] | None = None
     truncate_prompt_tokens: Int | None = None  # keep the prompt's last k tokens (-1: max_model_len - 1)
+    use_beam_search: Bool = False  # beam search with n beams, n choices best first (not with stream)
+    length_penalty: Float = 1.0  # beam search: the final score is cum_logprob / length ** length_penalty
 
 
 Prompt = Str | list[Str] | list[Int] | list[list[Int]]

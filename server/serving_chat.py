@@ -1,5 +1,6 @@
 """`POST /v1/chat/completions`: the conversation rendered with the chat template (the model's own or
-`--chat-template`) exactly as `LLM.chat` renders it, then one engine request with n choices.
+`--chat-template`) exactly as `LLM.chat` renders it, then one engine request with n choices (with
+`use_beam_search`, the n best beams: server/serving_beam.py).
 
 Streaming sends, per choice, a role delta first (`{"role": "assistant", "content": ""}`), then
 content deltas, then a last chunk with an empty delta and the finish_reason; with
@@ -21,6 +22,7 @@ from starlette.background import BackgroundTask
 from jaxengine.llm import render_chat
 from jaxengine.async_engine import RequestStream
 from jaxengine.server.errors import EngineDeadError, OpenAIError
+from jaxengine.server.serving_beam import beam_chat
 from jaxengine.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice, ChoiceLogprobs,
                                        DeltaMessage)
@@ -65,6 +67,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = req.max_new_tokens
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     ctx.check_prompt(len(ids), max_tokens, "messages", max_name)
+    if req.use_beam_search:
+        return await beam_chat(ctx, req, raw, model, (text, ids))
     params = sampling_params(req, max_tokens, top_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await open_streams(ctx, request_id, [(text, ids)], params)

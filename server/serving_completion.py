@@ -1,5 +1,6 @@
 """`POST /v1/completions`: one engine request per prompt, n choices each (choice index = prompt
-index * n + sequence index, as OpenAI numbers them), answered whole or streamed as SSE chunks."""
+index * n + sequence index, as OpenAI numbers them), answered whole or streamed as SSE chunks.
+With `use_beam_search` the n choices are the n best beams instead (server/serving_beam.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from starlette.background import BackgroundTask
 from jaxengine.outputs import RequestOutput
 from jaxengine.async_engine import RequestStream
 from jaxengine.server.errors import EngineDeadError, OpenAIError
+from jaxengine.server.serving_beam import beam_completion
 from jaxengine.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                        CompletionResponse, CompletionStreamResponse)
 from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, close_all, completion_logprobs,
@@ -50,6 +52,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     prompts = [(text, ctx.truncate(ids, req.truncate_prompt_tokens)) for text, ids in completion_prompts(ctx, req)]
     for _, ids in prompts:
         ctx.check_prompt(len(ids), req.max_tokens, "prompt")
+    if req.use_beam_search:
+        return await beam_completion(ctx, req, raw, model, prompts)
     echo_lp = req.echo and req.logprobs is not None  # the prompt's tokens get logprobs too
     params = sampling_params(req, req.max_tokens, req.logprobs,
                              max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_lp else None)

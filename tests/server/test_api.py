@@ -1,7 +1,8 @@
 """The server end to end with the official `openai` client, against a live uvicorn on a tiny random
 Llama: what it returns equals `LLM.generate` / `LLM.chat` for the same parameters (greedy and
-seeded), streams are well-formed OpenAI SSE, 32 concurrent streams complete correctly, disconnects
-abort, no KV block leaks, and /metrics moves as requests complete."""
+seeded) and `LLM.beam_search` (`use_beam_search`), streams are well-formed OpenAI SSE, 32 concurrent
+streams complete correctly, disconnects abort, no KV block leaks, and /metrics moves as requests
+complete."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxengine import LLM, SamplingParams
+from jaxengine import LLM, BeamSearchParams, SamplingParams
 from jaxengine.server.api_server import build_app
 from jaxengine.async_engine import AsyncEngine
 from tests.server.conftest import ENGINE_KW, LiveServer, make_engine
@@ -336,6 +337,46 @@ def test_chat_logprobs(client, reference):
 
 
 # -- many clients, disconnects, leaks ------------------------------------------------------------------
+def test_beam_search_equals_llm_beam_search(server, client, reference):
+    """`use_beam_search` with n beams: n choices, best first, equal to `LLM.beam_search`'s sequences;
+    several prompts in one request; the KV pool is whole again afterwards."""
+    params = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+    ref = reference.beam_search(PROMPTS[:2], params)
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=6,
+                                     extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert [c.text for c in resp.choices] == [s.output_text for out in ref for s in out.sequences]
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    assert resp.usage.completion_tokens == 4 * 6
+    assert resp.usage.prompt_tokens == sum(s.num_prompt_tokens for out in ref for s in out.sequences[:1])
+
+    tok = reference.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    [chat_ref] = reference.beam_search({"prompt_token_ids": ids}, BeamSearchParams(3, 5, length_penalty=0.5))
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=3, max_tokens=5,
+                                          extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [c.message.content for c in chat.choices] == [s.output_text for s in chat_ref.sequences]
+    assert [c.finish_reason for c in chat.choices] == [s.finish_reason for s in chat_ref.sequences]
+    wait_idle(server)
+    assert kv_pool_is_full(server)
+
+
+def test_beam_search_refusals(client):
+    """Streaming, sampling fields beam search does not use, and a bad width: 400 with OpenAI's error JSON."""
+    cases = [(dict(stream=True), "stream"), (dict(top_p=0.5), "top_p"), (dict(logprobs=2), "logprobs"),
+             (dict(n=11), "n"), (dict(extra_body={"use_beam_search": True, "length_penalty": "x"}), "length_penalty")]
+    for kw, param in cases:
+        body = {"extra_body": {"use_beam_search": True}, "n": 2, **kw}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, **body)
+        assert err.value.status_code == 400 and err.value.body["param"] == param, (kw, err.value.body)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_tokens=4, stream=True,
+                                       extra_body={"use_beam_search": True})
+    assert err.value.body["param"] == "stream" and "cannot be streamed" in err.value.body["message"]
+
+
 def test_32_concurrent_streams_complete_and_leak_nothing(server, reference):
     prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
     lengths = [8 + (i * 5) % 17 for i in range(32)]
