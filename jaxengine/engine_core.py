@@ -29,6 +29,8 @@ import logging
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxengine.model_runner import InFlight, ModelRunner
 from jaxengine.output_processor import OutputProcessor, ResolvedStep
 from jaxengine.outputs import RequestOutput
@@ -64,6 +66,12 @@ class EngineCore:
         self.last_step_tokens = 0
         self.scheduled_tokens = 0
         self.scheduled_steps = 0
+        # Pooling engines: request id -> the final hidden state of its prompt's last token, kept
+        # until the caller takes it (`pop_pooled`).
+        self.pooled: dict[str, np.ndarray] = {}
+
+    def pop_pooled(self, request_id: str) -> np.ndarray | None:
+        return self.pooled.pop(request_id, None)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -135,6 +143,10 @@ class EngineCore:
         self.timing["device_wait_s"] += time.perf_counter() - t0
         self.timing["steps"] += 1
         sched = step.sched
+        if out.pooled is not None:  # a pooling engine: the last hidden state of each prompt just completed
+            for i, s in enumerate(sched.seqs):
+                if s.samples and s.start + s.num_new_tokens == len(s.spec.prompt_token_ids):
+                    self.pooled[s.request_id] = out.pooled[i]
         sampled = [tok if s.samples else None for s, tok in zip(sched.seqs, out.token_ids.tolist())]
         finished = {r.request_id: (r.status.finish_reason, r.stop_reason)
                     for r in self.scheduler.resolve(sched, sampled)}

@@ -14,7 +14,7 @@ from jaxengine.config import EngineConfig
 from jaxengine.engine import LLMEngine
 from jaxengine.outputs import (ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingRequestOutput,
                                RequestOutput, ScoringOutput)
-from jaxengine.pooling import PoolingEngine, cosine, wants_pooling
+from jaxengine.pooling import DecoderPoolingEngine, PoolingEngine, cosine, make_pooling_engine, wants_pooling
 from jaxengine.pooling_params import PoolingParams
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -50,10 +50,10 @@ class LLM:
                               **kwargs)
         # A pooling model (runner="pooling", an embed / classify / score task, or an encoder
         # checkpoint) gets the pooling engine; everything else the generating engine.
-        self.pooling_engine: PoolingEngine | None = None
+        self.pooling_engine: PoolingEngine | DecoderPoolingEngine | None = None
         self.llm_engine: LLMEngine | None = None
         if wants_pooling(config):
-            self.pooling_engine = PoolingEngine(config)
+            self.pooling_engine = make_pooling_engine(config)
         else:
             self.llm_engine = LLMEngine(config)
 
@@ -66,10 +66,11 @@ class LLM:
                              f"{' / '.join(self.pooling_engine.supported_tasks())}, not generate / chat")
         return self.llm_engine
 
-    def _pooling(self, task: str) -> PoolingEngine:
+    def _pooling(self, task: str) -> PoolingEngine | DecoderPoolingEngine:
         if self.pooling_engine is None:
-            raise ValueError(f"{self.llm_engine.model_config.architecture} is a generative model: {task} needs an "
-                             "embedding, classification or cross-encoder model, loaded with runner='pooling'")
+            raise ValueError(f"{self.llm_engine.model_config.architecture} was loaded to generate: {task} needs "
+                             "LLM(..., runner='pooling') (an embedding, classification or cross-encoder model, or a "
+                             "decoder model for last-token embeddings)")
         self.pooling_engine.check_task(task)
         return self.pooling_engine
 

@@ -45,6 +45,7 @@ class RunnerOutput:
     top_logprobs: np.ndarray  # [num_seqs, max_logprobs] f32
     prompt_lp: tuple | None = None  # (logprob [T], rank [T], top_ids [T, k], top_logprobs [T, k]) per token row
     nan_rows: np.ndarray | None = None  # [num_seqs] bool: the row's logits hold a NaN
+    pooled: np.ndarray | None = None  # [num_seqs, D] f32 final hidden state of each sequence's last row (pooling)
 
 
 def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, *, layout: Layout,
@@ -60,6 +61,12 @@ def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Arr
     hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, attention)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     return kv_caches, logits, hidden
+
+
+def _last_hidden(hidden: jax.Array, rows: jax.Array) -> jax.Array:
+    """hidden [T, D], rows [R] int32 (each sequence's last new token) -> [R, D] float32: what a
+    decoder's last-token pooling reads."""
+    return jnp.take(hidden, rows, axis=0).astype(jnp.float32)
 
 
 def _flat(fn, graphdef, treedef, **static):
@@ -181,6 +188,8 @@ class ModelRunner:
         self._forward_fns: dict[int, jax.stages.Compiled] = {}
         self._sample_fns: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
+        self._pool_fns: dict[int, jax.stages.Compiled] = {}
+        self.pooling = config.is_pooling  # every step also hands back each sequence's last hidden state
         leaves, self.param_treedef = jax.tree.flatten(state)
         self.param_leaves = tuple(leaves)
         self._params_abs = _abstract(self.param_leaves)
@@ -215,6 +224,11 @@ class ModelRunner:
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._rep)
         return self._jit_prompt_lp.lower(self._params_abs, hidden, targets).compile()
 
+    def _compile_pool(self, t: int) -> jax.stages.Compiled:
+        hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
+        rows = jax.ShapeDtypeStruct((self.rows_for(t),), jnp.int32, sharding=self._rep)
+        return jax.jit(_last_hidden).lower(hidden, rows).compile()
+
     def _compile_sampler(self, r: int, processors: bool) -> jax.stages.Compiled:
         layout = Layout.of(build_sampling_metadata([], r, self._history_len(processors), processors=processors))
         logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32, sharding=self._rep)
@@ -232,10 +246,12 @@ class ModelRunner:
         jobs: list[tuple[str, object]] = (
             [("forward", t) for t in reversed(self.token_buckets)]
             + [("prompt_logprobs", t) for t in self.token_buckets]
-            + [("sampler", (r, p)) for r in rows for p in (False, True)])
+            + [("sampler", (r, p)) for r in rows for p in (False, True)]
+            + ([("pool", t) for t in self.token_buckets] if self.pooling else []))
         build = {"forward": self._compile_forward, "prompt_logprobs": self._compile_prompt_logprobs,
-                 "sampler": lambda key: self._compile_sampler(*key)}
-        tables = {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns}
+                 "sampler": lambda key: self._compile_sampler(*key), "pool": self._compile_pool}
+        tables = {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns,
+                  "pool": self._pool_fns}
         t0 = time.perf_counter()
         workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool, \
@@ -290,15 +306,21 @@ class ModelRunner:
             prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, targets)
         sampler_out, tokens, nan_rows = self._get_sampler(r, processors)(logits, pack(md))
         rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
-        return InFlight(sampler_out, len(seqs), prompt_lp, tokens, rows_of, nan_rows)
+        pooled = None
+        if self.pooling:
+            # a copy: the builder reuses its buffers, and the CPU backend may read numpy memory late
+            pooled = self._get(self._pool_fns, t, self._compile_pool, "pooling program for bucket")(
+                hidden, np.array(inputs.logits_indices))
+        return InFlight(sampler_out, len(seqs), prompt_lp, tokens, rows_of, nan_rows, pooled)
 
     @staticmethod
     def collect(handle: InFlight) -> RunnerOutput:
         """Waits for a dispatched step: the one device-to-host transfer of the step."""
-        out, prompt_lp, nan_rows = jax.device_get((handle.sampler_out, handle.prompt_lp, handle.nan_rows))
+        out, prompt_lp, nan_rows, pooled = jax.device_get((handle.sampler_out, handle.prompt_lp, handle.nan_rows,
+                                                           handle.pooled))
         n = handle.num_seqs
         return RunnerOutput(out.token_ids[:n], out.logprob[:n], out.rank[:n], out.top_ids[:n], out.top_logprobs[:n],
-                            prompt_lp, nan_rows[:n])
+                            prompt_lp, nan_rows[:n], None if pooled is None else pooled[:n])
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """One step, waited for (tests and tools; the engine overlaps `dispatch` and `collect`)."""
@@ -315,3 +337,4 @@ class InFlight:
     tokens: jax.Array  # [max_num_seqs] int32 sampled tokens, on the device, for the next step's inputs
     rows: dict[str, int]  # request id -> its row in this step's samples
     nan_rows: jax.Array  # [R] bool, on the device
+    pooled: jax.Array | None = None  # [R, D] f32 last-token hidden states (pooling engines)

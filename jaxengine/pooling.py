@@ -1,8 +1,13 @@
-"""The pooling engine: embeddings, class scores and pair scores from encoder models.
+"""Pooling engines: embeddings, class scores and pair scores.
 
 `LLM(model, runner="pooling")` (or vLLM's `task="embed" | "classify" | "score"`, or any encoder
-checkpoint: BERT, RoBERTa, XLM-R) builds a `PoolingEngine` instead of the generating engine.
-Prompts are tokenized (pairs with the tokenizer's pair template and token types), sorted by
+checkpoint) builds one of two engines instead of the generating engine (`make_pooling_engine`):
+
+- `PoolingEngine` for encoder checkpoints (BERT, RoBERTa, XLM-R; embedders and cross-encoders);
+- `DecoderPoolingEngine` for decoder models of the supported families (Qwen3-Embedding,
+  e5-mistral, SmolLM2, ...): last-token pooling through the generating engine's own steps.
+
+For encoders, prompts are tokenized (pairs with the tokenizer's pair template and token types), sorted by
 length and run in batches padded to power-of-two buckets (rows and tokens), one compiled program
 per bucket, compiled on first use. Each program returns the pooled vector per row on the device
 (CLS, MEAN over real tokens, or LAST real token: `PoolerConfig`) and the classification logits of
@@ -32,6 +37,7 @@ from flax import nnx
 
 from jaxengine.config import EngineConfig
 from jaxengine.pooling_params import PoolingParams
+from jaxengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +51,9 @@ class PoolerConfig:
     normalize: bool  # embeddings L2-normalised by default
 
 
-def pooler_config(folder: Path | None) -> PoolerConfig:
-    """The sentence-transformers pooling of a checkpoint folder; vLLM's encoder default (CLS,
-    normalised) where the folder has none."""
-    default = PoolerConfig("CLS", True)
+def pooler_config(folder: Path | None, default: PoolerConfig = PoolerConfig("CLS", True)) -> PoolerConfig:
+    """The sentence-transformers pooling of a checkpoint folder; `default` where the folder has
+    none (vLLM's: CLS for encoders, the last token for decoders, both normalised)."""
     if folder is None or not (folder / "modules.json").is_file():
         return default
     modules = json.loads((folder / "modules.json").read_text())
@@ -121,42 +126,17 @@ class _Encoded:
     type_ids: list[int]
 
 
-class PoolingEngine:
-    """Runs an encoder checkpoint for pooling: `embed`, `classify`, `score`, `encode`."""
+class _PoolingBase:
+    """What every pooling engine shares: the tasks its model serves, input checks, and finishing
+    pooled vectors and logits on the host. Subclasses set `model_config` (architecture,
+    num_labels, vocab_size, hidden_size), `tokenizer`, `max_model_len` (most prompt tokens) and
+    `pooler`, and implement `encode_prompt` and `run`."""
 
-    def __init__(self, config: EngineConfig):
-        from jaxengine.loading import enable_compilation_cache
-        from jaxengine.models.bert import EncoderConfig, is_encoder_config, load_encoder_params
-        from jaxengine.models.checkpoint import SafetensorsCheckpoint, open_checkpoint
-
-        t0 = time.perf_counter()
-        if config.model is None:
-            raise ValueError("pooling needs a model: the embedded default is a generative model")
-        enable_compilation_cache(config.compilation_cache_dir)
-        ckpt = open_checkpoint(config.model, revision=config.revision, tokenizer=config.tokenizer)
-        arch = (ckpt.hf_config.get("architectures") or ["?"])[0]
-        if not is_encoder_config(ckpt.hf_config):
-            raise ValueError(f"{arch}: pooling runs encoder models so far (BertModel, XLMRobertaModel, "
-                             "RobertaModel and their *ForSequenceClassification); a generative model's "
-                             "embeddings are not supported yet")
-        if not isinstance(ckpt, SafetensorsCheckpoint):
-            raise ValueError(f"{ckpt.path}: encoders load from a config.json + safetensors folder")
-        self.config = config
-        self.model_config = cfg = EncoderConfig.from_hf_dict(ckpt.hf_config)
-        self.dtype = jnp.float32 if config.dtype in ("auto", "float32") else jnp.dtype(config.dtype)
-        model = load_encoder_params(ckpt, cfg, self.dtype)
-        self.tokenizer = None if config.skip_tokenizer_init else ckpt.load_tokenizer()
-        self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
-        self.max_batch = _bucket(min(config.max_num_seqs, 64), 1, 64)
-        self.pooler = pooler_config(Path(ckpt.path))
-        self.graphdef, self.state = nnx.split(model)
-        self._programs: dict[tuple[int, int], object] = {}
-        self._next_id = 0
-        logger.info("pooling model %s (%s, %s): %s pooling%s, %s; max_model_len %d; ready in %.1f s",
-                    config.model, arch, jnp.dtype(self.dtype).name, self.pooler.pooling_type,
-                    ", normalised" if self.pooler.normalize else "",
-                    f"{cfg.num_labels} labels" if cfg.num_labels else "no classification head",
-                    self.max_model_len, time.perf_counter() - t0)
+    model_config: object
+    tokenizer: object
+    max_model_len: int
+    pooler: PoolerConfig
+    _next_id: int = 0
 
     # -- what the model is for ----------------------------------------------------------------
     @property
@@ -174,28 +154,8 @@ class PoolingEngine:
             arch = self.model_config.architecture
             raise ValueError(f"{arch} does not support {task!r}; it supports {', '.join(self.supported_tasks())}")
 
-    # -- inputs -------------------------------------------------------------------------------
-    def encode_prompt(self, prompt, params: PoolingParams) -> _Encoded:
-        """A text, a token id list or a {"prompt" | "prompt_token_ids"} dict -> model input."""
-        if isinstance(prompt, dict):
-            if prompt.get("multi_modal_data"):
-                raise ValueError(f"multi_modal_data: model {self.model_config.architecture} takes text only")
-            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
-        if isinstance(prompt, str):
-            ids = list(self._tokenizer()(prompt)["input_ids"])
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
-            raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
-        return self._checked(_Encoded(ids, [0] * len(ids)), params)
-
     def encode_pair(self, text_1: str, text_2: str, params: PoolingParams) -> _Encoded:
-        enc = self._tokenizer()(text_1, text_2)
-        ids = list(enc["input_ids"])
-        types = list(enc.get("token_type_ids") or [0] * len(ids))
-        if self.model_config.type_vocab_size < 2:  # RoBERTa / XLM-R: one segment embedding
-            types = [0] * len(ids)
-        return self._checked(_Encoded(ids, types), params)
+        raise ValueError(f"{self.model_config.architecture} does not read text pairs")
 
     def _tokenizer(self):
         if self.tokenizer is None:
@@ -219,6 +179,94 @@ class PoolingEngine:
             raise ValueError(f"the prompt has {len(enc.ids)} tokens, the model accepts at most "
                              f"max_model_len = {self.max_model_len} (truncate_prompt_tokens cuts it)")
         return enc
+
+    # -- finishing ----------------------------------------------------------------------------
+    def embedding(self, pooled: np.ndarray, params: PoolingParams) -> np.ndarray:
+        """Matryoshka truncation, then L2 normalisation (the model's default unless asked)."""
+        if params.dimensions is not None:
+            if params.dimensions > pooled.shape[-1]:
+                raise ValueError(f"dimensions={params.dimensions} exceeds the model's "
+                                 f"{pooled.shape[-1]}-dimensional embeddings")
+            pooled = pooled[..., : params.dimensions]
+        normalize = self.pooler.normalize if params.normalize is None else params.normalize
+        if normalize:
+            pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+        return pooled
+
+    @staticmethod
+    def probabilities(logits: np.ndarray, params: PoolingParams) -> np.ndarray:
+        """Softmax over the labels (one label: sigmoid); the raw logits with activation=False."""
+        if params.activation is False:
+            return logits
+        if logits.shape[-1] == 1:
+            return 1.0 / (1.0 + np.exp(-logits))
+        z = np.exp(logits - logits.max(-1, keepdims=True))
+        return z / z.sum(-1, keepdims=True)
+
+    def new_request_ids(self, n: int) -> list[str]:
+        ids = [str(self._next_id + i) for i in range(n)]
+        self._next_id += n
+        return ids
+
+
+
+class PoolingEngine(_PoolingBase):
+    """Runs an encoder checkpoint for pooling: `embed`, `classify`, `score`, `encode`."""
+
+    def __init__(self, config: EngineConfig):
+        from jaxengine.loading import enable_compilation_cache
+        from jaxengine.models.bert import EncoderConfig, is_encoder_config, load_encoder_params
+        from jaxengine.models.checkpoint import SafetensorsCheckpoint, open_checkpoint
+
+        t0 = time.perf_counter()
+        if config.model is None:
+            raise ValueError("pooling needs a model: the embedded default is a generative model")
+        enable_compilation_cache(config.compilation_cache_dir)
+        ckpt = open_checkpoint(config.model, revision=config.revision, tokenizer=config.tokenizer)
+        arch = (ckpt.hf_config.get("architectures") or ["?"])[0]
+        if not is_encoder_config(ckpt.hf_config):
+            raise ValueError(f"{arch} is not an encoder model (BertModel, XLMRobertaModel, RobertaModel or "
+                             "their *ForSequenceClassification); decoders pool through DecoderPoolingEngine")
+        if not isinstance(ckpt, SafetensorsCheckpoint):
+            raise ValueError(f"{ckpt.path}: encoders load from a config.json + safetensors folder")
+        self.config = config
+        self.model_config = cfg = EncoderConfig.from_hf_dict(ckpt.hf_config)
+        self.dtype = jnp.float32 if config.dtype in ("auto", "float32") else jnp.dtype(config.dtype)
+        model = load_encoder_params(ckpt, cfg, self.dtype)
+        self.tokenizer = None if config.skip_tokenizer_init else ckpt.load_tokenizer()
+        self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
+        self.max_batch = _bucket(min(config.max_num_seqs, 64), 1, 64)
+        self.pooler = pooler_config(Path(ckpt.path))
+        self.graphdef, self.state = nnx.split(model)
+        self._programs: dict[tuple[int, int], object] = {}
+        logger.info("pooling model %s (%s, %s): %s pooling%s, %s; max_model_len %d; ready in %.1f s",
+                    config.model, arch, jnp.dtype(self.dtype).name, self.pooler.pooling_type,
+                    ", normalised" if self.pooler.normalize else "",
+                    f"{cfg.num_labels} labels" if cfg.num_labels else "no classification head",
+                    self.max_model_len, time.perf_counter() - t0)
+
+    # -- inputs -------------------------------------------------------------------------------
+    def encode_prompt(self, prompt, params: PoolingParams) -> _Encoded:
+        """A text, a token id list or a {"prompt" | "prompt_token_ids"} dict -> model input."""
+        if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):
+                raise ValueError(f"multi_modal_data: model {self.model_config.architecture} takes text only")
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
+        if isinstance(prompt, str):
+            ids = list(self._tokenizer()(prompt)["input_ids"])
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+        return self._checked(_Encoded(ids, [0] * len(ids)), params)
+
+    def encode_pair(self, text_1: str, text_2: str, params: PoolingParams) -> _Encoded:
+        enc = self._tokenizer()(text_1, text_2)
+        ids = list(enc["input_ids"])
+        types = list(enc.get("token_type_ids") or [0] * len(ids))
+        if self.model_config.type_vocab_size < 2:  # RoBERTa / XLM-R: one segment embedding
+            types = [0] * len(ids)
+        return self._checked(_Encoded(ids, types), params)
 
     # -- the device ---------------------------------------------------------------------------
     def _program(self, b: int, t: int):
@@ -257,33 +305,82 @@ class PoolingEngine:
             logits[rows] = lg[: len(rows)]
         return pooled, logits
 
-    # -- finishing ----------------------------------------------------------------------------
-    def embedding(self, pooled: np.ndarray, params: PoolingParams) -> np.ndarray:
-        """Matryoshka truncation, then L2 normalisation (the model's default unless asked)."""
-        if params.dimensions is not None:
-            if params.dimensions > pooled.shape[-1]:
-                raise ValueError(f"dimensions={params.dimensions} exceeds the model's "
-                                 f"{pooled.shape[-1]}-dimensional embeddings")
-            pooled = pooled[..., : params.dimensions]
-        normalize = self.pooler.normalize if params.normalize is None else params.normalize
-        if normalize:
-            pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
-        return pooled
 
-    @staticmethod
-    def probabilities(logits: np.ndarray, params: PoolingParams) -> np.ndarray:
-        """Softmax over the labels (one label: sigmoid); the raw logits with activation=False."""
-        if params.activation is False:
-            return logits
-        if logits.shape[-1] == 1:
-            return 1.0 / (1.0 + np.exp(-logits))
-        z = np.exp(logits - logits.max(-1, keepdims=True))
-        return z / z.sum(-1, keepdims=True)
+@dataclasses.dataclass(frozen=True)
+class _DecoderInfo:
+    """What pooling reads of a decoder model's config."""
 
-    def new_request_ids(self, n: int) -> list[str]:
-        ids = [str(self._next_id + i) for i in range(n)]
-        self._next_id += n
-        return ids
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_labels: int = 0
+
+
+class DecoderPoolingEngine(_PoolingBase):
+    """Embeddings from a decoder model (Qwen3-Embedding, e5-mistral, any supported family): the
+    final hidden state of each prompt's last token, through the generating engine's own steps
+    (batched, chunked, prefix-cached; each request samples one token that is dropped and frees
+    its KV blocks when its prompt is done)."""
+
+    def __init__(self, config: EngineConfig):
+        from jaxengine.engine import LLMEngine
+
+        if not config.is_pooling:
+            config = dataclasses.replace(config, runner="pooling")
+        folder = Path(config.model).expanduser() if config.model else None
+        self.pooler = pooler_config(folder if folder is not None and folder.is_dir() else None,
+                                    PoolerConfig("LAST", True))
+        if self.pooler.pooling_type != "LAST":
+            raise ValueError(f"{self.pooler.pooling_type} pooling: decoder models pool their last token only")
+        self.engine = LLMEngine(config)
+        mc = self.engine.model_config
+        self.model_config = _DecoderInfo(mc.architecture, mc.vocab_size, mc.hidden_size)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.config.max_model_len - 1  # a prompt leaves room for one token
+        self._params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    def encode_prompt(self, prompt, params: PoolingParams) -> _Encoded:
+        _, ids = self.engine.prompt_ids(prompt)
+        return self._checked(_Encoded(ids, [0] * len(ids)), params)
+
+    def run(self, encoded: Sequence[_Encoded]) -> tuple[np.ndarray, np.ndarray]:
+        """(last-token hidden states [N, D] float32, empty logits [N, 0]) in input order."""
+        engine = self.engine
+        ids = []
+        try:
+            for e in encoded:
+                rid = f"pool-{engine.new_request_id()}"
+                engine.add_request(rid, {"prompt_token_ids": e.ids}, self._params)
+                ids.append(rid)
+            engine.emit_unfinished = False
+            while engine.has_unfinished_requests():
+                engine.step()
+        except BaseException:
+            engine.abort_request(ids)
+            for rid in ids:
+                engine.core.pop_pooled(rid)
+            raise
+        rows = [engine.core.pop_pooled(rid) for rid in ids]
+        missing = [rid for rid, r in zip(ids, rows) if r is None]
+        if missing:
+            raise RuntimeError(f"pooling requests {missing} ended without a pooled vector")
+        return np.stack(rows).astype(np.float32), np.zeros((len(rows), 0), np.float32)
+
+
+def make_pooling_engine(config: EngineConfig) -> _PoolingBase:
+    """The encoder engine for an encoder checkpoint, else the decoder pooling engine."""
+    from jaxengine.models.bert import is_encoder_config
+
+    folder = Path(config.model).expanduser() if config.model else None
+    if folder is not None and (folder / "config.json").is_file():
+        if is_encoder_config(json.loads((folder / "config.json").read_text())):
+            return PoolingEngine(config)
+        return DecoderPoolingEngine(config)
+    if config.model is not None and folder is not None and not folder.exists() and "/" in config.model:
+        from jaxengine.models.checkpoint import open_checkpoint  # a hub id: its config decides
+        if is_encoder_config(open_checkpoint(config.model, revision=config.revision).hf_config):
+            return PoolingEngine(config)
+    return DecoderPoolingEngine(config)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -159,10 +159,34 @@ def test_bad_input_and_truncation(made):
         PoolingParams(normalize="yes")
 
 
-def test_a_generative_model_asked_to_embed_says_so(tiny_model_factory, xla_cache_dir):
+def test_a_generating_model_asked_to_embed_says_so(tiny_model_factory, xla_cache_dir):
     llm = LLM(tiny_model_factory("llama"), max_model_len=64, max_num_seqs=2, num_kv_blocks=16,
               compilation_cache_dir=xla_cache_dir)
-    with pytest.raises(ValueError, match="is a generative model: embed needs"):
+    with pytest.raises(ValueError, match="was loaded to generate: embed needs"):
         llm.embed("hello")
-    with pytest.raises(ValueError, match="pooling runs encoder models so far"):
-        LLM(tiny_model_factory("llama"), runner="pooling", compilation_cache_dir=xla_cache_dir)
+
+
+def test_decoder_last_token_embeddings_equal_transformers(tiny_model_factory, xla_cache_dir):
+    """A decoder with runner="pooling": the final hidden state (after the last norm) of each
+    prompt's last token, normalised, equals transformers' within cosine 0.999; prompts longer than
+    a chunk are pooled after their last chunk; a sentence-transformers MEAN config is refused."""
+    path = tiny_model_factory("llama")
+    llm = LLM(path, runner="pooling", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+              num_kv_blocks=64, compilation_cache_dir=xla_cache_dir)
+    tok = llm.get_tokenizer()
+    texts = ["Hello, my name is", "The capital of France is Paris, and the capital of Italy is Rome; " * 3, "1 2 3"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = []
+    for t in texts:
+        with torch.no_grad():
+            h = model(torch.tensor([tok.encode(t)]), output_hidden_states=True).hidden_states[-1][0, -1].numpy()
+        want.append(h / np.linalg.norm(h))
+    outs = llm.embed(texts, use_tqdm=False)
+    assert len(outs[1].prompt_token_ids) > 32  # more than one chunk
+    assert (_cos([o.outputs.embedding for o in outs], want) > 0.999).all()
+    scores = llm.score(texts[0], texts[1:], use_tqdm=False)
+    np.testing.assert_allclose([s.outputs.score for s in scores], _cos(np.broadcast_to(want[0], (2, len(want[0]))),
+                                                                        want[1:]), rtol=1e-3)
+    with pytest.raises(ValueError, match="is a pooling model"):
+        llm.generate("hello")
+    assert not llm.pooling_engine.engine.has_unfinished_requests() and not llm.pooling_engine.engine.core.pooled
