@@ -54,6 +54,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
                     "bucket (XLA has no eager step; nothing is captured that eager mode would skip)")
     enable_compilation_cache(config.compilation_cache_dir)
     model_config, ckpt, tokenizer = _open_model(config)
+    from jaxengine.models.registry import CLASSIFIER_ARCHITECTURES
+    if model_config.architecture in CLASSIFIER_ARCHITECTURES and not config.is_pooling:
+        raise ValueError(f"{model_config.architecture} is a classifier, not a text generator: load it with "
+                         "runner='pooling' (LLM.classify / score, the server's /classify)")
     config = derive_config(config, model_config)
     model_config = model_config.with_max_model_len(config.max_model_len)  # longrope: short or long factors
     if model_config.rope_scaling is not None and model_config.rope_scaling.rope_type == "longrope":

@@ -80,18 +80,22 @@ def pooler_config(folder: Path | None, default: PoolerConfig = PoolerConfig("CLS
 
 
 def wants_pooling(config: EngineConfig) -> bool:
-    """Whether `config` asks for the pooling engine: runner="pooling", a pooling task, or a local
-    checkpoint folder of an encoder architecture."""
+    """Whether `config` asks for the pooling engine: runner="pooling", a pooling task, or (runner
+    and task left "auto") a local checkpoint folder of an encoder or a decoder classifier."""
     if config.is_pooling:
         return True
+    if "generate" in (config.runner, config.task):  # asked for by name: the model decides nothing
+        return False
     from jaxengine.models.bert import is_encoder_config
+    from jaxengine.models.registry import CLASSIFIER_ARCHITECTURES
 
     folder = Path(config.model).expanduser() if config.model else None
     if folder is not None and (folder / "config.json").is_file():
         try:
-            return is_encoder_config(json.loads((folder / "config.json").read_text()))
+            hf = json.loads((folder / "config.json").read_text())
         except ValueError:
             return False
+        return is_encoder_config(hf) or (hf.get("architectures") or [""])[0] in CLASSIFIER_ARCHITECTURES
     return False
 
 
@@ -320,7 +324,8 @@ class DecoderPoolingEngine(_PoolingBase):
     """Embeddings from a decoder model (Qwen3-Embedding, e5-mistral, any supported family): the
     final hidden state of each prompt's last token, through the generating engine's own steps
     (batched, chunked, prefix-cached; each request samples one token that is dropped and frees
-    its KV blocks when its prompt is done)."""
+    its KV blocks when its prompt is done). Decoder classifiers and reward models
+    (`*ForSequenceClassification` of the Llama family) apply their `score` head to that state."""
 
     def __init__(self, config: EngineConfig):
         from jaxengine.engine import LLMEngine
@@ -334,17 +339,32 @@ class DecoderPoolingEngine(_PoolingBase):
             raise ValueError(f"{self.pooler.pooling_type} pooling: decoder models pool their last token only")
         self.engine = LLMEngine(config)
         mc = self.engine.model_config
-        self.model_config = _DecoderInfo(mc.architecture, mc.vocab_size, mc.hidden_size)
+        self.score = self._score_head(config, mc.architecture)  # [L, D] float32, or None
+        self.model_config = _DecoderInfo(mc.architecture, mc.vocab_size, mc.hidden_size,
+                                         0 if self.score is None else self.score.shape[0])
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.config.max_model_len - 1  # a prompt leaves room for one token
         self._params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    @staticmethod
+    def _score_head(config: EngineConfig, architecture: str) -> np.ndarray | None:
+        from jaxengine.models.checkpoint import open_checkpoint
+        from jaxengine.models.registry import CLASSIFIER_ARCHITECTURES
+
+        if architecture not in CLASSIFIER_ARCHITECTURES:
+            return None
+        ckpt = open_checkpoint(config.model, revision=config.revision)
+        if "score.weight" not in ckpt:
+            raise ValueError(f"{ckpt.path}: {architecture} needs its classification head, tensor 'score.weight'")
+        return np.asarray(ckpt.get_tensor("score.weight"), np.float32)
 
     def encode_prompt(self, prompt, params: PoolingParams) -> _Encoded:
         _, ids = self.engine.prompt_ids(prompt)
         return self._checked(_Encoded(ids, [0] * len(ids)), params)
 
     def run(self, encoded: Sequence[_Encoded]) -> tuple[np.ndarray, np.ndarray]:
-        """(last-token hidden states [N, D] float32, empty logits [N, 0]) in input order."""
+        """(last-token hidden states [N, D] float32, logits [N, L] of the score head (L = 0 without
+        one)) in input order."""
         engine = self.engine
         ids = []
         try:
@@ -364,7 +384,9 @@ class DecoderPoolingEngine(_PoolingBase):
         missing = [rid for rid, r in zip(ids, rows) if r is None]
         if missing:
             raise RuntimeError(f"pooling requests {missing} ended without a pooled vector")
-        return np.stack(rows).astype(np.float32), np.zeros((len(rows), 0), np.float32)
+        pooled = np.stack(rows).astype(np.float32)
+        logits = pooled @ self.score.T if self.score is not None else np.zeros((len(rows), 0), np.float32)
+        return pooled, logits
 
 
 def make_pooling_engine(config: EngineConfig) -> _PoolingBase:

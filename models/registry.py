@@ -29,6 +29,20 @@ class Family:
 
 
 _LLAMA = Family(llama.ForCausalLM, llama.config_from_hf, llama.WEIGHTS, llama.IGNORED)
+
+
+def _classifier_config(cfg: Mapping) -> ModelConfig:
+    """A *ForSequenceClassification decoder: the causal model's body, no LM head of its own (its
+    `score` head is read by the pooling engine)."""
+    return dataclasses.replace(llama.config_from_hf(cfg), tie_word_embeddings=True)
+
+
+# Decoder classifiers and reward models: the body runs through the generating engine's steps, and
+# the pooling engine applies `score.weight` to each prompt's last hidden state.
+_LLAMA_CLASSIFIER = Family(llama.ForCausalLM, _classifier_config, llama.WEIGHTS,
+                           llama.IGNORED + r"|score\.weight|lm_head\.weight")
+CLASSIFIER_ARCHITECTURES: frozenset[str] = frozenset(
+    f"{name}ForSequenceClassification" for name in ("Llama", "Mistral", "Qwen2", "Qwen3"))
 _REGISTRY: dict[str, Family] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
@@ -39,6 +53,7 @@ _REGISTRY: dict[str, Family] = {
     "OPTForCausalLM": Family(opt.OPTForCausalLM, opt.config_from_hf, opt.WEIGHTS),
     "Gemma2ForCausalLM": Family(gemma.ForCausalLM, gemma.config_from_hf, gemma.WEIGHTS),
     "Gemma3ForCausalLM": Family(gemma.ForCausalLM, gemma.config_from_hf, gemma.WEIGHTS),
+    **{name: _LLAMA_CLASSIFIER for name in CLASSIFIER_ARCHITECTURES},
 }
 
 

@@ -190,3 +190,35 @@ def test_decoder_last_token_embeddings_equal_transformers(tiny_model_factory, xl
     with pytest.raises(ValueError, match="is a pooling model"):
         llm.generate("hello")
     assert not llm.pooling_engine.engine.has_unfinished_requests() and not llm.pooling_engine.engine.core.pooled
+
+
+@pytest.mark.parametrize("arch", ["LlamaForSequenceClassification", "Qwen2ForSequenceClassification"])
+def test_decoder_classifier_equals_transformers(arch, tmp_path, smollm2_tokenizer_dir, xla_cache_dir):
+    """A decoder classifier (a reward model when it has one label): softmax (sigmoid) of its score
+    head on the last token equals transformers'; it is recognised as a pooling model from its
+    folder, and refuses to generate."""
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    cfg_cls = transformers.LlamaConfig if arch.startswith("Llama") else transformers.Qwen2Config
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(cfg_cls(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, num_labels=3, pad_token_id=0)).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=32,
+              compilation_cache_dir=xla_cache_dir)
+    texts = ["Hello, my name is", "The sky is blue and the grass is green."]
+    want = []
+    for t in texts:
+        with torch.no_grad():
+            want.append(torch.softmax(model(torch.tensor([tok.encode(t)])).logits[0], -1).numpy())
+    got = [o.outputs.probs for o in llm.classify(texts, use_tqdm=False)]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="does not support 'embed'"):
+        llm.embed(texts)
+    with pytest.raises(ValueError, match="is a classifier, not a text generator"):
+        LLM(str(tmp_path), runner="generate", compilation_cache_dir=xla_cache_dir)
