@@ -46,8 +46,8 @@ if not _logger.handlers:
     _logger.propagate = False
 _logger.setLevel(_level)
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name: str):
@@ -58,6 +58,9 @@ def __getattr__(name: str):
     if name in ("SamplingParams", "BeamSearchParams"):
         from jaxengine import sampling_params
         return getattr(sampling_params, name)
+    if name == "PoolingParams":
+        from jaxengine.pooling_params import PoolingParams
+        return PoolingParams
     if name in ("RequestOutput", "CompletionOutput"):
         from jaxengine import outputs
         return getattr(outputs, name)

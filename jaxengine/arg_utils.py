@@ -37,7 +37,8 @@ _ENGINE_HELP = {
     "warmup": "compile every bucket at start-up (no compile pauses while serving)",
     "skip_tokenizer_init": "load no tokenizer: prompts are token ids and outputs carry no text",
     "trust_remote_code": "accepted for vLLM's command lines; no checkpoint code is ever run",
-    "runner": f"vLLM's runner: {', '.join(RUNNERS)} (generation only; pooling runners are refused)",
+    "runner": f"vLLM's runner: {', '.join(RUNNERS)} (pooling: embedding, classification and cross-encoder "
+              "models; auto picks pooling for an encoder folder)",
     "task": f"vLLM's older name for the runner: {', '.join(RUNNERS)}",
     "enforce_eager": "accepted for vLLM's command lines; XLA always runs compiled programs",
     "enable_chunked_prefill": "accepted for vLLM's command lines; chunked prefill is always on",

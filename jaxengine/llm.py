@@ -12,9 +12,8 @@ from tqdm.auto import tqdm
 from jaxengine.beam_search import BeamSearch, BeamSearchOutput
 from jaxengine.config import EngineConfig
 from jaxengine.engine import LLMEngine
-from jaxengine.outputs import (ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingRequestOutput,
-                               RequestOutput, ScoringOutput)
-from jaxengine.pooling import DecoderPoolingEngine, PoolingEngine, cosine, make_pooling_engine, wants_pooling
+from jaxengine.outputs import PoolingRequestOutput, RequestOutput
+from jaxengine.pooling import DecoderPoolingEngine, PoolingEngine, make_pooling_engine, wants_pooling
 from jaxengine.pooling_params import PoolingParams
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -112,40 +111,24 @@ class LLM:
         """One embedding per prompt (`.outputs.embedding`), pooled as the model's
         sentence-transformers config says, normalised unless `PoolingParams(normalize=False)`."""
         engine = self._pooling("embed")
-        params = self._pooling_params(pooling_params, truncate_prompt_tokens, "embed")
-        prompt_list = self._as_list(prompts)
-        encoded = [engine.encode_prompt(p, params) for p in prompt_list]
-        pooled, _ = engine.run(encoded)
-        vectors = engine.embedding(pooled, params)
-        return [PoolingRequestOutput(rid, EmbeddingOutput(v.tolist()), e.ids)
-                for rid, v, e in zip(engine.new_request_ids(len(encoded)), vectors, encoded)]
+        return engine.embed(self._as_list(prompts), self._pooling_params(pooling_params, truncate_prompt_tokens,
+                                                                         "embed"))
 
     def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
                use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """The raw pooled vector per prompt (`.outputs.data`, a float32 numpy array): no
-        normalisation unless asked (`PoolingParams(normalize=True)`)."""
+        normalisation unless asked (`PoolingParams(normalize=True)`); a classifier's logits."""
         engine = self._pooling("encode")
-        params = self._pooling_params(pooling_params, truncate_prompt_tokens, "encode")
-        prompt_list = self._as_list(prompts)
-        encoded = [engine.encode_prompt(p, params) for p in prompt_list]
-        pooled, logits = engine.run(encoded)
-        data = logits if engine.model_config.num_labels else engine.embedding(
-            pooled, dataclasses.replace(params, normalize=bool(params.normalize)))
-        return [PoolingRequestOutput(rid, PoolingOutput(d), e.ids)
-                for rid, d, e in zip(engine.new_request_ids(len(encoded)), data, encoded)]
+        return engine.encode(self._as_list(prompts), self._pooling_params(pooling_params, truncate_prompt_tokens,
+                                                                          "encode"))
 
     def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
                  use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """Class probabilities per prompt (`.outputs.probs`): softmax over the labels, sigmoid for
         a one-label model."""
         engine = self._pooling("classify")
-        params = self._pooling_params(pooling_params, truncate_prompt_tokens, "classify")
-        prompt_list = self._as_list(prompts)
-        encoded = [engine.encode_prompt(p, params) for p in prompt_list]
-        _, logits = engine.run(encoded)
-        probs = engine.probabilities(logits, params)
-        return [PoolingRequestOutput(rid, ClassificationOutput(p.tolist()), e.ids)
-                for rid, p, e in zip(engine.new_request_ids(len(encoded)), probs, encoded)]
+        return engine.classify(self._as_list(prompts), self._pooling_params(pooling_params, truncate_prompt_tokens,
+                                                                            "classify"))
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True,
               pooling_params: PoolingParams | None = None, truncate_prompt_tokens: int | None = None
@@ -154,27 +137,7 @@ class LLM:
         N. A cross-encoder (one-label classifier) reads each pair together and gives the sigmoid
         of its logit; an embedding model gives the cosine similarity of the two embeddings."""
         engine = self._pooling("score")
-        params = self._pooling_params(pooling_params, truncate_prompt_tokens, "score")
-        left = [data_1] if isinstance(data_1, str) else list(data_1)
-        right = [data_2] if isinstance(data_2, str) else list(data_2)
-        if not left or not right:
-            raise ValueError("score needs at least one text on each side")
-        if len(left) == 1:
-            left = left * len(right)
-        if len(left) != len(right):
-            raise ValueError(f"score pairs one text with many, or N with N; got {len(left)} and {len(right)}")
-        if engine.is_cross_encoder:
-            encoded = [engine.encode_pair(a, b, params) for a, b in zip(left, right)]
-            _, logits = engine.run(encoded)
-            scores = engine.probabilities(logits, params)[:, 0].tolist()
-        else:
-            texts = list(dict.fromkeys(left + right))
-            pooled, _ = engine.run([engine.encode_prompt(t, params) for t in texts])
-            vec = dict(zip(texts, engine.embedding(pooled, params)))
-            scores = [cosine(vec[a], vec[b]) for a, b in zip(left, right)]
-            encoded = [engine.encode_prompt(a, params) for a in left]
-        return [PoolingRequestOutput(rid, ScoringOutput(float(s)), e.ids)
-                for rid, s, e in zip(engine.new_request_ids(len(scores)), scores, encoded)]
+        return engine.score(data_1, data_2, self._pooling_params(pooling_params, truncate_prompt_tokens, "score"))
 
     @staticmethod
     def _pooling_params(params: PoolingParams | None, truncate: int | None, task: str) -> PoolingParams:

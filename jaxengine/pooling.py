@@ -36,6 +36,8 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.config import EngineConfig
+from jaxengine.outputs import (ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingRequestOutput,
+                               ScoringOutput)
 from jaxengine.pooling_params import PoolingParams
 from jaxengine.sampling_params import SamplingParams
 
@@ -43,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
 _MIN_TOKENS_BUCKET = 16
+PromptInput = str | dict | Sequence[int]  # a text, token ids, or a {"prompt" | "prompt_token_ids"} dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +133,7 @@ class _Encoded:
     type_ids: list[int]
 
 
-class _PoolingBase:
+class PoolingEngineBase:
     """What every pooling engine shares: the tasks its model serves, input checks, and finishing
     pooled vectors and logits on the host. Subclasses set `model_config` (architecture,
     num_labels, vocab_size, hidden_size), `tokenizer`, `max_model_len` (most prompt tokens) and
@@ -207,6 +210,59 @@ class _PoolingBase:
         z = np.exp(logits - logits.max(-1, keepdims=True))
         return z / z.sum(-1, keepdims=True)
 
+    # -- tasks: what LLM.embed / encode / classify / score and the server's endpoints run ---------
+    def embed(self, prompts: Sequence[PromptInput], params: PoolingParams) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), normalised unless params say otherwise."""
+        encoded = [self.encode_prompt(p, params) for p in prompts]
+        pooled, _ = self.run(encoded)
+        vectors = self.embedding(pooled, params)
+        return [PoolingRequestOutput(rid, EmbeddingOutput(v.tolist()), e.ids)
+                for rid, v, e in zip(self.new_request_ids(len(encoded)), vectors, encoded)]
+
+    def encode(self, prompts: Sequence[PromptInput], params: PoolingParams) -> list[PoolingRequestOutput]:
+        """The raw pooled vector per prompt (`.outputs.data`, float32 numpy): the logits of a model
+        with a classification head; else the pooled hidden state, normalised only if asked."""
+        encoded = [self.encode_prompt(p, params) for p in prompts]
+        pooled, logits = self.run(encoded)
+        data = logits if self.model_config.num_labels else self.embedding(
+            pooled, dataclasses.replace(params, normalize=bool(params.normalize)))
+        return [PoolingRequestOutput(rid, PoolingOutput(d), e.ids)
+                for rid, d, e in zip(self.new_request_ids(len(encoded)), data, encoded)]
+
+    def classify(self, prompts: Sequence[PromptInput], params: PoolingParams) -> list[PoolingRequestOutput]:
+        """Class probabilities per prompt (`.outputs.probs`): softmax, or sigmoid for one label."""
+        encoded = [self.encode_prompt(p, params) for p in prompts]
+        _, logits = self.run(encoded)
+        probs = self.probabilities(logits, params)
+        return [PoolingRequestOutput(rid, ClassificationOutput(p.tolist()), e.ids)
+                for rid, p, e in zip(self.new_request_ids(len(encoded)), probs, encoded)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              params: PoolingParams) -> list[PoolingRequestOutput]:
+        """Scores of text pairs, paired as vLLM pairs them: one text against each of many, or N
+        against N. A cross-encoder reads each pair together (sigmoid of its logit); an embedding
+        model gives the cosine similarity of the two embeddings."""
+        left = [data_1] if isinstance(data_1, str) else list(data_1)
+        right = [data_2] if isinstance(data_2, str) else list(data_2)
+        if not left or not right:
+            raise ValueError("score needs at least one text on each side")
+        if len(left) == 1:
+            left = left * len(right)
+        if len(left) != len(right):
+            raise ValueError(f"score pairs one text with many, or N with N; got {len(left)} and {len(right)}")
+        if self.is_cross_encoder:
+            encoded = [self.encode_pair(a, b, params) for a, b in zip(left, right)]
+            _, logits = self.run(encoded)
+            scores = self.probabilities(logits, params)[:, 0].tolist()
+        else:
+            texts = list(dict.fromkeys(left + right))
+            pooled, _ = self.run([self.encode_prompt(t, params) for t in texts])
+            vec = dict(zip(texts, self.embedding(pooled, params)))
+            scores = [cosine(vec[a], vec[b]) for a, b in zip(left, right)]
+            encoded = [self.encode_prompt(a, params) for a in left]
+        return [PoolingRequestOutput(rid, ScoringOutput(float(s)), e.ids)
+                for rid, s, e in zip(self.new_request_ids(len(scores)), scores, encoded)]
+
     def new_request_ids(self, n: int) -> list[str]:
         ids = [str(self._next_id + i) for i in range(n)]
         self._next_id += n
@@ -214,7 +270,7 @@ class _PoolingBase:
 
 
 
-class PoolingEngine(_PoolingBase):
+class PoolingEngine(PoolingEngineBase):
     """Runs an encoder checkpoint for pooling: `embed`, `classify`, `score`, `encode`."""
 
     def __init__(self, config: EngineConfig):
@@ -320,7 +376,7 @@ class _DecoderInfo:
     num_labels: int = 0
 
 
-class DecoderPoolingEngine(_PoolingBase):
+class DecoderPoolingEngine(PoolingEngineBase):
     """Embeddings from a decoder model (Qwen3-Embedding, e5-mistral, any supported family): the
     final hidden state of each prompt's last token, through the generating engine's own steps
     (batched, chunked, prefix-cached; each request samples one token that is dropped and frees
@@ -389,7 +445,7 @@ class DecoderPoolingEngine(_PoolingBase):
         return pooled, logits
 
 
-def make_pooling_engine(config: EngineConfig) -> _PoolingBase:
+def make_pooling_engine(config: EngineConfig) -> PoolingEngineBase:
     """The encoder engine for an encoder checkpoint, else the decoder pooling engine."""
     from jaxengine.models.bert import is_encoder_config
 

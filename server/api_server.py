@@ -1,7 +1,10 @@
 """The FastAPI app: routes, API-key check, lifespan (engine loop start / drain), error handlers.
 
-`build_app(async_engine, ...)` wires one `AsyncEngine` into an app; the app's lifespan starts the
-engine loop on uvicorn's event loop and, at shutdown, finishes or aborts what is still running.
+`build_app(async_engine, ...)` wires one engine into an app: an `AsyncEngine` (a generative model:
+completions and chat) or an `AsyncPoolingEngine` (a pooling model: embeddings, pooling, classify,
+score, rerank; server/serving_pooling.py). Both kinds of routes exist on every app; asked of the
+wrong kind of model they answer 400, saying what the server does serve. The app's lifespan starts
+the engine on uvicorn's event loop and, at shutdown, finishes or aborts what is still running.
 Routes under `/v1` need `Authorization: Bearer <api key>` when a key is set; `/health`,
 `/version`, `/metrics`, `/tokenize` and `/detokenize` never do (as in vLLM).
 """
@@ -20,16 +23,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxengine
 from jaxengine.async_engine import AsyncEngine
+from jaxengine.async_pooling import AsyncPoolingEngine
 from jaxengine.server.errors import OpenAIError, install_error_handlers
 from jaxengine.server.limits import BodyGuardMiddleware, ServerLimits
 from jaxengine.server.metrics import ServerMetrics
-from jaxengine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       DetokenizeResponse, ModelCard,
-                                       ModelList, TokenizeChatRequest, TokenizeRequest,
-                                       TokenizeResponse, VersionResponse)
+from jaxengine.server.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest,
+                                       DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ModelCard,
+                                       ModelList, PoolingRequest, RerankRequest, ScoreRequest,
+                                       TokenizeChatRequest, TokenizeRequest, TokenizeResponse, VersionResponse)
 from jaxengine.server.serving_chat import create_chat_completion, render_messages
 from jaxengine.server.serving_common import ServingContext
 from jaxengine.server.serving_completion import create_completion
+from jaxengine.server.serving_pooling import (create_classification, create_embedding, create_pooling,
+                                              create_rerank, create_score, refuse_generation)
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +67,8 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = None, model_path: str | None = None,
-              api_key: str | None = None, chat_template: str | None = None,
+def build_app(engine: AsyncEngine | AsyncPoolingEngine, *, served_model_names: list[str] | None = None,
+              model_path: str | None = None, api_key: str | None = None, chat_template: str | None = None,
               shutdown_drain_timeout: float = 0.0, exit_requested: Callable[[], bool] | None = None,
               limits: ServerLimits | None = None, metrics_vllm_names: bool = False) -> FastAPI:
     """An app serving `engine`. The engine loop starts with the app's lifespan.
@@ -78,7 +84,8 @@ def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = Non
     limits = limits or ServerLimits()
     llm_engine = engine.engine
     names = list(served_model_names or [default_served_name(model_path or llm_engine.config.model)])
-    max_model_len = int(llm_engine.config.max_model_len)
+    pooling = isinstance(engine, AsyncPoolingEngine)
+    max_model_len = int(llm_engine.max_model_len if pooling else llm_engine.config.max_model_len)
     ctx = ServingContext(engine=engine, model_names=names, model_path=model_path or llm_engine.config.model,
                          max_model_len=max_model_len, chat_template=chat_template, limits=limits)
     metrics = ServerMetrics(names[0], max_model_len, engine.stats, vllm_names=metrics_vllm_names)
@@ -140,11 +147,37 @@ def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = Non
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
+        refuse_generation(ctx, req.model, "/v1/completions")
         return await create_completion(ctx, req, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        refuse_generation(ctx, req.model, "/v1/chat/completions")
         return await create_chat_completion(ctx, req, raw)
+
+    # Pooling (vLLM's routes); a generative model answers 400 (serving_pooling.pooling_engine).
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+        return await create_embedding(ctx, req, raw)
+
+    @app.post("/pooling")
+    async def pooling_route(req: PoolingRequest, raw: Request) -> Response:
+        return await create_pooling(ctx, req, raw)
+
+    @app.post("/classify")
+    async def classify(req: ClassificationRequest, raw: Request) -> Response:
+        return await create_classification(ctx, req, raw)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(req: ScoreRequest, raw: Request) -> Response:
+        return await create_score(ctx, req, raw)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(req: RerankRequest, raw: Request) -> Response:
+        return await create_rerank(ctx, req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:

@@ -34,6 +34,7 @@ from jaxengine.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerLimits
 
 if TYPE_CHECKING:
     from jaxengine.engine import LLMEngine
+    from jaxengine.pooling import PoolingEngineBase
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Adds `jaxengine serve` to the main CLI."""
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                              description="OpenAI-compatible HTTP server (completions, chat, tokenize, metrics)")
+                              description="OpenAI-compatible HTTP server (completions, chat, tokenize, metrics; with "
+                                          "--runner pooling: embeddings, pooling, classify, score, rerank)")
     add_serve_args(p)
     return p
 
@@ -234,22 +236,30 @@ class ServerSettings:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Builds the engine (model load + compile), then serves until SIGINT / SIGTERM.
 
-    Across hosts (--num-hosts > 1) every rank builds the engine; rank 0 serves HTTP and the others
-    follow its steps (jaxengine/distributed.py) until rank 0 stops.
+    A pooling model (--runner pooling, --task embed|classify|score|encode, or an encoder folder)
+    gets the pooling engine, on this process only. Across hosts (--num-hosts > 1) every rank builds
+    the generating engine; rank 0 serves HTTP and the others follow its steps
+    (jaxengine/distributed.py) until rank 0 stops.
     """
     from jaxengine import distributed
     from jaxengine.config import EngineConfig
     from jaxengine.engine import LLMEngine
+    from jaxengine.pooling import make_pooling_engine, wants_pooling
 
     args = resolve_args(args)
     settings = ServerSettings.from_args(args)
     config = EngineConfig(model=args.model, **engine_kwargs(args))
-    distributed.start_local_workers(args)  # --distributed-executor-backend mp: one process per GPU
+    pooling = wants_pooling(config)
+    if pooling and (args.num_hosts != 1 or getattr(args, "distributed_executor_backend", "uni") != "uni"):
+        raise ValueError("pooling models are served by one process: drop --num-hosts and "
+                         "--distributed-executor-backend")
+    if not pooling:
+        distributed.start_local_workers(args)  # --distributed-executor-backend mp: one process per GPU
     mh = multihost_config(args)
     distributed.initialize(mh)
     with _interrupt_on_sigterm():
         try:
-            engine = LLMEngine(config)
+            engine = make_pooling_engine(config) if pooling else LLMEngine(config)
         except KeyboardInterrupt:
             logger.info("interrupted while starting; exiting")
             return 130
@@ -261,19 +271,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(engine, settings, channel=channel)
 
 
-def run_server(engine: LLMEngine, settings: ServerSettings, sockets: Sequence[socket.socket] | None = None,
-               channel=None) -> int:
+def run_server(engine: LLMEngine | PoolingEngineBase, settings: ServerSettings,
+               sockets: Sequence[socket.socket] | None = None, channel=None) -> int:
     """Serves `engine` until a signal or the engine's death; returns the exit status. `channel`:
-    rank 0's `StepChannel` when the engine spans several processes."""
+    rank 0's `StepChannel` when the engine spans several processes (generative models only)."""
     import prometheus_client
     import uvicorn
 
     from jaxengine.server.api_server import build_app
     from jaxengine.async_engine import AsyncEngine
+    from jaxengine.async_pooling import AsyncPoolingEngine
+    from jaxengine.pooling import PoolingEngineBase
     from jaxengine.server.uvicorn_server import DrainingServer
 
     prometheus_client.disable_created_metrics()  # no `*_created` series, as in vLLM (process-wide)
-    async_engine = AsyncEngine(engine, channel=channel)
+    async_engine = AsyncPoolingEngine(engine) if isinstance(engine, PoolingEngineBase) \
+        else AsyncEngine(engine, channel=channel)
     server: DrainingServer | None = None
     app = build_app(async_engine, served_model_names=list(settings.served_model_names or []) or None,
                     model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template,

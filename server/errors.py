@@ -123,8 +123,8 @@ def install_error_handlers(app: FastAPI) -> None:
             phrase = "error"
         if exc.status_code == 404 and exc.detail in (None, phrase):  # a route this server does not have
             return OpenAIError(f"{request.method} {request.url.path} is not served by this server (jaxengine "
-                               "serves the completions, chat completions, models, tokenize and detokenize "
-                               "routes)", 404, code="route_not_found").response()
+                               "serves the completions, chat completions, embeddings, pooling, classify, "
+                               "score, rerank, models, tokenize and detokenize routes)", 404, code="route_not_found").response()
         message = exc.detail if isinstance(exc.detail, str) and exc.detail != phrase else phrase
         return OpenAIError(message, exc.status_code).response()
 

@@ -141,7 +141,8 @@ def _renamed(family: Metric, name: str) -> Metric:
 
 
 class ServerMetrics:
-    """The server's metrics registry; an `OutputObserver` for the engine loop."""
+    """The server's metrics registry; an `OutputObserver` for the engine loop, a `PoolingObserver`
+    for the pooling worker (a pooling server's step and token-latency families stay empty)."""
 
     def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], dict[str, float]],
                  vllm_names: bool = False):
@@ -235,6 +236,14 @@ class ServerMetrics:
                 self.inference_time.observe(last - scheduled)
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         self.request_generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+
+    # -- PoolingObserver (the pooling worker thread) ---------------------------------------------------
+    def on_pooled(self, num_prompts: int, prompt_tokens: int, seconds: float) -> None:
+        """A pooling request finished: its prompts count as finished sequences ("stop", as in
+        vLLM), their tokens as prompt tokens, its run time as its end-to-end latency."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.request_success["stop"].inc(num_prompts)
+        self.e2e.observe(seconds)
 
     # -- exposition ----------------------------------------------------------------------------------
     def render(self) -> bytes:

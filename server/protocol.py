@@ -198,6 +198,57 @@ class DetokenizeRequest(RequestModel):
     tokens: list[Int]
 
 
+# -- pooling requests (embedding, classification and cross-encoder models) ---------------------
+EncodingFormat = Literal["float", "base64"]  # base64: little-endian float32 bytes, as OpenAI sends them
+
+
+class EmbeddingRequest(RequestModel):
+    """OpenAI's `/v1/embeddings` body plus vLLM's extras; vLLM's `/pooling` takes the same."""
+
+    model: Str | None = None
+    input: Prompt  # a text, texts, token ids, or lists of token ids
+    encoding_format: EncodingFormat = "float"
+    dimensions: Int | None = None  # keep the first k dimensions (Matryoshka), then normalise
+    user: Str | None = None  # accepted and ignored
+    truncate_prompt_tokens: Int | None = None  # keep each prompt's last k tokens (-1: max_model_len)
+    normalize: Bool | None = None  # None: the model's default (embeddings), off (/pooling)
+
+
+PoolingRequest = EmbeddingRequest
+
+
+class ClassificationRequest(RequestModel):
+    model: Str | None = None
+    input: Prompt
+    user: Str | None = None
+    truncate_prompt_tokens: Int | None = None
+    activation: Bool | None = None  # False: the raw logits instead of softmax / sigmoid
+
+
+class ScoreRequest(RequestModel):
+    """Pairs one text_1 with each text_2, or the i-th with the i-th."""
+
+    model: Str | None = None
+    text_1: Str | list[Str]
+    text_2: Str | list[Str]
+    truncate_prompt_tokens: Int | None = None
+    activation: Bool | None = None  # cross-encoders: False gives the raw logit
+    user: Str | None = None
+
+
+class RerankRequest(RequestModel):
+    """vLLM's Jina / Cohere-compatible rerank body."""
+
+    model: Str | None = None
+    query: Str
+    documents: list[Str]
+    top_n: Int | None = None  # None or 0: every document (vLLM's 0)
+    return_documents: Bool = True
+    truncate_prompt_tokens: Int | None = None
+    activation: Bool | None = None
+    user: Str | None = None
+
+
 # -- responses ---------------------------------------------------------------------------------
 def _now() -> int:
     return int(time.time())
@@ -371,3 +422,92 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+# -- pooling responses ------------------------------------------------------------------------------
+class PoolingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: PoolingUsage
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[PoolingData]
+    usage: PoolingUsage
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str | None  # id2label of the most probable class
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[ClassificationData]
+    usage: PoolingUsage
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int  # the document's position in the request
+    document: RerankDocument | None = None  # left out with return_documents=false
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]  # best first
