@@ -374,6 +374,7 @@ class _DecoderInfo:
     vocab_size: int
     hidden_size: int
     num_labels: int = 0
+    id2label: tuple[str, ...] = ()
 
 
 class DecoderPoolingEngine(PoolingEngineBase):
@@ -395,9 +396,10 @@ class DecoderPoolingEngine(PoolingEngineBase):
             raise ValueError(f"{self.pooler.pooling_type} pooling: decoder models pool their last token only")
         self.engine = LLMEngine(config)
         mc = self.engine.model_config
-        self.score = self._score_head(config, mc.architecture)  # [L, D] float32, or None
-        self.model_config = _DecoderInfo(mc.architecture, mc.vocab_size, mc.hidden_size,
-                                         0 if self.score is None else self.score.shape[0])
+        self.score_head = self._score_head(config, mc.architecture)  # [L, D] float32, or None
+        labels = 0 if self.score_head is None else self.score_head.shape[0]
+        self.model_config = _DecoderInfo(mc.architecture, mc.vocab_size, mc.hidden_size, labels,
+                                         self._label_names(config, labels))
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.config.max_model_len - 1  # a prompt leaves room for one token
         self._params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -413,6 +415,17 @@ class DecoderPoolingEngine(PoolingEngineBase):
         if "score.weight" not in ckpt:
             raise ValueError(f"{ckpt.path}: {architecture} needs its classification head, tensor 'score.weight'")
         return np.asarray(ckpt.get_tensor("score.weight"), np.float32)
+
+    @staticmethod
+    def _label_names(config: EngineConfig, n: int) -> tuple[str, ...]:
+        """config.json's id2label in index order ("LABEL_i" where absent)."""
+        names = [f"LABEL_{i}" for i in range(n)]
+        folder = Path(config.model).expanduser() if config.model else None
+        if n and folder is not None and (folder / "config.json").is_file():
+            for key, name in (json.loads((folder / "config.json").read_text()).get("id2label") or {}).items():
+                if str(key).isdigit() and int(key) < n:
+                    names[int(key)] = str(name)
+        return tuple(names)
 
     def encode_prompt(self, prompt, params: PoolingParams) -> _Encoded:
         _, ids = self.engine.prompt_ids(prompt)
@@ -441,7 +454,7 @@ class DecoderPoolingEngine(PoolingEngineBase):
         if missing:
             raise RuntimeError(f"pooling requests {missing} ended without a pooled vector")
         pooled = np.stack(rows).astype(np.float32)
-        logits = pooled @ self.score.T if self.score is not None else np.zeros((len(rows), 0), np.float32)
+        logits = pooled @ self.score_head.T if self.score_head is not None else np.zeros((len(rows), 0), np.float32)
         return pooled, logits
 
 
