@@ -15,7 +15,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 # vLLM's `runner` values and its older `task` values (a pooling task implies the pooling runner).
 RUNNERS = ("auto", "generate", "pooling")
-TASKS = ("auto", "generate", "embed", "classify", "score", "encode")
+TASKS = ("auto", "generate", "embed", "classify", "score", "encode", "reward")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas-mosaic", "reference")
 
 
@@ -68,8 +68,6 @@ class EngineConfig:
             positive(name)
         if self.dtype in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
-        if self.task == "reward":
-            raise ValueError("task='reward': reward models are not supported yet")
         for name, allowed in (("runner", RUNNERS), ("task", TASKS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

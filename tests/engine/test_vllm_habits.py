@@ -29,10 +29,10 @@ def test_engine_arguments_accepted_with_their_meaning() -> None:
                        trust_remote_code=True)
     assert cfg.enforce_eager and cfg.trust_remote_code and not cfg.is_pooling
     assert EngineConfig(runner="pooling").is_pooling and EngineConfig(task="embed").is_pooling
+    assert EngineConfig(task="reward").is_pooling  # a classifier's score head: LLM.classify / encode
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(task="reward"), "reward models are not supported yet"),
     (dict(runner="generate", task="embed"), "disagree"),
     (dict(task="transcription"), "task must be one of auto, generate"),
     (dict(enable_chunked_prefill=False), "chunked prefill is always on"),

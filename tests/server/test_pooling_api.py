@@ -278,3 +278,21 @@ def test_serve_builds_the_pooling_engine(served, monkeypatch, xla_cache_dir):
         args = build_parser().parse_args(["serve", folder, "--compilation-cache-dir", xla_cache_dir, *flags])
         assert cli.cmd_serve(args) == 0
         assert isinstance(got[-1], PoolingEngine)
+
+
+def test_decoder_embeddings_over_http(tiny_model_factory, xla_cache_dir):
+    """A decoder with --runner pooling: /v1/embeddings (the openai client) equals LLM.embed's
+    last-token embeddings, and completions are refused with the pooling endpoints named."""
+    path = tiny_model_factory("llama")
+    kw = dict(runner="pooling", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=32,
+              compilation_cache_dir=xla_cache_dir)
+    reference, serving = LLM(path, **kw), LLM(path, **kw)
+    texts = ["Hello, my name is", "The capital of France is"]
+    want = [o.outputs.embedding for o in reference.embed(texts, use_tqdm=False)]
+    app = build_app(AsyncPoolingEngine(serving.pooling_engine), served_model_names=["dec"], model_path=path)
+    with LiveServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = client.embeddings.create(model="dec", input=texts, encoding_format="float")
+        np.testing.assert_allclose([d.embedding for d in got.data], want, **CLOSE)
+        r = post(srv, "/v1/completions", {"model": "dec", "prompt": "hi"}, key=None)
+        assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"]
