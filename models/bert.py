@@ -375,7 +375,7 @@ def load_encoder_params(checkpoint: Checkpoint, cfg: EncoderConfig, dtype: jnp.d
     dtype = jnp.dtype(dtype)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: EncoderModel(cfg, dtype, nnx.Rngs(0))))
     pure = nnx.to_pure_dict(state)
-    expected = _flat(pure)
+    expected = w.flatten_paths(pure)
     table, ignored = checkpoint_tensors(cfg), ignored_pattern(cfg)
     filled: dict[w.Path, str] = {}  # parameter -> the tensor that filled it (or was misshapen)
     unexpected, problems = [], []
@@ -398,7 +398,7 @@ def load_encoder_params(checkpoint: Checkpoint, cfg: EncoderConfig, dtype: jnp.d
         if arr is None or tuple(arr.shape) != want:
             problems.append(f"{name}: checkpoint shape {tuple(raw.shape)} does not fit parameter {want}")
         else:
-            _set(pure, path, jnp.asarray(np.asarray(arr).astype(dtype)))
+            w.set_path(pure, path, jnp.asarray(np.asarray(arr).astype(dtype)))
         filled[path] = name
     missing = [_hf_name(p, table, checkpoint.tensor_names()) for p in expected if p not in filled]
     if missing or unexpected or problems:
@@ -425,19 +425,3 @@ def _hf_name(path: w.Path, table: tuple[_Tensor, ...], present: list[str]) -> st
     t = next(t for t in table if t.path == sub and ("{}" in t.name) == (layer is not None))
     prefix = next((p for p in ("bert.", "roberta.") if any(n.startswith(p) for n in present)), "")
     return (prefix if t.prefixed else "") + t.name.format(layer)
-
-
-def _flat(tree: dict, prefix: w.Path = ()) -> dict[w.Path, jax.ShapeDtypeStruct]:
-    out: dict[w.Path, jax.ShapeDtypeStruct] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, prefix + (k,)))
-        else:
-            out[prefix + (k,)] = v
-    return out
-
-
-def _set(tree: dict, path: w.Path, value: jax.Array) -> None:
-    for k in path[:-1]:
-        tree = tree[k]
-    tree[path[-1]] = value

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.registry import Family, get_family, get_model_class
-from jaxengine.models.weights import FUSED, Path, Transform
+from jaxengine.models.weights import FUSED, Path, Transform, flatten_paths, set_path
 
 logger = logging.getLogger(__name__)
 
@@ -62,20 +62,8 @@ def abstract_model(cfg: ModelConfig, dtype: jnp.dtype):
     return nnx.split(abstract)
 
 
-def _flat(tree: dict, prefix: Path = ()) -> dict[Path, object]:
-    out: dict[Path, object] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, prefix + (k,)))
-        else:
-            out[prefix + (k,)] = v
-    return out
 
 
-def _set(tree: dict, path: Path, value: object) -> None:
-    for k in path[:-1]:
-        tree = tree[k]
-    tree[path[-1]] = value
 
 
 def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
@@ -87,7 +75,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
     """
     graphdef, abs_state = abstract_model(cfg, dtype)
     pure = nnx.to_pure_dict(abs_state)
-    expected = _flat(pure)
+    expected = flatten_paths(pure)
     put = put or (lambda path, arr: jax.device_put(arr))
     unexpected, bad_shapes, seen = [], [], set()
     parts_read: dict[Path, dict[str, tuple[str, np.ndarray]]] = {}  # fused path -> part -> (name, array)
@@ -116,7 +104,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             if arr is None or tuple(arr.shape) != want:
                 bad_shapes.append(f"{name}: checkpoint shape {tuple(raw.shape)} does not fit parameter {want}")
                 continue
-            _set(pure, path, put(path, np.asarray(arr).astype(dtype)))
+            set_path(pure, path, put(path, np.asarray(arr).astype(dtype)))
             seen.add(path)
     missing_parts = []
     for path in [p for p in expected if str(p[-1]) in FUSED]:
@@ -137,7 +125,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             bad_shapes.append(f"{shapes}: do not fit fused parameter {want}")
             seen.add(path)
             continue
-        _set(pure, path, put(path, arr.astype(dtype)))
+        set_path(pure, path, put(path, arr.astype(dtype)))
         seen.add(path)
     missing = [".".join(map(str, p)) for p in expected if p not in seen] + missing_parts
     if missing or unexpected or bad_shapes:
@@ -164,10 +152,10 @@ def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, *, seed: int = 0,
     graphdef, abs_state = abstract_model(cfg, dtype)
     pure = nnx.to_pure_dict(abs_state)
     key = jax.random.key(seed)
-    for i, (path, sds) in enumerate(_flat(pure).items()):
+    for i, (path, sds) in enumerate(flatten_paths(pure).items()):
         shape, sharding = tuple(sds.shape), sharding_of(path) if sharding_of is not None else None
         fill = "ones" if path[-1] == "weight" else "normal"  # norms are ones
-        _set(pure, path, _dummy_fn(shape, jnp.dtype(dtype), fill, sharding)(jax.random.fold_in(key, i)))
+        set_path(pure, path, _dummy_fn(shape, jnp.dtype(dtype), fill, sharding)(jax.random.fold_in(key, i)))
     nnx.replace_by_pure_dict(abs_state, pure)
     return graphdef, abs_state
 

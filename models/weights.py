@@ -89,3 +89,21 @@ def kv_heads_bias(b: np.ndarray, c: ModelConfig) -> np.ndarray:
 def o_proj(w: np.ndarray, c: ModelConfig) -> np.ndarray:
     """Linear [D, N*H] -> ours [N, H, D]."""
     return w.T.reshape(c.num_heads, c.head_dim, c.hidden_size)
+
+
+def flatten_paths(tree: dict, prefix: Path = ()) -> dict[Path, object]:
+    """A nested dict of parameters -> {path tuple: leaf}."""
+    out: dict[Path, object] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten_paths(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def set_path(tree: dict, path: Path, value: object) -> None:
+    """Sets the leaf at `path` of a nested dict."""
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
