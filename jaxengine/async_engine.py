@@ -177,6 +177,16 @@ class RequestStream:
             self._finish()
 
 
+
+async def wait_for_either(a: asyncio.Event, b: asyncio.Event, timeout: float) -> None:
+    """Waits until either event is set, or `timeout` seconds (a shutdown's drain)."""
+    waits = {asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())}
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
 class AsyncEngine:
     """Runs an `LLMEngine` in one background thread; `add` / `generate` / `abort` from asyncio."""
 
@@ -237,12 +247,7 @@ class AsyncEngine:
             return
         if drain_timeout > 0 and self._open and self.is_alive:
             assert self._idle is not None and self._hurry is not None
-            waits = {asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._hurry.wait())}
-            try:
-                await asyncio.wait(waits, timeout=drain_timeout, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+            await wait_for_either(self._idle, self._hurry, drain_timeout)
             if self._open:
                 logger.info("aborting %d request(s) still running", len(self._open))
         for request_id in list(self._open):

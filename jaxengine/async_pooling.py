@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from jaxengine.async_engine import wait_for_either
 from jaxengine.exceptions import EngineDeadError
 from jaxengine.outputs import PoolingRequestOutput
 from jaxengine.pooling import PoolingEngineBase, PromptInput
@@ -93,12 +94,7 @@ class AsyncPoolingEngine:
             return
         if drain_timeout > 0 and self._open:
             assert self._idle is not None and self._hurry is not None
-            waits = {asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._hurry.wait())}
-            try:
-                await asyncio.wait(waits, timeout=drain_timeout, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+            await wait_for_either(self._idle, self._hurry, drain_timeout)
             if self._open:
                 logger.info("cancelling %d pooling request(s) not finished", self._open)
         executor, self._executor = self._executor, None
