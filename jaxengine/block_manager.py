@@ -42,9 +42,13 @@ NULL_BLOCK = 0
 _ROOT_HASH: BlockHash = hashlib.sha256(b"jaxengine-prefix-root").digest()
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of a full block: SHA-256 over the parent block's hash and this block's token ids."""
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], lora_int_id: int = 0) -> BlockHash:
+    """Hash of a full block: SHA-256 over the parent block's hash and this block's token ids. A
+    first block (no parent) of a request with a LoRA adapter also hashes the adapter's id, so the
+    chain, and every block after, never matches another adapter's (or the base model's) K/V."""
     h = hashlib.sha256(_ROOT_HASH if parent is None else parent)
+    if parent is None and lora_int_id:
+        h.update(b"lora" + array("q", [lora_int_id]).tobytes())
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 
@@ -127,7 +131,7 @@ class BlockManager:
         for i in range(max_blocks):
             tokens = request.token_ids_slice(i * bs, (i + 1) * bs)
             if i == len(hashes):
-                hashes.append(hash_block_tokens(hashes[-1] if i else None, tokens))
+                hashes.append(hash_block_tokens(hashes[-1] if i else None, tokens, request.lora_int_id))
             block = self._cached.get(hashes[i])
             if block is None or self._block_tokens[block] != tuple(tokens):
                 break
@@ -238,7 +242,7 @@ class BlockManager:
         for i in range(done, num_full):
             tokens = request.token_ids_slice(i * bs, (i + 1) * bs)
             if i == len(hashes):
-                hashes.append(hash_block_tokens(hashes[-1] if i else None, tokens))
+                hashes.append(hash_block_tokens(hashes[-1] if i else None, tokens, request.lora_int_id))
             b, h = table[i], hashes[i]
             if b != NULL_BLOCK and self._block_hash[b] is None and h not in self._cached:
                 self._cached[h] = b

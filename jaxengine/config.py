@@ -56,6 +56,12 @@ class EngineConfig:
     task: str = "auto"
     enforce_eager: bool = False
     enable_chunked_prefill: bool = True
+    # LoRA (vLLM's names): adapters per request (LoRARequest), `max_loras` of them on the device at
+    # once in slots padded to `max_lora_rank`, `max_cpu_loras` kept on the host (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -64,7 +70,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "num_kv_blocks", "tensor_parallel_size", "cpu_kv_cache_bytes"):
+                     "num_kv_blocks", "tensor_parallel_size", "cpu_kv_cache_bytes", "max_loras", "max_lora_rank",
+                     "max_cpu_loras"):
             positive(name)
         if self.dtype in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])

@@ -36,6 +36,9 @@ from jaxengine.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
+# Architectures whose layers take LoRA deltas (models/llama.py's q/k/v/o and gate/up/down).
+LORA_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -43,8 +46,9 @@ class LLMEngine:
         m = load_model(config)
         self.config, self.model_config, self.tokenizer, self.eos_token_ids = (
             m.config, m.model_config, m.tokenizer, m.eos_token_ids)
+        self.lora_manager = self._lora_manager(m.config, m.model_config)
         self.runner = ModelRunner(m.config, m.model_config, m.graphdef, m.state, m.dtype, m.attention, m.plan,
-                                  m.eos_token_ids)
+                                  m.eos_token_ids, self.lora_manager)
         if m.config.warmup:
             self.runner.warmup()
         config = m.config
@@ -52,7 +56,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, num_blocks=config.num_kv_blocks,
             block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-            sliding_window=m.model_config.kv_window))
+            sliding_window=m.model_config.kv_window, max_loras=config.max_loras if config.enable_lora else 0))
         self.outputs = OutputProcessor(self.tokenizer)
         self.core = EngineCore(self.scheduler, self.runner, self.outputs)
         self._seed_rng = np.random.default_rng(config.seed)
@@ -62,6 +66,39 @@ class LLMEngine:
                     "max_model_len %d; ready in %.1f s", config.model or "default SmolLM2-135M-Instruct",
                     m.model_config.architecture, jnp.dtype(m.dtype).name, config.num_kv_blocks, config.block_size,
                     cap, config.max_model_len, time.perf_counter() - t0)
+
+    @staticmethod
+    def _lora_manager(config: EngineConfig, mc):
+        """The host side of LoRA (jaxengine.lora), or None when it is off."""
+        if not config.enable_lora:
+            return None
+        from jaxengine.lora import LoRAConfig, LoRAManager
+
+        if mc.architecture not in LORA_ARCHITECTURES:
+            raise ValueError(f"enable_lora: LoRA adapters run on {', '.join(sorted(LORA_ARCHITECTURES))} so far, "
+                             f"not {mc.architecture}")
+        if config.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
+        return LoRAManager(mc, LoRAConfig(max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                          max_cpu_loras=config.max_cpu_loras))
+
+    # -- LoRA adapters (vLLM's LLMEngine names) -----------------------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """Loads an adapter on the host (validated: a bad folder or rank is a ValueError); it
+        reaches a device slot when a request first uses it."""
+        self._require_lora().add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._require_lora().remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self._require_lora().list()}
+
+    def _require_lora(self):
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        return self.lora_manager
 
     # -- requests -------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -73,10 +110,16 @@ class LLMEngine:
         return list(self.tokenizer.encode(prompt))
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict,
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> None:
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    lora_request=None) -> None:
         """Validates and queues a request (n > 1: n child requests sharing the prompt).
+        `lora_request`: a jaxengine.lora.LoRARequest, loaded on first use.
         Bad input raises `ValueError` and adds nothing."""
         params = params or SamplingParams()
+        lora_id = 0
+        if lora_request is not None:
+            self._require_lora().add(lora_request)
+            lora_id = lora_request.lora_int_id
         text, ids = self.prompt_ids(prompt)
         ids = self._truncate(ids, params)
         params.update_from_tokenizer(self.tokenizer)
@@ -96,7 +139,7 @@ class LLMEngine:
                 seed = int(self._seed_rng.integers(0, 2**31 - 1))
             cid = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(cid, list(ids), child_params, eos_token_ids=self.eos_token_ids, seed=int(seed),
-                                    arrival_time=arrival))
+                                    arrival_time=arrival, lora_int_id=lora_id))
         self.core.add_request(request_id, text, list(ids), params, children)
 
     def prompt_ids(self, prompt) -> tuple[str | None, list[int]]:

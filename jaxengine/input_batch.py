@@ -26,6 +26,7 @@ class StepInputs:
     attn: AttentionMetadata
     logits_indices: jax.Array  # [R] int32 last new token of each sequence (0 for padding rows)
     prev_index: jax.Array  # [T] int32 row of the previous step's samples that is this token, or -1
+    lora_slot: jax.Array  # [T] int32 device slot of the token's LoRA adapter (0: none)
 
 
 class InputBuilder:
@@ -49,19 +50,25 @@ class InputBuilder:
                 "block_tables": np.zeros((r, self.m), np.int32),
                 "query_start_loc": np.zeros(r + 1, np.int32), "num_seqs": np.zeros(1, np.int32),
                 "logits_indices": np.zeros(r, np.int32), "prev_index": np.full(t, -1, np.int32),
+                "lora_slot": np.zeros(t, np.int32),
             }
         return self._buffers[key]
 
-    def build(self, seqs: list[ScheduledSeq], t: int, r: int, prev_rows: dict[str, int] | None = None) -> StepInputs:
+    def build(self, seqs: list[ScheduledSeq], t: int, r: int, prev_rows: dict[str, int] | None = None,
+              lora_slots: list[int] | None = None) -> StepInputs:
         """`seqs`: one step's rows in scheduler order (decode rows first).
 
         A decode row whose token is still a placeholder (sampled by the step in flight) gets
         `prev_index` = that step's row for the request (`prev_rows`), and the device fills it in.
+        `lora_slots`: each row's LoRA device slot (None: no adapters this step).
         """
         assert len(seqs) <= r, (len(seqs), r)
         b = self._bufs(t, r)
         bs, n_seqs = self.block_size, len(seqs)
         lens = [s.num_new_tokens for s in seqs]
+        b["lora_slot"].fill(0)
+        if lora_slots is not None:
+            b["lora_slot"][:sum(lens)] = np.repeat(np.asarray(lora_slots, np.int32), lens)
         if sum(lens) == n_seqs and n_seqs:
             return self._build_single_token_rows(seqs, b, prev_rows)
         # One pass of plain list work (C-speed extends), then a few vectorised numpy writes:
@@ -169,7 +176,7 @@ class InputBuilder:
     def _inputs(b: dict[str, np.ndarray]) -> StepInputs:
         attn = AttentionMetadata(b["slot_mapping"], b["kv_lens"], b["block_tables"], b["query_start_loc"],
                                  b["num_seqs"])
-        return StepInputs(b["input_ids"], b["positions"], attn, b["logits_indices"], b["prev_index"])
+        return StepInputs(b["input_ids"], b["positions"], attn, b["logits_indices"], b["prev_index"], b["lora_slot"])
 
 
 def prompt_logprob_targets(seqs: list[ScheduledSeq], t: int) -> np.ndarray | None:
@@ -194,4 +201,4 @@ def abstract_inputs(t: int, r: int, m: int) -> StepInputs:
     i32 = np.int32
     s = jax.ShapeDtypeStruct
     attn = AttentionMetadata(s((t,), i32), s((r,), i32), s((r, m), i32), s((r + 1,), i32), s((1,), i32))
-    return StepInputs(s((t,), i32), s((t,), i32), attn, s((r,), i32), s((t,), i32))
+    return StepInputs(s((t,), i32), s((t,), i32), attn, s((r,), i32), s((t,), i32), s((t,), i32))

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from jaxengine.beam_search import BeamSearch, BeamSearchOutput
 from jaxengine.config import EngineConfig
 from jaxengine.engine import LLMEngine
+from jaxengine.lora import LoRARequest
 from jaxengine.outputs import PoolingRequestOutput, RequestOutput
 from jaxengine.pooling import DecoderPoolingEngine, PoolingEngine, make_pooling_engine, wants_pooling
 from jaxengine.pooling_params import PoolingParams
@@ -75,11 +76,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, prompt_token_ids: list[int] | list[list[int]] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True, prompt_token_ids: list[int] | list[list[int]] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates completions; results come back in input order. `prompts` are strings, token-id
         lists or vLLM's TextPrompt / TokensPrompt dicts; vLLM's older `prompt_token_ids=` keyword
-        (one list or a list of lists) stands for TokensPrompts."""
+        (one list or a list of lists) stands for TokensPrompts. `lora_request`: one adapter for
+        every prompt, or one (or None) per prompt (needs `enable_lora=True`)."""
         if prompt_token_ids is not None:
             if prompts is not None:
                 raise ValueError("give prompts or prompt_token_ids, not both")
@@ -90,7 +92,13 @@ class LLM:
         self._generating()
         prompt_list = self._as_list(prompts)
         params = self._params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params, use_tqdm)
+        if lora_request is None or not isinstance(lora_request, (list, tuple)):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"got {len(loras)} lora requests for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params, use_tqdm, loras)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -185,13 +193,14 @@ class LLM:
             raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
         return sp
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+             loras: list | None = None) -> list[RequestOutput]:
         engine = self._generating()
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
                 rid = engine.new_request_id()
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, lora_request=lora)
                 ids.append(rid)
         except ValueError:
             engine.abort_request(ids)

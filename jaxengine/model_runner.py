@@ -27,6 +27,7 @@ from jaxengine.attention_backend import AttentionBackend
 from jaxengine.config import EngineConfig, pick_bucket, token_buckets
 from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs, prompt_logprob_targets
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.lora import LoRAInputs, target_shapes, token_mask
 from jaxengine.packing import Layout, pack, unpack
 from jaxengine.sampler import batch_sampling_metadata, build_sampling_metadata, sample
 from jaxengine.scheduler import SchedulerOutput
@@ -48,17 +49,25 @@ class RunnerOutput:
     pooled: np.ndarray | None = None  # [num_seqs, D] f32 final hidden state of each sequence's last row (pooling)
 
 
-def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, *, layout: Layout,
-             attention: AttentionBackend):
+def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, lora_layers=None, *,
+             layout: Layout, attention: AttentionBackend, lora_rank: int = 0):
     """packed: the step's StepInputs as one int32 buffer of `layout` (jaxengine.packing).
     prev_tokens [max_num_seqs] int32: the previous step's samples, still on the device; rows
     with prev_index >= 0 take their input token from there (scheduling ran ahead of them).
-    attention: the runner's attention backend (static: it picks the kernel traced in)."""
+    attention: the runner's attention backend (static: it picks the kernel traced in).
+    lora_layers: the LoRA slot arrays (models/lora.py), each token's adapter chosen by its
+    `lora_slot`; None: the base model only (the program of steps without adapters)."""
     inputs: StepInputs = unpack(packed, layout)
     model = nnx.merge(graphdef, state)
     from_prev = prev_tokens[jnp.maximum(inputs.prev_index, 0)]
     input_ids = jnp.where(inputs.prev_index >= 0, from_prev, inputs.input_ids)
-    hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, attention)
+    if lora_layers is None:
+        hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, attention)
+    else:
+        a, _ = lora_layers[0]["q_proj"]
+        mask = token_mask(inputs.lora_slot, a.shape[1] // lora_rank, lora_rank)
+        hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, attention,
+                                  lora=LoRAInputs(mask, lora_layers))
     logits = model.compute_logits(hidden[inputs.logits_indices])
     return kv_caches, logits, hidden
 
@@ -67,6 +76,22 @@ def _last_hidden(hidden: jax.Array, rows: jax.Array) -> jax.Array:
     """hidden [T, D], rows [R] int32 (each sequence's last new token) -> [R, D] float32: what a
     decoder's last-token pooling reads."""
     return jnp.take(hidden, rows, axis=0).astype(jnp.float32)
+
+
+def _write_lora_slot(layers, adapter, slot):
+    """The LoRA slot arrays with slot `slot` (1..S) holding `adapter` (per layer, target -> (A [in, R],
+    B [R, out]), rank-padded, scaling folded into B)."""
+    out = []
+    for layer, new in zip(layers, adapter):
+        written = {}
+        for name, (a, b) in layer.items():
+            na, nb = new[name]
+            r = na.shape[1]
+            col = (slot - 1) * r
+            written[name] = (jax.lax.dynamic_update_slice(a, na.astype(a.dtype), (0, col)),
+                             jax.lax.dynamic_update_slice(b, nb.astype(b.dtype), (col, 0)))
+        out.append(written)
+    return out
 
 
 def _flat(fn, graphdef, treedef, **static):
@@ -164,7 +189,7 @@ class ModelRunner:
     """Runs steps of the scheduler's output on the device; reads nothing else of the engine."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype,
-                 attention: AttentionBackend, plan=None, eos_token_ids: tuple[int, ...] = ()):
+                 attention: AttentionBackend, plan=None, eos_token_ids: tuple[int, ...] = (), lora_manager=None):
         """`attention`: the backend every forward program traces (chosen once, at start-up).
         `plan` (a jaxengine.sharding.ShardingPlan) places the KV cache over the mesh and keeps
         step inputs and outputs replicated; None runs on the default device. `eos_token_ids`:
@@ -189,6 +214,10 @@ class ModelRunner:
         self._sample_fns: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
         self._pool_fns: dict[int, jax.stages.Compiled] = {}
+        self._forward_lora_fns: dict[int, jax.stages.Compiled] = {}
+        self._lora_write: jax.stages.Compiled | None = None
+        self.lora_manager = lora_manager  # jaxengine.lora.LoRAManager, or None without LoRA
+        self.lora_layers = self._allocate_lora() if lora_manager is not None else None
         self.pooling = config.is_pooling  # every step also hands back each sequence's last hidden state
         leaves, self.param_treedef = jax.tree.flatten(state)
         self.param_leaves = tuple(leaves)
@@ -212,17 +241,64 @@ class ModelRunner:
         make = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.kv_sharding)
         return [(make(), make()) for _ in range(c.num_layers)]
 
-    def _compile_forward(self, t: int) -> jax.stages.Compiled:
+    def _compile_forward(self, t: int, lora: bool = False) -> jax.stages.Compiled:
         layout = Layout.of(abstract_inputs(t, self.rows_for(t), self.config.max_blocks_per_seq))
-        fn = jax.jit(_flat(_forward, self.graphdef, self.param_treedef, layout=layout, attention=self.attention),
+        fn = jax.jit(_flat(_forward, self.graphdef, self.param_treedef, layout=layout, attention=self.attention,
+                           lora_rank=self.config.max_lora_rank if lora else 0),
                      donate_argnums=(1,), out_shardings=self._fwd_out)
         prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
-        return fn.lower(self._params_abs, _abstract(self.kv_caches), layout.abstract(self._rep), prev).compile()
+        args = [self._params_abs, _abstract(self.kv_caches), layout.abstract(self._rep), prev]
+        if lora:
+            args.append(_abstract(self.lora_layers))
+        return fn.lower(*args).compile()
+
+    def _compile_lora_write(self) -> jax.stages.Compiled:
+        """One program writes any slot: the slot index is an argument, so loading never recompiles."""
+        one = [{k: (jax.ShapeDtypeStruct((a.shape[0], self.config.max_lora_rank), a.dtype),
+                    jax.ShapeDtypeStruct((self.config.max_lora_rank, b.shape[1]), b.dtype))
+                for k, (a, b) in layer.items()} for layer in self.lora_layers]
+        slot = jax.ShapeDtypeStruct((), jnp.int32)
+        return jax.jit(_write_lora_slot, donate_argnums=(0,)).lower(_abstract(self.lora_layers), one, slot).compile()
 
     def _compile_prompt_logprobs(self, t: int) -> jax.stages.Compiled:
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._rep)
         return self._jit_prompt_lp.lower(self._params_abs, hidden, targets).compile()
+
+    def _allocate_lora(self) -> list[dict[str, tuple[jax.Array, jax.Array]]]:
+        """Zeroed LoRA slot arrays: per layer and target, A [in, S*R] and B [S*R, out]."""
+        c, s, r = self.model_config, self.config.max_loras, self.config.max_lora_rank
+        shapes = target_shapes(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
+        zeros = jax.jit(lambda: [{k: (jnp.zeros((i, s * r), self.dtype), jnp.zeros((s * r, o), self.dtype))
+                                  for k, (i, o) in shapes.items()} for _ in range(c.num_layers)])
+        return zeros()
+
+    def write_lora_slot(self, slot: int, adapter: list[dict[str, tuple[np.ndarray, np.ndarray]]]) -> None:
+        """Puts an adapter (per layer, target -> rank-padded (A, B)) into device slot `slot`."""
+        if self._lora_write is None:
+            if self.config.warmup:
+                raise RuntimeError("the LoRA slot writer was not compiled at start-up")
+            self._lora_write = self._compile_lora_write()
+        self.lora_layers = self._lora_write(self.lora_layers, adapter, np.int32(slot))
+
+    def _lora_slots(self, seqs) -> list[int] | None:
+        """Each row's LoRA device slot (adapters new to the device are written first), or None
+        when no row of the step has an adapter."""
+        ids = [s.spec.lora_int_id for s in seqs]
+        if self.lora_manager is None or not any(ids):
+            return None
+        self.lora_manager.pin({i for i in ids if i})
+        try:
+            slot_of = {}
+            for i in dict.fromkeys(i for i in ids if i):
+                slot, weights = self.lora_manager.slot_for_id(i)
+                if weights is not None:
+                    from jaxengine.lora import stack_for_slot
+                    self.write_lora_slot(slot, stack_for_slot(weights, self.model_config, self.config.max_lora_rank))
+                slot_of[i] = slot
+        finally:
+            self.lora_manager.unpin_all()
+        return [slot_of.get(i, 0) for i in ids]
 
     def _compile_pool(self, t: int) -> jax.stages.Compiled:
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
@@ -247,11 +323,13 @@ class ModelRunner:
             [("forward", t) for t in reversed(self.token_buckets)]
             + [("prompt_logprobs", t) for t in self.token_buckets]
             + [("sampler", (r, p)) for r in rows for p in (False, True)]
-            + ([("pool", t) for t in self.token_buckets] if self.pooling else []))
+            + ([("pool", t) for t in self.token_buckets] if self.pooling else [])
+            + ([("forward_lora", t) for t in reversed(self.token_buckets)] if self.lora_layers is not None else []))
         build = {"forward": self._compile_forward, "prompt_logprobs": self._compile_prompt_logprobs,
-                 "sampler": lambda key: self._compile_sampler(*key), "pool": self._compile_pool}
+                 "sampler": lambda key: self._compile_sampler(*key), "pool": self._compile_pool,
+                 "forward_lora": lambda t: self._compile_forward(t, lora=True)}
         tables = {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns,
-                  "pool": self._pool_fns}
+                  "pool": self._pool_fns, "forward_lora": self._forward_lora_fns}
         t0 = time.perf_counter()
         workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool, \
@@ -261,6 +339,8 @@ class ModelRunner:
                 kind, key = futures[fut]
                 tables[kind][key] = fut.result()
                 bar.update(1)
+        if self.lora_layers is not None:
+            self._lora_write = self._compile_lora_write()
         self.compile_seconds = time.perf_counter() - t0
         logger.info("compiled %d programs in %.1f s (token buckets %s, row buckets %s)",
                     len(jobs), self.compile_seconds, list(self.token_buckets), rows)
@@ -294,12 +374,19 @@ class ModelRunner:
         seqs = sched.seqs
         t = pick_bucket(self.token_buckets, sched.num_batched_tokens)
         r = self.rows_for(t)
-        inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None else None)
+        lora_slots = self._lora_slots(seqs)
+        inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None else None, lora_slots)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         md, processors = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True))
         # Each numpy argument is its own host-to-device copy: one packed buffer per program.
-        self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches, pack(inputs),
-                                                              prev_tokens)
+        if lora_slots is None:  # the base model's program: steps without adapters pay nothing for LoRA
+            self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches, pack(inputs),
+                                                                  prev_tokens)
+        else:
+            fwd = self._get(self._forward_lora_fns, t, lambda t_: self._compile_forward(t_, lora=True),
+                            "LoRA token bucket")
+            self.kv_caches, logits, hidden = fwd(self.param_leaves, self.kv_caches, pack(inputs), prev_tokens,
+                                                 self.lora_layers)
         prompt_lp = None
         targets = prompt_logprob_targets(seqs, t)
         if targets is not None:

@@ -55,6 +55,7 @@ class RequestSpec:
     params: SamplingParams
     seed: int  # sampling seed: the params' own, or one the engine drew for the request
     prompt_token_ids: list[int]  # shared with the request: never mutated
+    lora_int_id: int = 0  # the LoRA adapter the request runs with (0: none)
 
 
 @dataclass(eq=False)
@@ -77,10 +78,11 @@ class Request:
     # Chained hashes of the request's full blocks, in order; filled lazily and owned by the
     # block manager. Tokens are append-only, so the hashes stay valid across preemption.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    lora_int_id: int = 0  # the LoRA adapter (0: none); part of every block hash, so no cross-adapter sharing
     spec: RequestSpec = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.spec = RequestSpec(self.sampling_params, self.seed, self.prompt_token_ids)
+        self.spec = RequestSpec(self.sampling_params, self.seed, self.prompt_token_ids, self.lora_int_id)
 
     @property
     def num_prompt_tokens(self) -> int:

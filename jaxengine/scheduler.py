@@ -43,6 +43,7 @@ class SchedulerConfig:
     block_size: int  # token slots per block
     enable_prefix_caching: bool = True
     sliding_window: int | None = None  # every layer's attention window: KV blocks before it are freed
+    max_loras: int = 0  # most distinct LoRA adapters among the running requests (0: LoRA off)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -215,16 +216,26 @@ class Scheduler:
             i += 1
         num_cached: dict[str, int] = {}
         if not preempted:  # memory is short: let the running requests drain first
+            # LoRA: at most max_loras distinct adapters run at once; a request whose adapter would
+            # be one too many waits (in order) while later ones go ahead, as vLLM's scheduler does.
+            loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.config.max_loras else set()
+            skipped: list[Request] = []
             while self.waiting and budget > 0 and len(running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
                 seq = self._admit(req, budget)
                 if seq is None:
                     break
                 self.waiting.popleft()
+                if req.lora_int_id:
+                    loras.add(req.lora_int_id)
                 prefills.append(seq)
                 prefill_reqs.append(req)
                 budget -= seq.num_new_tokens
                 num_cached[req.request_id] = req.num_cached_tokens
+            self.waiting.extendleft(reversed(skipped))
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget
         if prefills:

@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import RMSNorm, RotaryEmbedding
+from jaxengine.models.lora import LoRALayer
 
 if TYPE_CHECKING:
     from jaxengine.attention_backend import AttentionBackend
@@ -63,8 +64,8 @@ def init_qkv(layer: nnx.Module, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rn
     layer.o_proj = nnx.Param(init(rngs.params(), (n, h, d), dtype))  # NHD
 
 
-def qkv(layer: nnx.Module, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [T, D] -> q [T, N, H], k [T, K, H], v [T, K, H] (biases added)."""
+def qkv(layer: nnx.Module, x: jax.Array, lora: LoRALayer | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] -> q [T, N, H], k [T, K, H], v [T, K, H] (biases added; LoRA deltas with `lora`)."""
     if layer.fused_qkv:
         fused = jnp.einsum("TD,DJH->TJH", x, layer.qkv_proj[...])  # J = N + 2K
         q, k, v = jnp.split(fused, layer.qkv_split, axis=1)
@@ -74,15 +75,21 @@ def qkv(layer: nnx.Module, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
         v = jnp.einsum("TD,DKH->TKH", x, layer.v_proj[...])
     if layer.use_bias:
         q, k, v = q + layer.q_bias[...], k + layer.k_bias[...], v + layer.v_bias[...]
+    if lora is not None:
+        q = q + lora.delta("q_proj", x).reshape(q.shape)
+        k = k + lora.delta("k_proj", x).reshape(k.shape)
+        v = v + lora.delta("v_proj", x).reshape(v.shape)
     return q, k, v
 
 
-def out_proj(o: jax.Array, w: jax.Array) -> jax.Array:
+def out_proj(o: jax.Array, w: jax.Array, lora: LoRALayer | None = None) -> jax.Array:
     """o [T, N, H] @ o_proj [N, H, D] -> [T, D], as one [T, N*H] @ [N*H, D] matmul on row-major views
     (bitcasts): written as an einsum over (N, H), XLA on CPU transposed the weight and the
-    activations to [H, N, ...] every step."""
+    activations to [H, N, ...] every step. `lora`: the o_proj adapters' delta is added."""
     t_, n, h = o.shape
-    return o.reshape(t_, n * h) @ w.reshape(n * h, w.shape[-1])
+    flat = o.reshape(t_, n * h)
+    out = flat @ w.reshape(n * h, w.shape[-1])
+    return out if lora is None else out + lora.delta("o_proj", flat)
 
 
 class Attention(nnx.Module):
@@ -100,14 +107,14 @@ class Attention(nnx.Module):
         self.sliding_window = cfg.sliding_window
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache, md: AttentionMetadata,
-                 attention: AttentionBackend) -> tuple[jax.Array, KVCache]:
+                 attention: AttentionBackend, lora: LoRALayer | None = None) -> tuple[jax.Array, KVCache]:
         """x [T, D] -> ([T, D], this layer's cache with the step's K/V written)."""
-        q, k, v = qkv(self, x)
+        q, k, v = qkv(self, x, lora)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
         o, kv = attention.attend(q, k, v, kv, md, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
-        return out_proj(o, self.o_proj[...]), kv
+        return out_proj(o, self.o_proj[...], lora), kv
 
 
 class BiasAttention(nnx.Module):

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.models.config import ModelConfig, RopeScaling
+from jaxengine.models.lora import LoRALayer
 
 
 class RMSNorm(nnx.Module):
@@ -183,13 +184,18 @@ class MLP(nnx.Module):
         self.down_proj = nnx.Param(init(rngs.params(), (f, d), dtype))  # FD
         self.act = activation(cfg.hidden_act, cfg.architecture)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora: LoRALayer | None = None) -> jax.Array:
+        """x [T, D] -> [T, D]; `lora`: the gate / up / down adapters' deltas are added."""
         if self.fused:
             gate, up = jnp.split(jnp.einsum("TD,DF->TF", x, self.gate_up_proj[...]), 2, axis=-1)
         else:
             gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
             up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
-        return jnp.einsum("TF,FD->TD", self.act(gate) * up, self.down_proj[...])
+        if lora is not None:
+            gate, up = gate + lora.delta("gate_proj", x), up + lora.delta("up_proj", x)
+        h = self.act(gate) * up
+        out = jnp.einsum("TF,FD->TD", h, self.down_proj[...])
+        return out if lora is None else out + lora.delta("down_proj", h)
 
 
 class BiasMLP(nnx.Module):

@@ -19,6 +19,7 @@ from jaxengine.models import weights as w
 from jaxengine.models.attention import Attention, AttentionMetadata, KVCache
 from jaxengine.models.config import ModelConfig, hf_dtype, hf_eos_ids, hf_field, hf_rope, scaled_max_positions
 from jaxengine.models.layers import MLP, RMSNorm
+from jaxengine.models.lora import LoRAInputs, LoRALayer
 
 if TYPE_CHECKING:
     from jaxengine.attention_backend import AttentionBackend
@@ -32,10 +33,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache, md: AttentionMetadata,
-                 attention: AttentionBackend) -> tuple[jax.Array, KVCache]:
-        h, kv = self.self_attn(self.input_layernorm(x), positions, kv, md, attention)
+                 attention: AttentionBackend, lora: LoRALayer | None = None) -> tuple[jax.Array, KVCache]:
+        h, kv = self.self_attn(self.input_layernorm(x), positions, kv, md, attention, lora)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        return x + self.mlp(self.post_attention_layernorm(x), lora), kv
 
 
 class Model(nnx.Module):
@@ -46,11 +47,12 @@ class Model(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[KVCache],
-                 md: AttentionMetadata, attention: AttentionBackend) -> tuple[jax.Array, list[KVCache]]:
+                 md: AttentionMetadata, attention: AttentionBackend, lora: LoRAInputs | None = None
+                 ) -> tuple[jax.Array, list[KVCache]]:
         x = self.embed_tokens[...][input_ids]  # [T, D]
         new_caches = []
-        for layer, kv in zip(self.layers, kv_caches):
-            x, kv = layer(x, positions, kv, md, attention)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            x, kv = layer(x, positions, kv, md, attention, None if lora is None else lora.layer(i))
             new_caches.append(kv)
         return self.norm(x), new_caches
 
@@ -67,9 +69,11 @@ class ForCausalLM(nnx.Module):
                 nnx.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))  # DV
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[KVCache],
-                 md: AttentionMetadata, attention: AttentionBackend) -> tuple[jax.Array, list[KVCache]]:
-        """input_ids [T], positions [T] -> (hidden [T, D], the caches with this step's K/V written)."""
-        return self.model(input_ids, positions, kv_caches, md, attention)
+                 md: AttentionMetadata, attention: AttentionBackend, lora: LoRAInputs | None = None
+                 ) -> tuple[jax.Array, list[KVCache]]:
+        """input_ids [T], positions [T] -> (hidden [T, D], the caches with this step's K/V written).
+        `lora`: the step's LoRA adapters (models/lora.py), or None for the base model."""
+        return self.model(input_ids, positions, kv_caches, md, attention, lora)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [R, D] -> logits [R, V] in float32."""
