@@ -335,6 +335,7 @@ class LoRAManager:
         self._host_lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
         self._slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # int_id -> slot, oldest first
         self._pinned: set[int] = set()
+        self._requests: dict[int, LoRARequest] = {}  # every adapter added and not removed (reloadable)
 
     def add(self, request: LoRARequest) -> LoRAWeights:
         """The host copy of this adapter, loaded on first use (marks it recently used). Loading one
@@ -350,6 +351,7 @@ class LoRAManager:
             self._host_lru.move_to_end(request.lora_int_id)
             return known[1]
         weights = load_adapter(request, self.model_config, self.lora_config)
+        self._requests[request.lora_int_id] = request
         while len(self._host) >= self.lora_config.cpu_loras:
             self._evict_host()
         self._host[request.lora_int_id] = (request, weights)
@@ -363,10 +365,16 @@ class LoRAManager:
             raise RuntimeError(f"max_cpu_loras={self.lora_config.cpu_loras} is too small: every adapter on the "
                                "host is used by the step being built")
         idle = [i for i in candidates if i not in self._slots]
-        self.remove((idle or candidates)[0])
+        self._drop_host((idle or candidates)[0])
 
     def remove(self, lora_int_id: int) -> bool:
-        """Drops the adapter's host copy and frees its slot; False if it is not known."""
+        """Forgets the adapter (unloads it: `slot_for_id` no longer finds it); False if unknown."""
+        known = self._requests.pop(lora_int_id, None) is not None
+        return self._drop_host(lora_int_id) or known
+
+    def _drop_host(self, lora_int_id: int) -> bool:
+        """Drops the adapter's host copy and frees its slot (it can be loaded again from its
+        request); False if it has no host copy."""
         if lora_int_id not in self._host:
             return False
         del self._host[lora_int_id]
@@ -415,6 +423,14 @@ class LoRAManager:
         self._slots[i] = slot
         return slot, weights
 
+    def slot_for_id(self, lora_int_id: int) -> tuple[int, LoRAWeights | None]:
+        """`slot_for` by the adapter's id (an adapter added earlier, its host copy reloaded if it
+        was evicted); ValueError for an adapter removed or never added."""
+        request = self._requests.get(lora_int_id)
+        if request is None:
+            raise ValueError(f"LoRA adapter {lora_int_id} is not loaded (removed, or never added)")
+        return self.slot_for(request)
+
     def pin(self, int_ids: Iterable[int]) -> None:
         """Adapters the step being built uses: neither their slot nor their host copy is evicted
         until unpin_all()."""
@@ -428,5 +444,5 @@ class LoRAManager:
         return dict(self._slots)
 
     def list(self) -> list[LoRARequest]:
-        """The adapters with a host copy, in load order."""
-        return [req for req, _ in self._host.values()]
+        """The adapters added and not removed, in load order."""
+        return list(self._requests.values())
