@@ -446,3 +446,7 @@ class LoRAManager:
     def list(self) -> list[LoRARequest]:
         """The adapters added and not removed, in load order."""
         return list(self._requests.values())
+
+    def on_host(self) -> list[int]:
+        """Ids of the adapters with a host copy, in load order (at most max_cpu_loras)."""
+        return list(self._host)

@@ -83,8 +83,9 @@ def test_mixed_batch_equals_merged_transformers(setup):
     for prompt, a, out in zip(PROMPTS, plan, outs):
         want = merged_greedy(path, adapters[a][1] if a else None, tok, prompt, GREEDY.max_tokens)
         assert out.outputs[0].token_ids == want, (prompt, a)
-    base = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    assert base != outs[1].outputs[0].token_ids or True  # an adapter usually changes the text
+    base = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    changed = [b.outputs[0].token_ids != o.outputs[0].token_ids for b, o in zip(base, outs)]
+    assert changed == [False, True, True, True]  # the adapters change what is generated; row 0 has none
 
 
 def test_swapping_adapters_never_recompiles(setup):
