@@ -3,7 +3,7 @@
 - `batch_sampling_metadata` (rows read straight from the scheduler's output) equals `build_sampling_metadata`
   over `SamplingRow`s, on random mixes of penalties, min_tokens, stop ids and seeds;
 - the scheduler's count of unfinished requests using penalties stays in sync through add,
-  preemption, finish and abort (`running_uses_penalties` equals a scan of the running list);
+  preemption, finish and abort (`running_reads_history` equals a scan of the running list);
 - a parent's count of unfinished children stays in sync with its children's finish reasons;
 - `IncrementalDetokenizer.update_one` gives the same text and stop as `update([token])`.
 """
@@ -50,10 +50,10 @@ def test_batch_metadata_equals_row_metadata(seed: int) -> None:
         seeds.append(rng.choice([0, 5, -1, 2**40 + 9]))
     num_rows, hist = 16, 24
     seqs = [ScheduledSeq(r.request_id, r.num_tokens - 1, 1, [3], [1], True, RequestSpec(r.sampling_params, s, r.prompt_token_ids),
-                         r.output_token_ids[:] if r.sampling_params.uses_penalties else None)
+                         r.output_token_ids[:] if r.sampling_params.reads_history else None)
             for r, s in zip(reqs, seeds)]  # each row samples output token number len(outputs)
     got, penalties = batch_sampling_metadata(seqs, EOS, num_rows, hist)
-    assert penalties == any(r.sampling_params.uses_penalties for r in reqs)
+    assert penalties == any(r.sampling_params.uses_penalties or r.sampling_params.uses_logit_edits for r in reqs)
     rows = [SamplingRow(r.sampling_params, s, len(r.output_token_ids), r.prompt_token_ids, r.output_token_ids, EOS)
             for r, s in zip(reqs, seeds)]
     want = build_sampling_metadata(rows, num_rows, hist if penalties else 1)
@@ -69,7 +69,7 @@ class _Params:  # what the scheduler reads
     min_tokens: int = 0
     ignore_eos: bool = True
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    uses_penalties: bool = False
+    reads_history: bool = False
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -81,7 +81,7 @@ def test_penalty_count_stays_in_sync(seed: int) -> None:
     for step in range(400):
         if step < 60 and rng.random() < 0.5:
             r = Request(f"r{step}", [rng.randrange(10, 50) for _ in range(rng.randrange(1, 14))],
-                        _Params(max_tokens=rng.randrange(1, 12), uses_penalties=rng.random() < 0.4))  # type: ignore[arg-type]
+                        _Params(max_tokens=rng.randrange(1, 12), reads_history=rng.random() < 0.4))  # type: ignore[arg-type]
             reqs.append(r)
             sched.add_request(r)
         if rng.random() < 0.05:

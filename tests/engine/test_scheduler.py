@@ -20,7 +20,7 @@ class FakeParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
-    uses_penalties: bool = False
+    reads_history: bool = False
 
 
 def make_sched(**kw: int | bool) -> Scheduler:
