@@ -77,8 +77,6 @@ class LLMEngine:
         if mc.architecture not in LORA_ARCHITECTURES:
             raise ValueError(f"enable_lora: LoRA adapters run on {', '.join(sorted(LORA_ARCHITECTURES))} so far, "
                              f"not {mc.architecture}")
-        if config.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         return LoRAManager(mc, LoRAConfig(max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                                           max_cpu_loras=config.max_cpu_loras))
 

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxengine.attention_backend import AttentionBackend
@@ -258,7 +260,9 @@ class ModelRunner:
                     jax.ShapeDtypeStruct((self.config.max_lora_rank, b.shape[1]), b.dtype))
                 for k, (a, b) in layer.items()} for layer in self.lora_layers]
         slot = jax.ShapeDtypeStruct((), jnp.int32)
-        return jax.jit(_write_lora_slot, donate_argnums=(0,)).lower(_abstract(self.lora_layers), one, slot).compile()
+        keep = jax.tree.map(lambda a: a.sharding, self.lora_layers) if self.plan is not None else None
+        return jax.jit(_write_lora_slot, donate_argnums=(0,), out_shardings=keep).lower(
+            _abstract(self.lora_layers), one, slot).compile()
 
     def _compile_prompt_logprobs(self, t: int) -> jax.stages.Compiled:
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
@@ -269,8 +273,15 @@ class ModelRunner:
         """Zeroed LoRA slot arrays: per layer and target, A [in, S*R] and B [S*R, out]."""
         c, s, r = self.model_config, self.config.max_loras, self.config.max_lora_rank
         shapes = target_shapes(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
+        out_shardings = None
+        if self.plan is not None:  # column-parallel: A replicated, B split; row-parallel: A split, B replicated
+            rep = self.plan.replicated()
+            col, row = (NamedSharding(self.plan.mesh, P(None, "model")), NamedSharding(self.plan.mesh, P("model", None)))
+            out_shardings = [{k: (row, rep) if k in ("o_proj", "down_proj") else (rep, col) for k in shapes}
+                             for _ in range(c.num_layers)]
         zeros = jax.jit(lambda: [{k: (jnp.zeros((i, s * r), self.dtype), jnp.zeros((s * r, o), self.dtype))
-                                  for k, (i, o) in shapes.items()} for _ in range(c.num_layers)])
+                                  for k, (i, o) in shapes.items()} for _ in range(c.num_layers)],
+                        out_shardings=out_shardings)
         return zeros()
 
     def write_lora_slot(self, slot: int, adapter: list[dict[str, tuple[np.ndarray, np.ndarray]]]) -> None:

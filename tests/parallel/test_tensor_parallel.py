@@ -18,6 +18,14 @@ from jaxengine.sharding import make_plan
 from tests.tiny_checkpoints import make_checkpoint
 
 WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _env(devices: int) -> dict:
+    """A worker's environment: simulated CPU devices, and this checkout's code first on the path."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+                PYTHONPATH=path)
 
 
 def _close(a: list[int], b: list[int], top_a: list[list[int]], top_b: list[list[int]]) -> bool:
@@ -30,7 +38,7 @@ def _close(a: list[int], b: list[int], top_a: list[list[int]], top_b: list[list[
 
 def _run_worker(jobs: list[tuple[str, tuple[int, ...]]], devices: int) -> dict:
     """One worker process for every (checkpoint, sizes) job: {checkpoint: {tp: result}}."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = _env(devices)
     args = [a for path, sizes in jobs for a in (path, ",".join(map(str, sizes)))]
     proc = subprocess.run([sys.executable, WORKER, *args], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -205,3 +213,27 @@ def test_attention_backend_is_kept_under_tensor_parallelism(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     for backend in ("auto", "pallas", "pallas-mosaic", "reference"):
         assert derived(backend, 2) == derived(backend, 1) == backend
+
+
+def test_lora_tp2_matches_tp1(tmp_path, smollm2_tokenizer_dir):
+    """LoRA under tensor parallelism: A replicated and B split for column-parallel projections, A
+    split and B replicated for row-parallel ones; TP=2 gives TP=1's greedy tokens for a batch of
+    two adapters and a row without one."""
+    from tests.engine.test_lora import ALL, write_adapter
+    from tests.tiny_checkpoints import load_reference
+
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    path = make_checkpoint("llama", str(tmp_path / "m"), tokenizer=tok, num_attention_heads=8, num_key_value_heads=4)
+    ref = load_reference(path)
+    write_adapter(str(tmp_path / "a1"), ref, 4, 8.0, ("q_proj", "v_proj", "o_proj"), 1)
+    write_adapter(str(tmp_path / "a2"), ref, 8, 16.0, ALL, 2)
+    env = _env(2)
+    worker = os.path.join(os.path.dirname(__file__), "lora_tp_worker.py")
+    proc = subprocess.run([sys.executable, worker, path, str(tmp_path / "a1"), str(tmp_path / "a2"), "1,2"], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, two = res["1"], res["2"]
+    assert two["specs"] == [[], [None, "model"], ["model", None], []]  # q: A, B; o: A, B
+    for i in range(len(one["tokens"])):
+        assert _close(two["tokens"][i], one["tokens"][i], two["top5"][i], one["top5"][i]), i
