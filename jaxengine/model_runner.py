@@ -255,9 +255,10 @@ class ModelRunner:
         return fn.lower(*args).compile()
 
     def _compile_lora_write(self) -> jax.stages.Compiled:
-        """One program writes any slot: the slot index is an argument, so loading never recompiles."""
-        one = [{k: (jax.ShapeDtypeStruct((a.shape[0], self.config.max_lora_rank), a.dtype),
-                    jax.ShapeDtypeStruct((self.config.max_lora_rank, b.shape[1]), b.dtype))
+        """One program writes any slot: the slot index is an argument, so loading never recompiles.
+        It takes the host's float32 adapter and casts it to the model's dtype on the device."""
+        one = [{k: (jax.ShapeDtypeStruct((a.shape[0], self.config.max_lora_rank), jnp.float32),
+                    jax.ShapeDtypeStruct((self.config.max_lora_rank, b.shape[1]), jnp.float32))
                 for k, (a, b) in layer.items()} for layer in self.lora_layers]
         slot = jax.ShapeDtypeStruct((), jnp.int32)
         keep = jax.tree.map(lambda a: a.sharding, self.lora_layers) if self.plan is not None else None
