@@ -42,6 +42,10 @@ _ENGINE_HELP = {
     "task": f"vLLM's older name for the runner: {', '.join(RUNNERS)}",
     "enforce_eager": "accepted for vLLM's command lines; XLA always runs compiled programs",
     "enable_chunked_prefill": "accepted for vLLM's command lines; chunked prefill is always on",
+    "enable_lora": "serve LoRA adapters (Llama, Mistral, Qwen2 and Qwen3 models; one device)",
+    "max_loras": "LoRA adapters on the device at once (distinct adapters in one step)",
+    "max_lora_rank": "largest LoRA rank served (a power of two up to 512); every device slot is this wide",
+    "max_cpu_loras": "LoRA adapters kept loaded on the host, >= max-loras (default: max-loras)",
 }
 # Flags with a fixed set of values: argparse checks them and --help lists them. (runner and task
 # are not here: their pooling values get EngineConfig's explanation instead of argparse's error.)

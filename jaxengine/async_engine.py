@@ -49,6 +49,7 @@ from jaxengine.exceptions import EngineDeadError, RequestFailedError
 
 if TYPE_CHECKING:
     from jaxengine.engine import LLMEngine
+    from jaxengine.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class _Add:
     params: SamplingParams
     stream: RequestStream
     arrival_time: float
+    lora_request: LoRARequest | None = None  # loaded by the engine on first use (a bad one: ValueError)
 
 
 @dataclasses.dataclass
@@ -268,10 +270,12 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
     async def add(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                  arrival_time: float | None = None) -> RequestStream:
-        """Submits a request; returns its stream once the engine accepted it.
+                  arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
+        """Submits a request (with a LoRA adapter: `lora_request`); returns its stream once the
+        engine accepted it.
 
-        Raises `ValueError` for input the engine rejects and `EngineDeadError` if the loop is gone.
+        Raises `ValueError` for input the engine rejects (an adapter it cannot load included) and
+        `EngineDeadError` if the loop is gone.
         """
         self._check_alive()
         if request_id in self._open:
@@ -281,7 +285,7 @@ class AsyncEngine:
         self._open[request_id] = stream
         self._idle.clear()
         self._commands.put(_Add(request_id, prompt, params, stream,
-                                arrival_time if arrival_time is not None else time.monotonic()))
+                                arrival_time if arrival_time is not None else time.monotonic(), lora_request))
         if self._error is not None:  # died after the check above: nobody will answer the _Add
             stream._deliver(EngineDeadError(str(self._error)))
         try:
@@ -291,18 +295,18 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, prompt: PromptInput, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative outputs until it finishes; aborts it if left early."""
-        stream = await self.add(request_id, prompt, params)
+        stream = await self.add(request_id, prompt, params, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
         finally:
             stream.close()
 
-    async def beam_search(self, prompts: list[PromptIds], params: BeamSearchParams,
-                          request_id: str) -> list[BeamSearchOutput]:
+    async def beam_search(self, prompts: list[PromptIds], params: BeamSearchParams, request_id: str,
+                          lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search over the prompts (see jaxengine/beam_search.py), one batch of
         one-token requests per step (ids `<request_id>-<step>-<beam>`). Raises `ValueError` for bad
         input; cancelled, it aborts the step's requests."""
@@ -313,7 +317,8 @@ class AsyncEngine:
         step_params = search.step_params()
         while not search.done:
             rids = [f"{request_id}-{search.step}-{k}" for k in range(len(search.pending()))]
-            tasks = [asyncio.ensure_future(self._final_output({"prompt_token_ids": ids}, step_params, rid))
+            tasks = [asyncio.ensure_future(self._final_output({"prompt_token_ids": ids}, step_params, rid,
+                                                              lora_request))
                      for rid, ids in zip(rids, search.pending())]
             try:
                 outs = await asyncio.gather(*tasks)
@@ -323,9 +328,10 @@ class AsyncEngine:
             search.advance([out.outputs[0].logprobs[0] for out in outs])
         return search.outputs(engine.tokenizer)
 
-    async def _final_output(self, prompt: PromptInput, params: SamplingParams, request_id: str) -> RequestOutput:
+    async def _final_output(self, prompt: PromptInput, params: SamplingParams, request_id: str,
+                            lora_request: LoRARequest | None = None) -> RequestOutput:
         final = None
-        async for out in self.generate(prompt, params, request_id):
+        async for out in self.generate(prompt, params, request_id, lora_request):
             final = out
         if final is None or final.outputs[0].finish_reason not in ("stop", "length") or not final.outputs[0].logprobs:
             reason = final.outputs[0].finish_reason if final is not None else "no output"
@@ -413,13 +419,15 @@ class AsyncEngine:
         engine = self.engine
         if isinstance(cmd, _Add):
             try:
-                engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
-            except ValueError as e:  # the caller's input: answered with a 400, the loop goes on
+                engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                   lora_request=cmd.lora_request)
+            except ValueError as e:  # the caller's input (or adapter): answered with a 400, the loop goes on
                 out.append((cmd.stream, e))
                 return
             self._live[cmd.request_id] = _Live(cmd.stream, cmd.params.n)
             if self.channel is not None:
-                self._events.append(("add", cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time))
+                self._events.append(("add", cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time,
+                                     cmd.lora_request))
             out.append((cmd.stream, _ACK))
         elif isinstance(cmd, _Abort):
             live = self._live.pop(cmd.request_id, None)

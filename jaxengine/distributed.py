@@ -162,7 +162,8 @@ def agree_min(value: int) -> int:
     return int(np.min(multihost_utils.process_allgather(np.asarray([value], np.int32))))
 
 
-Event = tuple  # ("add", request_id, prompt, params, arrival_time) | ("abort", request_id) | ("stop",)
+# ("add", request_id, prompt, params, arrival_time, lora_request) | ("abort", request_id) | ("stop",)
+Event = tuple
 
 
 class StepChannel:
@@ -195,8 +196,8 @@ def apply_events(engine: LLMEngine, events: list[Event]) -> bool:
     """Applies the leader's events to this process's engine; False once told to stop."""
     for ev in events:
         if ev[0] == "add":
-            _, request_id, prompt, params, arrival = ev
-            engine.add_request(request_id, prompt, params, arrival_time=arrival)
+            _, request_id, prompt, params, arrival, lora_request = ev
+            engine.add_request(request_id, prompt, params, arrival_time=arrival, lora_request=lora_request)
         elif ev[0] == "abort":
             engine.abort_request(ev[1])
         elif ev[0] == "stop":

@@ -88,7 +88,14 @@ class LLMEngine:
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        return self._require_lora().remove(lora_int_id)
+        """Unloads an adapter; False if it is unknown. A ValueError while unfinished requests use
+        it: their next steps would need its weights (unload it once they finish)."""
+        manager = self._require_lora()
+        users = self.scheduler.num_requests_with_lora(lora_int_id)
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by {users} unfinished request(s); "
+                             "unload it once they finish")
+        return manager.remove(lora_int_id)
 
     def list_loras(self) -> set[int]:
         return {r.lora_int_id for r in self._require_lora().list()}

@@ -161,6 +161,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def num_requests_with_lora(self, lora_int_id: int) -> int:
+        """Unfinished requests (waiting or running) that run with this LoRA adapter."""
+        return sum(1 for r in self._requests.values() if r.lora_int_id == lora_int_id)
+
     def running_reads_history(self) -> bool:
         """Whether a running request's sampling reads its token history (penalties): no scan
         of the running requests while no unfinished request uses them (the common case)."""

@@ -6,7 +6,9 @@ score, rerank; server/serving_pooling.py). Both kinds of routes exist on every a
 wrong kind of model they answer 400, saying what the server does serve. The app's lifespan starts
 the engine on uvicorn's event loop and, at shutdown, finishes or aborts what is still running.
 Routes under `/v1` need `Authorization: Bearer <api key>` when a key is set; `/health`,
-`/version`, `/metrics`, `/tokenize` and `/detokenize` never do (as in vLLM).
+`/version`, `/metrics`, `/tokenize` and `/detokenize` never do (as in vLLM). LoRA adapters are
+served as further model names (server/serving_lora.py); `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` exist only while `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is true, as in vLLM.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -24,16 +26,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import jaxengine
 from jaxengine.async_engine import AsyncEngine
 from jaxengine.async_pooling import AsyncPoolingEngine
+from jaxengine.lora import LoRARequest
 from jaxengine.server.errors import OpenAIError, install_error_handlers
 from jaxengine.server.limits import BodyGuardMiddleware, ServerLimits
 from jaxengine.server.metrics import ServerMetrics
 from jaxengine.server.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest,
-                                       DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ModelCard,
-                                       ModelList, PoolingRequest, RerankRequest, ScoreRequest,
-                                       TokenizeChatRequest, TokenizeRequest, TokenizeResponse, VersionResponse)
+                                       DetokenizeRequest, DetokenizeResponse, EmbeddingRequest,
+                                       LoadLoRAAdapterRequest, ModelCard, ModelList, PoolingRequest,
+                                       RerankRequest, ScoreRequest, TokenizeChatRequest, TokenizeRequest,
+                                       TokenizeResponse, UnloadLoRAAdapterRequest, VersionResponse)
 from jaxengine.server.serving_chat import create_chat_completion, render_messages
 from jaxengine.server.serving_common import ServingContext
 from jaxengine.server.serving_completion import create_completion
+from jaxengine.server.serving_lora import RUNTIME_UPDATING_ENVS, LoRAAdapters, runtime_lora_updating_allowed
 from jaxengine.server.serving_pooling import (create_classification, create_embedding, create_pooling,
                                               create_rerank, create_score, refuse_generation)
 
@@ -70,7 +75,8 @@ class ApiKeyMiddleware:
 def build_app(engine: AsyncEngine | AsyncPoolingEngine, *, served_model_names: list[str] | None = None,
               model_path: str | None = None, api_key: str | None = None, chat_template: str | None = None,
               shutdown_drain_timeout: float = 0.0, exit_requested: Callable[[], bool] | None = None,
-              limits: ServerLimits | None = None, metrics_vllm_names: bool = False) -> FastAPI:
+              limits: ServerLimits | None = None, metrics_vllm_names: bool = False,
+              lora_requests: Sequence[LoRARequest] = ()) -> FastAPI:
     """An app serving `engine`. The engine loop starts with the app's lifespan.
 
     `served_model_names`: the names clients may send as `model` (the first is reported);
@@ -80,14 +86,18 @@ def build_app(engine: AsyncEngine | AsyncPoolingEngine, *, served_model_names: l
     clients get a proper last chunk (finish_reason "abort") instead of a cut connection.
     `limits`: body size, queue length and per-request limits (default: `ServerLimits()`).
     `metrics_vllm_names`: `/metrics` also exposes every metric under vLLM's `vllm:` name.
+    `lora_requests`: LoRA adapters already added to the engine (`serving_lora.load_lora_modules`),
+    served under their names. The runtime load/unload routes are added when
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING` (or `JAXENGINE_ALLOW_RUNTIME_LORA_UPDATING`) is true now.
     """
     limits = limits or ServerLimits()
     llm_engine = engine.engine
     names = list(served_model_names or [default_served_name(model_path or llm_engine.config.model)])
     pooling = isinstance(engine, AsyncPoolingEngine)
     max_model_len = int(llm_engine.max_model_len if pooling else llm_engine.config.max_model_len)
+    lora = LoRAAdapters(engine, names, lora_requests, max_model_len)
     ctx = ServingContext(engine=engine, model_names=names, model_path=model_path or llm_engine.config.model,
-                         max_model_len=max_model_len, chat_template=chat_template, limits=limits)
+                         max_model_len=max_model_len, chat_template=chat_template, limits=limits, lora=lora)
     metrics = ServerMetrics(names[0], max_model_len, engine.stats, vllm_names=metrics_vllm_names)
     if engine.observer is None:
         engine.observer = metrics
@@ -139,11 +149,25 @@ def build_app(engine: AsyncEngine | AsyncPoolingEngine, *, served_model_names: l
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[card(n) for n in names])
+        return ModelList(data=[card(n) for n in names] + lora.cards())
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> ModelCard:
-        return card(ctx.resolve_model(model_id))
+        name = ctx.resolve_model(model_id)
+        adapter = ctx.lora_request(name)
+        return lora.card(adapter) if adapter is not None else card(name)
+
+    if runtime_lora_updating_allowed():
+        logger.warning("runtime LoRA updating is on (%s): any client may load adapters from this machine's "
+                       "folders through /v1/load_lora_adapter", " or ".join(RUNTIME_UPDATING_ENVS))
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+            return await lora.load(req.lora_name, req.lora_path)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+            return await lora.unload(req.lora_name)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:

@@ -31,9 +31,11 @@ import yaml
 from jaxengine.arg_utils import add_engine_args, engine_kwargs
 from jaxengine.distributed import add_multihost_args, multihost_config
 from jaxengine.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerLimits
+from jaxengine.server.serving_lora import LoRAModulePath, load_lora_modules, parse_lora_modules
 
 if TYPE_CHECKING:
     from jaxengine.engine import LLMEngine
+    from jaxengine.lora import LoRARequest
     from jaxengine.pooling import PoolingEngineBase
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests held beyond the max-num-seqs running ones; more get 503 "
                         "(default: no limit, they wait)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served as models (needs --enable-lora): name=path, or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' per item (default: none)")
     g.add_argument("--metrics-vllm-names", action=argparse.BooleanOptionalAction, default=None,
                    help="/metrics also exposes every metric under vLLM's `vllm:` name, for dashboards built "
                         f"for vLLM (or set ${METRICS_VLLM_NAMES_ENV}=1)")
@@ -214,6 +219,7 @@ class ServerSettings:
     model: str | None = None
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     metrics_vllm_names: bool = False  # /metrics also under vLLM's `vllm:` names
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # --lora-modules, loaded at start-up
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -224,12 +230,15 @@ class ServerSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
         names = tuple(args.served_model_name) if args.served_model_name else None
+        lora_modules = parse_lora_modules(args.lora_modules)
+        if lora_modules and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         return cls(host=args.host, port=args.port, api_key=args.api_key, served_model_names=names,
                    chat_template=load_chat_template(args.chat_template), uvicorn_log_level=args.uvicorn_log_level,
                    shutdown_timeout=args.shutdown_timeout, model=args.model,
                    limits=ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
                                        max_queued_requests=args.max_queued_requests),
-                   metrics_vllm_names=bool(args.metrics_vllm_names))
+                   metrics_vllm_names=bool(args.metrics_vllm_names), lora_modules=lora_modules)
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -263,18 +272,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             logger.info("interrupted while starting; exiting")
             return 130
+    lora_requests = load_lora_modules(engine, settings.lora_modules)  # on every rank, before any step
     if not mh.enabled:
-        return run_server(engine, settings)
+        return run_server(engine, settings, lora_requests=lora_requests)
     channel = distributed.StepChannel()
     if not channel.leader:
         return distributed.run_follower(engine, channel)
-    return run_server(engine, settings, channel=channel)
+    return run_server(engine, settings, channel=channel, lora_requests=lora_requests)
 
 
 def run_server(engine: LLMEngine | PoolingEngineBase, settings: ServerSettings,
-               sockets: Sequence[socket.socket] | None = None, channel=None) -> int:
+               sockets: Sequence[socket.socket] | None = None, channel=None,
+               lora_requests: Sequence[LoRARequest] = ()) -> int:
     """Serves `engine` until a signal or the engine's death; returns the exit status. `channel`:
-    rank 0's `StepChannel` when the engine spans several processes (generative models only)."""
+    rank 0's `StepChannel` when the engine spans several processes (generative models only).
+    `lora_requests`: the adapters `load_lora_modules` added to `engine`, served by name."""
     import prometheus_client
     import uvicorn
 
@@ -292,7 +304,7 @@ def run_server(engine: LLMEngine | PoolingEngineBase, settings: ServerSettings,
                     model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template,
                     shutdown_drain_timeout=settings.shutdown_timeout,
                     exit_requested=lambda: server is not None and server.should_exit, limits=settings.limits,
-                    metrics_vllm_names=settings.metrics_vllm_names)
+                    metrics_vllm_names=settings.metrics_vllm_names, lora_requests=lora_requests)
     # The app drains and aborts by itself (see build_app); uvicorn's own timeout is only a backstop
     # for connections that would still hang after that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,

@@ -291,6 +291,21 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class LoadLoRAAdapterRequest(RequestModel):
+    """`POST /v1/load_lora_adapter` (vLLM's body)."""
+
+    lora_name: Str
+    lora_path: Str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's body; `lora_int_id` is accepted and ignored: the
+    server numbers adapters itself)."""
+
+    lora_name: Str
+    lora_int_id: Int | None = None
+
+
 class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)

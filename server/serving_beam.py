@@ -47,11 +47,13 @@ def beam_params(req: SamplingFields, max_tokens: int) -> BeamSearchParams:
 
 
 async def _search(ctx: ServingContext, request_id: str, prompts: list[PromptIds], params: BeamSearchParams,
-                  raw: Request) -> list[BeamSearchOutput] | None:
-    """The search, or None if the client left (its requests are aborted)."""
+                  raw: Request, model: str) -> list[BeamSearchOutput] | None:
+    """The search (with `model`'s LoRA adapter, if it names one), or None if the client left
+    (its requests are aborted)."""
     check_capacity(ctx, len(prompts) * params.beam_width)
     try:
-        return await until_disconnected(raw, ctx.engine.beam_search(prompts, params, request_id))
+        return await until_disconnected(raw, ctx.engine.beam_search(prompts, params, request_id,
+                                                                    ctx.lora_request(model)))
     except ValueError as e:
         raise from_value_error(e, {"max_tokens", "n", "prompt"}) from e
 
@@ -62,7 +64,7 @@ async def beam_completion(ctx: ServingContext, req: CompletionRequest, raw: Requ
     max_tokens = req.max_tokens if req.max_tokens is not None else ctx.max_model_len - max(len(p[1]) for p in prompts)
     params = beam_params(req, max_tokens)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    results = await _search(ctx, request_id, prompts, params, raw)
+    results = await _search(ctx, request_id, prompts, params, raw, model)
     if results is None:
         return Response(status_code=499)
     choices = [CompletionChoice(index=i * req.n + j, text=s.output_text or "", finish_reason=s.finish_reason,
@@ -79,7 +81,7 @@ async def beam_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: Reques
     max_tokens = req.max_new_tokens if req.max_new_tokens is not None else ctx.max_model_len - len(prompt[1])
     params = beam_params(req, max_tokens)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    results = await _search(ctx, request_id, [prompt], params, raw)
+    results = await _search(ctx, request_id, [prompt], params, raw, model)
     if results is None:
         return Response(status_code=499)
     [out] = results

@@ -71,7 +71,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return await beam_chat(ctx, req, raw, model, (text, ids))
     params = sampling_params(req, max_tokens, top_logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    [stream] = await open_streams(ctx, request_id, [(text, ids)], params)
+    [stream] = await open_streams(ctx, request_id, [(text, ids)], params, ctx.lora_request(model))
     if req.stream:
         return StreamingResponse(_stream(req, model, request_id, stream, len(ids), top_logprobs,
                                          params.output_text_buffer_length), media_type="text/event-stream",

@@ -13,12 +13,14 @@ from typing import TypeVar
 from fastapi import Request
 
 from jaxengine.detokenizer import decode_token
+from jaxengine.lora import LoRARequest
 from jaxengine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.async_engine import AsyncEngine, RequestStream
 from jaxengine.server.errors import (EngineDeadError, OpenAIError, RequestFailedError, from_value_error,
                                      overloaded)
 from jaxengine.server.limits import ServerLimits
+from jaxengine.server.serving_lora import LoRAAdapters
 from jaxengine.server.protocol import (ChatCompletionRequest, CompletionLogProbs, PromptLogprob,
                                        PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo)
 from jaxengine.server.protocol import PromptLogprobs as PromptLogprobsJSON
@@ -41,6 +43,7 @@ class ServingContext:
     max_model_len: int
     chat_template: str | None = None
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
+    lora: LoRAAdapters | None = None  # adapters served as models (server/serving_lora.py)
 
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
@@ -50,11 +53,16 @@ class ServingContext:
         return tok
 
     def resolve_model(self, name: str | None) -> str:
+        """The model name a response reports: a served name of the base model or an adapter's."""
         if name is None:
             return self.model_names[0]
-        if name not in self.model_names:
+        if name not in self.model_names and self.lora_request(name) is None:
             raise OpenAIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
         return name
+
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a (resolved) model name stands for; None for the base model."""
+        return self.lora.get(model) if self.lora is not None else None
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The same ids `LLMEngine.tokenize` gives (so server and `LLM.generate` agree)."""
@@ -159,16 +167,17 @@ def check_capacity(ctx: ServingContext, num_new: int) -> None:
 
 
 async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-                       params: SamplingParams) -> list[RequestStream]:
-    """One engine request per prompt (ids `<request_id>-<i>`); all or none (bad input closes the
-    rest). Refused with 503 up front if the queue limit would be exceeded."""
+                       params: SamplingParams, lora_request: LoRARequest | None = None) -> list[RequestStream]:
+    """One engine request per prompt (ids `<request_id>-<i>`), each with `lora_request` if given;
+    all or none (bad input closes the rest). Refused with 503 up front if the queue limit would be
+    exceeded."""
     check_capacity(ctx, len(prompts))
     engine = ctx.engine
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prompts):
             prompt = {"prompt_token_ids": ids, "prompt": text}
-            streams.append(await engine.add(f"{request_id}-{i}", prompt, params))
+            streams.append(await engine.add(f"{request_id}-{i}", prompt, params, lora_request=lora_request))
     except ValueError as e:
         for s in streams:
             s.close()

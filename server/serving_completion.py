@@ -58,7 +58,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     params = sampling_params(req, req.max_tokens, req.logprobs,
                              max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_lp else None)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await open_streams(ctx, request_id, prompts, params)
+    streams = await open_streams(ctx, request_id, prompts, params, ctx.lora_request(model))
     echo = [_prompt_text(ctx, p) if req.echo else "" for p in prompts]
     if req.stream:
         # The background task closes the streams even if the client left before the body started

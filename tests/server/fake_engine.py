@@ -64,7 +64,9 @@ class FakeEngine:
         self.aborted: list[str] = []
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,  # noqa: ANN001
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request=None) -> None:  # noqa: ANN001
+        if lora_request is not None:
+            raise ValueError("the fake engine serves no LoRA adapters")
         params = params or SamplingParams()
         if isinstance(prompt, dict):
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])

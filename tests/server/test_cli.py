@@ -20,6 +20,7 @@ import yaml
 from jaxengine.server.api_server import build_app, default_served_name
 from jaxengine.async_engine import AsyncEngine
 from jaxengine.server.cli import ServerSettings, load_chat_template, resolve_args
+from jaxengine.server.serving_lora import LoRAModulePath
 from tests.server.conftest import LiveServer, free_port
 from tests.server.fake_engine import FakeEngine
 
@@ -79,6 +80,31 @@ def test_bad_config_files(tmp_path, content, message):
         parse(["--config", str(cfg)])
     with pytest.raises(ValueError, match="cannot read config file"):
         parse(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_lora_flags():
+    args = parse(["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32", "--max-cpu-loras", "4",
+                  "--lora-modules", "a=/x", '{"name":"b","path":"/y"}',
+                  '{"name": "c", "path": "/z", "base_model_name": "m"}'])
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (True, 2, 32, 4)
+    assert ServerSettings.from_args(args).lora_modules == (
+        LoRAModulePath("a", "/x"), LoRAModulePath("b", "/y"), LoRAModulePath("c", "/z", "m"))
+    assert ServerSettings.from_args(parse([])).lora_modules == ()
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        ServerSettings.from_args(parse(["--lora-modules", "a=/x"]))
+    for bad, message in (("a", "expected name=path"), ('{"name": "a"}', "'name' and 'path'"),
+                         ('{"name": "a", "path": "/x", "rank": 8}', "unknown key"), ("{oops", "not valid JSON")):
+        with pytest.raises(ValueError, match=message):
+            ServerSettings.from_args(parse(["--enable-lora", "--lora-modules", bad]))
+    with pytest.raises(ValueError, match="more than once"):
+        ServerSettings.from_args(parse(["--enable-lora", "--lora-modules", "a=/x", "a=/y"]))
+
+
+def test_lora_modules_without_enable_lora_exits_before_loading():
+    from jaxengine.server.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--lora-modules", "a=/x", "--load-format", "dummy"])
+    assert e.value.code == 2
 
 
 def test_chat_template_file_or_inline(tmp_path):
