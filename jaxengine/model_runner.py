@@ -29,7 +29,7 @@ from jaxengine.attention_backend import AttentionBackend
 from jaxengine.config import EngineConfig, pick_bucket, token_buckets
 from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs, prompt_logprob_targets
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.lora import LoRAInputs, target_shapes, token_mask
+from jaxengine.models.lora import TP_AXIS, LoRAInputs, layer_shapes, token_mask, write_slot
 from jaxengine.packing import Layout, pack, unpack
 from jaxengine.sampler import batch_sampling_metadata, build_sampling_metadata, sample
 from jaxengine.scheduler import SchedulerOutput
@@ -66,8 +66,7 @@ def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Arr
     if lora_layers is None:
         hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, attention)
     else:
-        a, _ = lora_layers[0]["q_proj"]
-        mask = token_mask(inputs.lora_slot, a.shape[1] // lora_rank, lora_rank)
+        mask = token_mask(inputs.lora_slot, lora_layers[0]["q_b"].shape[0] // lora_rank, lora_rank)
         hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, attention,
                                   lora=LoRAInputs(mask, lora_layers))
     logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -78,22 +77,6 @@ def _last_hidden(hidden: jax.Array, rows: jax.Array) -> jax.Array:
     """hidden [T, D], rows [R] int32 (each sequence's last new token) -> [R, D] float32: what a
     decoder's last-token pooling reads."""
     return jnp.take(hidden, rows, axis=0).astype(jnp.float32)
-
-
-def _write_lora_slot(layers, adapter, slot):
-    """The LoRA slot arrays with slot `slot` (1..S) holding `adapter` (per layer, target -> (A [in, R],
-    B [R, out]), rank-padded, scaling folded into B)."""
-    out = []
-    for layer, new in zip(layers, adapter):
-        written = {}
-        for name, (a, b) in layer.items():
-            na, nb = new[name]
-            r = na.shape[1]
-            col = (slot - 1) * r
-            written[name] = (jax.lax.dynamic_update_slice(a, na.astype(a.dtype), (0, col)),
-                             jax.lax.dynamic_update_slice(b, nb.astype(b.dtype), (col, 0)))
-        out.append(written)
-    return out
 
 
 def _flat(fn, graphdef, treedef, **static):
@@ -257,32 +240,39 @@ class ModelRunner:
     def _compile_lora_write(self) -> jax.stages.Compiled:
         """One program writes any slot: the slot index is an argument, so loading never recompiles.
         It takes the host's float32 adapter and casts it to the model's dtype on the device."""
-        one = [{k: (jax.ShapeDtypeStruct((a.shape[0], self.config.max_lora_rank), jnp.float32),
-                    jax.ShapeDtypeStruct((self.config.max_lora_rank, b.shape[1]), jnp.float32))
-                for k, (a, b) in layer.items()} for layer in self.lora_layers]
+        from jaxengine.lora import target_dims
+
+        r = self.config.max_lora_rank
+        dims = target_dims(self.model_config)
+        one = [{k: (jax.ShapeDtypeStruct((i, r), jnp.float32), jax.ShapeDtypeStruct((r, o), jnp.float32))
+                for k, (i, o) in dims.items()} for _ in self.lora_layers]
         slot = jax.ShapeDtypeStruct((), jnp.int32)
         keep = jax.tree.map(lambda a: a.sharding, self.lora_layers) if self.plan is not None else None
-        return jax.jit(_write_lora_slot, donate_argnums=(0,), out_shardings=keep).lower(
-            _abstract(self.lora_layers), one, slot).compile()
+        fn = functools.partial(write_slot, num_slots=self.config.max_loras)
+        return jax.jit(fn, donate_argnums=(0,), out_shardings=keep).lower(_abstract(self.lora_layers), one,
+                                                                          slot).compile()
 
     def _compile_prompt_logprobs(self, t: int) -> jax.stages.Compiled:
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._rep)
         return self._jit_prompt_lp.lower(self._params_abs, hidden, targets).compile()
 
-    def _allocate_lora(self) -> list[dict[str, tuple[jax.Array, jax.Array]]]:
-        """Zeroed LoRA slot arrays: per layer and target, A [in, S*R] and B [S*R, out]."""
-        c, s, r = self.model_config, self.config.max_loras, self.config.max_lora_rank
-        shapes = target_shapes(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
+    def _allocate_lora(self) -> list[dict[str, jax.Array]]:
+        """Zeroed LoRA slot arrays of every layer (models/lora.py's layout), split over the mesh
+        under tensor parallelism: B of column-parallel projections, A of row-parallel ones."""
+        c = self.model_config
+        shapes = layer_shapes(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                              self.config.max_loras, self.config.max_lora_rank)
         out_shardings = None
-        if self.plan is not None:  # column-parallel: A replicated, B split; row-parallel: A split, B replicated
-            rep = self.plan.replicated()
-            col, row = (NamedSharding(self.plan.mesh, P(None, "model")), NamedSharding(self.plan.mesh, P("model", None)))
-            out_shardings = [{k: (row, rep) if k in ("o_proj", "down_proj") else (rep, col) for k in shapes}
-                             for _ in range(c.num_layers)]
-        zeros = jax.jit(lambda: [{k: (jnp.zeros((i, s * r), self.dtype), jnp.zeros((s * r, o), self.dtype))
-                                  for k, (i, o) in shapes.items()} for _ in range(c.num_layers)],
-                        out_shardings=out_shardings)
+        if self.plan is not None:
+            def sharding(name: str) -> NamedSharding:
+                spec = [None] * len(shapes[name])
+                if TP_AXIS[name] is not None:
+                    spec[TP_AXIS[name]] = "model"
+                return NamedSharding(self.plan.mesh, P(*spec))
+            out_shardings = [{k: sharding(k) for k in shapes} for _ in range(c.num_layers)]
+        zeros = jax.jit(lambda: [{k: jnp.zeros(shape, self.dtype) for k, shape in shapes.items()}
+                                 for _ in range(c.num_layers)], out_shardings=out_shardings)
         return zeros()
 
     def write_lora_slot(self, slot: int, adapter: list[dict[str, tuple[np.ndarray, np.ndarray]]]) -> None:

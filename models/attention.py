@@ -76,9 +76,8 @@ def qkv(layer: nnx.Module, x: jax.Array, lora: LoRALayer | None = None) -> tuple
     if layer.use_bias:
         q, k, v = q + layer.q_bias[...], k + layer.k_bias[...], v + layer.v_bias[...]
     if lora is not None:
-        q = q + lora.delta("q_proj", x).reshape(q.shape)
-        k = k + lora.delta("k_proj", x).reshape(k.shape)
-        v = v + lora.delta("v_proj", x).reshape(v.shape)
+        dq, dk, dv = lora.qkv(x)
+        q, k, v = q + dq.reshape(q.shape), k + dk.reshape(k.shape), v + dv.reshape(v.shape)
     return q, k, v
 
 
@@ -89,7 +88,7 @@ def out_proj(o: jax.Array, w: jax.Array, lora: LoRALayer | None = None) -> jax.A
     t_, n, h = o.shape
     flat = o.reshape(t_, n * h)
     out = flat @ w.reshape(n * h, w.shape[-1])
-    return out if lora is None else out + lora.delta("o_proj", flat)
+    return out if lora is None else out + lora.o(flat)
 
 
 class Attention(nnx.Module):

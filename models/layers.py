@@ -192,10 +192,11 @@ class MLP(nnx.Module):
             gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
             up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
         if lora is not None:
-            gate, up = gate + lora.delta("gate_proj", x), up + lora.delta("up_proj", x)
+            dg, du = lora.gate_up(x)
+            gate, up = gate + dg, up + du
         h = self.act(gate) * up
         out = jnp.einsum("TF,FD->TD", h, self.down_proj[...])
-        return out if lora is None else out + lora.delta("down_proj", h)
+        return out if lora is None else out + lora.down(h)
 
 
 class BiasMLP(nnx.Module):
