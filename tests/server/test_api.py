@@ -113,6 +113,9 @@ def test_unserved_routes_answer_in_openai_error_json(server, client):
     err = r.json()["error"]
     assert err["code"] == "route_not_found" and "POST /v1/responses is not served" in err["message"]
     with pytest.raises(openai.NotFoundError):
+        client.audio.transcriptions.create(model=MODEL, file=("a.wav", b"RIFF"))
+    # a pooling route on a generative model: served, and refused with what to do instead
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
         client.embeddings.create(model=MODEL, input="hi")
 
 
