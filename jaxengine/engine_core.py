@@ -40,6 +40,16 @@ from jaxengine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+
+@dataclasses.dataclass(frozen=True)
+class PooledPrompt:
+    """A finished prompt's final hidden states, float32 [D] each: what LAST, CLS and MEAN pooling
+    read (mean over every prompt token, chunks included)."""
+
+    last: np.ndarray
+    first: np.ndarray
+    mean: np.ndarray
+
 PREEMPTION_LOG_INTERVAL_S = 60.0  # at most one warning about preemptions per interval
 
 
@@ -66,12 +76,35 @@ class EngineCore:
         self.last_step_tokens = 0
         self.scheduled_tokens = 0
         self.scheduled_steps = 0
-        # Pooling engines: request id -> the final hidden state of its prompt's last token, kept
-        # until the caller takes it (`pop_pooled`).
-        self.pooled: dict[str, np.ndarray] = {}
+        # Pooling engines: request id -> its prompt's pooled hidden states, kept until the caller
+        # takes them (`pop_pooled`); prompts part-way through: [first row, row sum so far].
+        self.pooled: dict[str, PooledPrompt] = {}
+        self._pool_acc: dict[str, list[np.ndarray]] = {}
 
-    def pop_pooled(self, request_id: str) -> np.ndarray | None:
+    def pop_pooled(self, request_id: str) -> PooledPrompt | None:
+        """The request's pooled states (None if it has none); forgets any partial sums too."""
+        self._pool_acc.pop(request_id, None)
         return self.pooled.pop(request_id, None)
+
+    def _pool(self, sched: SchedulerOutput, pooled: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """A pooling engine's step: each prompt chunk's first row and row sum accumulate; when a
+        prompt's last chunk is done, its `PooledPrompt` is kept for the caller. A chunk from
+        position 0 starts over (a preempted prompt is recomputed from the start). The first row
+        and the mean are whole only without prefix caching (the pooling engine turns it off for
+        CLS and MEAN pooling)."""
+        last, first, sums = pooled
+        for i, s in enumerate(sched.seqs):
+            n_prompt = len(s.spec.prompt_token_ids)
+            if s.start >= n_prompt:  # a row after the prompt (the dropped token of a finished request)
+                continue
+            acc = self._pool_acc.get(s.request_id)
+            if s.start == 0 or acc is None:  # (a prefix from the cache starts later: LAST pooling only)
+                self._pool_acc[s.request_id] = [first[i], sums[i].copy()]
+            else:
+                acc[1] += sums[i]
+            if s.start + s.num_new_tokens == n_prompt:
+                head, total = self._pool_acc.pop(s.request_id)
+                self.pooled[s.request_id] = PooledPrompt(last[i], head, total / n_prompt)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -143,10 +176,8 @@ class EngineCore:
         self.timing["device_wait_s"] += time.perf_counter() - t0
         self.timing["steps"] += 1
         sched = step.sched
-        if out.pooled is not None:  # a pooling engine: the last hidden state of each prompt just completed
-            for i, s in enumerate(sched.seqs):
-                if s.samples and s.start + s.num_new_tokens == len(s.spec.prompt_token_ids):
-                    self.pooled[s.request_id] = out.pooled[i]
+        if out.pooled is not None:
+            self._pool(sched, out.pooled)
         sampled = [tok if s.samples else None for s, tok in zip(sched.seqs, out.token_ids.tolist())]
         finished = {r.request_id: (r.status.finish_reason, r.stop_reason)
                     for r in self.scheduler.resolve(sched, sampled)}

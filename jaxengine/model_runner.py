@@ -48,7 +48,9 @@ class RunnerOutput:
     top_logprobs: np.ndarray  # [num_seqs, max_logprobs] f32
     prompt_lp: tuple | None = None  # (logprob [T], rank [T], top_ids [T, k], top_logprobs [T, k]) per token row
     nan_rows: np.ndarray | None = None  # [num_seqs] bool: the row's logits hold a NaN
-    pooled: np.ndarray | None = None  # [num_seqs, D] f32 final hidden state of each sequence's last row (pooling)
+    # Pooling engines, per sequence [num_seqs, D] f32: the final hidden state of its last row, of its
+    # first row, and the sum over its rows this step (LAST, CLS and MEAN pooling).
+    pooled: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, lora_layers=None, *,
@@ -73,10 +75,16 @@ def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Arr
     return kv_caches, logits, hidden
 
 
-def _last_hidden(hidden: jax.Array, rows: jax.Array) -> jax.Array:
-    """hidden [T, D], rows [R] int32 (each sequence's last new token) -> [R, D] float32: what a
-    decoder's last-token pooling reads."""
-    return jnp.take(hidden, rows, axis=0).astype(jnp.float32)
+def _pool_rows(hidden: jax.Array, last_rows: jax.Array, query_start_loc: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """hidden [T, D]; last_rows [R] (each sequence's last new token); query_start_loc [R + 1] ->
+    per sequence [R, D] float32: its last row, its first row and the sum of its rows (padding
+    tokens, past the last sequence, count for none)."""
+    h = hidden.astype(jnp.float32)
+    r = last_rows.shape[0]
+    seg = jnp.searchsorted(query_start_loc[1:], jnp.arange(h.shape[0]), side="right")  # [T] row of each token
+    sums = jax.ops.segment_sum(h, seg, num_segments=r + 1)[:r]
+    return jnp.take(h, last_rows, axis=0), jnp.take(h, query_start_loc[:-1], axis=0), sums
 
 
 def _flat(fn, graphdef, treedef, **static):
@@ -305,7 +313,8 @@ class ModelRunner:
     def _compile_pool(self, t: int) -> jax.stages.Compiled:
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
         rows = jax.ShapeDtypeStruct((self.rows_for(t),), jnp.int32, sharding=self._rep)
-        return jax.jit(_last_hidden).lower(hidden, rows).compile()
+        qsl = jax.ShapeDtypeStruct((self.rows_for(t) + 1,), jnp.int32, sharding=self._rep)
+        return jax.jit(_pool_rows).lower(hidden, rows, qsl).compile()
 
     def _compile_sampler(self, r: int, processors: bool) -> jax.stages.Compiled:
         layout = Layout.of(build_sampling_metadata([], r, self._history_len(processors), processors=processors))
@@ -399,7 +408,7 @@ class ModelRunner:
         if self.pooling:
             # a copy: the builder reuses its buffers, and the CPU backend may read numpy memory late
             pooled = self._get(self._pool_fns, t, self._compile_pool, "pooling program for bucket")(
-                hidden, np.array(inputs.logits_indices))
+                hidden, np.array(inputs.logits_indices), np.array(inputs.attn.query_start_loc))
         return InFlight(sampler_out, len(seqs), prompt_lp, tokens, rows_of, nan_rows, pooled)
 
     @staticmethod
@@ -409,7 +418,7 @@ class ModelRunner:
                                                            handle.pooled))
         n = handle.num_seqs
         return RunnerOutput(out.token_ids[:n], out.logprob[:n], out.rank[:n], out.top_ids[:n], out.top_logprobs[:n],
-                            prompt_lp, nan_rows[:n], None if pooled is None else pooled[:n])
+                            prompt_lp, nan_rows[:n], None if pooled is None else tuple(p[:n] for p in pooled))
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """One step, waited for (tests and tools; the engine overlaps `dispatch` and `collect`)."""
@@ -426,4 +435,4 @@ class InFlight:
     tokens: jax.Array  # [max_num_seqs] int32 sampled tokens, on the device, for the next step's inputs
     rows: dict[str, int]  # request id -> its row in this step's samples
     nan_rows: jax.Array  # [R] bool, on the device
-    pooled: jax.Array | None = None  # [R, D] f32 last-token hidden states (pooling engines)
+    pooled: tuple | None = None  # pooling engines: ([R, D] f32 last, first and summed hidden states)

@@ -392,8 +392,10 @@ class DecoderPoolingEngine(PoolingEngineBase):
         folder = Path(config.model).expanduser() if config.model else None
         self.pooler = pooler_config(folder if folder is not None and folder.is_dir() else None,
                                     PoolerConfig("LAST", True))
-        if self.pooler.pooling_type != "LAST":
-            raise ValueError(f"{self.pooler.pooling_type} pooling: decoder models pool their last token only")
+        if self.pooler.pooling_type != "LAST" and config.enable_prefix_caching:
+            # MEAN and CLS read every prompt row: a prefix served from the cache is never recomputed
+            logger.info("%s pooling reads every prompt token: prefix caching is off", self.pooler.pooling_type)
+            config = dataclasses.replace(config, enable_prefix_caching=False)
         self.engine = LLMEngine(config)
         mc = self.engine.model_config
         self.score_head = self._score_head(config, mc.architecture)  # [L, D] float32, or None
@@ -432,8 +434,9 @@ class DecoderPoolingEngine(PoolingEngineBase):
         return self._checked(_Encoded(ids, [0] * len(ids)), params)
 
     def run(self, encoded: Sequence[_Encoded]) -> tuple[np.ndarray, np.ndarray]:
-        """(last-token hidden states [N, D] float32, logits [N, L] of the score head (L = 0 without
-        one)) in input order."""
+        """(pooled hidden states [N, D] float32 (the last token's, the first's, or the mean over
+        the prompt, as the pooler says), logits [N, L] of the score head (L = 0 without one)), in
+        input order. Classifiers read the last token."""
         engine = self.engine
         ids = []
         try:
@@ -449,12 +452,16 @@ class DecoderPoolingEngine(PoolingEngineBase):
             for rid in ids:
                 engine.core.pop_pooled(rid)
             raise
-        rows = [engine.core.pop_pooled(rid) for rid in ids]
-        missing = [rid for rid, r in zip(ids, rows) if r is None]
+        done = [engine.core.pop_pooled(rid) for rid in ids]
+        missing = [rid for rid, r in zip(ids, done) if r is None]
         if missing:
             raise RuntimeError(f"pooling requests {missing} ended without a pooled vector")
-        pooled = np.stack(rows).astype(np.float32)
-        logits = pooled @ self.score_head.T if self.score_head is not None else np.zeros((len(rows), 0), np.float32)
+        field = {"LAST": "last", "CLS": "first", "MEAN": "mean"}[self.pooler.pooling_type]
+        pooled = np.stack([getattr(d, field) for d in done]).astype(np.float32)
+        if self.score_head is None:
+            logits = np.zeros((len(done), 0), np.float32)
+        else:
+            logits = np.stack([d.last for d in done]).astype(np.float32) @ self.score_head.T
         return pooled, logits
 
 

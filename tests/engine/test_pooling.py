@@ -192,6 +192,35 @@ def test_decoder_last_token_embeddings_equal_transformers(tiny_model_factory, xl
     assert not llm.pooling_engine.engine.has_unfinished_requests() and not llm.pooling_engine.engine.core.pooled
 
 
+@pytest.mark.parametrize("pooling", ["MEAN", "CLS"])
+def test_decoder_mean_and_first_token_pooling(pooling, tiny_model_factory, tmp_path, xla_cache_dir):
+    """A decoder folder whose sentence-transformers config says MEAN (or CLS): the mean over every
+    prompt token (or the first token's state), across chunks, equals transformers'."""
+    import shutil
+
+    folder = str(tmp_path / "m")
+    shutil.copytree(tiny_model_factory("llama"), folder)
+    os.makedirs(os.path.join(folder, "1_Pooling"))
+    with open(os.path.join(folder, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"pooling_mode_mean_tokens": pooling == "MEAN", "pooling_mode_cls_token": pooling == "CLS"}, f)
+    with open(os.path.join(folder, "modules.json"), "w") as f:
+        json.dump([{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}], f)
+    llm = LLM(folder, runner="pooling", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+              num_kv_blocks=64, compilation_cache_dir=xla_cache_dir)
+    tok = llm.get_tokenizer()
+    texts = ["Hello, my name is", "The capital of France is Paris, and the capital of Italy is Rome; " * 3]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = []
+    for t in texts:
+        with torch.no_grad():
+            h = model(torch.tensor([tok.encode(t)]), output_hidden_states=True).hidden_states[-1][0].numpy()
+        want.append(h.mean(0) if pooling == "MEAN" else h[0])
+    got = [o.outputs.embedding for o in llm.embed(texts, PoolingParams(normalize=False), use_tqdm=False)]
+    assert len(tok.encode(texts[1])) > 32  # pooled across chunks
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["LlamaForSequenceClassification", "Qwen2ForSequenceClassification"])
 def test_decoder_classifier_equals_transformers(arch, tmp_path, smollm2_tokenizer_dir, xla_cache_dir):
     """A decoder classifier (a reward model when it has one label): softmax (sigmoid) of its score
