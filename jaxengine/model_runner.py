@@ -59,8 +59,8 @@ def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Arr
     prev_tokens [max_num_seqs] int32: the previous step's samples, still on the device; rows
     with prev_index >= 0 take their input token from there (scheduling ran ahead of them).
     attention: the runner's attention backend (static: it picks the kernel traced in).
-    lora_layers: the layer-stacked LoRA slot arrays (models/lora.py), each token's adapter chosen by
-    its `lora_slot`; None: the base model only (the program of steps without adapters)."""
+    lora_layers: the LoRA slot arrays (models/lora.py), each token's adapter chosen by its
+    `lora_slot`; None: the base model only (the program of steps without adapters)."""
     inputs: StepInputs = unpack(packed, layout)
     model = nnx.merge(graphdef, state)
     from_prev = prev_tokens[jnp.maximum(inputs.prev_index, 0)]
@@ -68,7 +68,7 @@ def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Arr
     if lora_layers is None:
         hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, attention)
     else:
-        mask = token_mask(inputs.lora_slot, lora_layers["q_b"].shape[1] // lora_rank, lora_rank)
+        mask = token_mask(inputs.lora_slot, lora_layers[0]["q_b"].shape[0] // lora_rank, lora_rank)
         hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, attention,
                                   lora=LoRAInputs(mask, lora_layers))
     logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -252,9 +252,8 @@ class ModelRunner:
 
         r = self.config.max_lora_rank
         dims = target_dims(self.model_config)
-        n = self.model_config.num_layers
-        one = {k: (jax.ShapeDtypeStruct((n, i, r), jnp.float32), jax.ShapeDtypeStruct((n, r, o), jnp.float32))
-               for k, (i, o) in dims.items()}
+        one = [{k: (jax.ShapeDtypeStruct((i, r), jnp.float32), jax.ShapeDtypeStruct((r, o), jnp.float32))
+                for k, (i, o) in dims.items()} for _ in self.lora_layers]
         slot = jax.ShapeDtypeStruct((), jnp.int32)
         keep = jax.tree.map(lambda a: a.sharding, self.lora_layers) if self.plan is not None else None
         fn = functools.partial(write_slot, num_slots=self.config.max_loras)
@@ -266,24 +265,22 @@ class ModelRunner:
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._rep)
         return self._jit_prompt_lp.lower(self._params_abs, hidden, targets).compile()
 
-    def _allocate_lora(self) -> dict[str, jax.Array]:
-        """Zeroed LoRA slot arrays (models/lora.py's layout), each stacked over the layers, split
-        over the mesh under tensor parallelism: B of column-parallel projections, A of row-parallel
-        ones."""
+    def _allocate_lora(self) -> list[dict[str, jax.Array]]:
+        """Zeroed LoRA slot arrays of every layer (models/lora.py's layout), split over the mesh
+        under tensor parallelism: B of column-parallel projections, A of row-parallel ones."""
         c = self.model_config
-        shapes = {k: (c.num_layers, *v) for k, v in layer_shapes(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, self.config.max_loras,
-            self.config.max_lora_rank).items()}
+        shapes = layer_shapes(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                              self.config.max_loras, self.config.max_lora_rank)
         out_shardings = None
         if self.plan is not None:
             def sharding(name: str) -> NamedSharding:
                 spec = [None] * len(shapes[name])
                 if TP_AXIS[name] is not None:
-                    spec[1 + TP_AXIS[name]] = "model"
+                    spec[TP_AXIS[name]] = "model"
                 return NamedSharding(self.plan.mesh, P(*spec))
-            out_shardings = {k: sharding(k) for k in shapes}
-        zeros = jax.jit(lambda: {k: jnp.zeros(shape, self.dtype) for k, shape in shapes.items()},
-                        out_shardings=out_shardings)
+            out_shardings = [{k: sharding(k) for k in shapes} for _ in range(c.num_layers)]
+        zeros = jax.jit(lambda: [{k: jnp.zeros(shape, self.dtype) for k, shape in shapes.items()}
+                                 for _ in range(c.num_layers)], out_shardings=out_shardings)
         return zeros()
 
     def write_lora_slot(self, slot: int, adapter: list[dict[str, tuple[np.ndarray, np.ndarray]]]) -> None:
@@ -292,9 +289,7 @@ class ModelRunner:
             if self.config.warmup:
                 raise RuntimeError("the LoRA slot writer was not compiled at start-up")
             self._lora_write = self._compile_lora_write()
-        stacked = {k: (np.stack([layer[k][0] for layer in adapter]), np.stack([layer[k][1] for layer in adapter]))
-                   for k in adapter[0]}
-        self.lora_layers = self._lora_write(self.lora_layers, stacked, np.int32(slot))
+        self.lora_layers = self._lora_write(self.lora_layers, adapter, np.int32(slot))
 
     def _lora_slots(self, seqs) -> list[int] | None:
         """Each row's LoRA device slot (adapters new to the device are written first), or None

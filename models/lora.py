@@ -10,12 +10,11 @@ becomes a [S*R] mask that keeps only its adapter's R columns, so for the whole b
 is two thin matmuls per projection, one program whatever mix of adapters the step holds; loading
 an adapter writes its slot's columns and never recompiles (jaxengine/lora.py keeps the host side).
 
-Projections that read the same input share one A matmul (q, k and v: `qkv_a`; gate and up:
-`gu_a`) and projections of equal shapes share one batched B matmul (k and v: `kv_b`; gate and up:
-`gu_b`): nine thin matmuls a layer instead of fourteen. Each of the nine arrays is stacked over the
-layers ([L, ...]), so a step's program takes nine LoRA arguments, not nine per layer (each argument
-costs the host time at every call). Every array keeps its own output axis, so tensor parallelism
-splits B (column-parallel q/k/v/gate/up) or A (row-parallel o/down) on an axis of its own.
+Thin matmuls cost a launch each more than their flops, so projections that read the same input
+share one A matmul (q, k and v: `qkv_a`; gate and up: `gu_a`) and projections of equal shapes share
+one batched B matmul (k and v: `kv_b`; gate and up: `gu_b`): nine matmuls a layer instead of
+fourteen. Every array keeps its own output axis, so tensor parallelism splits B (column-parallel
+q/k/v/gate/up) or A (row-parallel o/down) on an axis of its own.
 
 Legend: T tokens, S slots, R rank, G stacked projections.
 """
@@ -44,14 +43,14 @@ LAYOUT: dict[str, tuple[tuple[str, int], tuple[str, int | None]]] = {
 
 def layer_shapes(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
                  slots: int, rank: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of one layer's LoRA arrays (see LAYOUT); the engine stacks L of each."""
+    """Shapes of one layer's LoRA arrays (see LAYOUT)."""
     q, kv, sr = num_heads * head_dim, num_kv_heads * head_dim, slots * rank
     return {"qkv_a": (hidden, 3 * sr), "q_b": (sr, q), "kv_b": (2, sr, kv), "o_a": (q, sr), "o_b": (sr, hidden),
             "gu_a": (hidden, 2 * sr), "gu_b": (2, sr, intermediate), "down_a": (intermediate, sr),
             "down_b": (sr, hidden)}
 
 
-# Axis of one layer's array that splits over the devices under tensor parallelism (None: replicated).
+# Axis each array splits over the devices under tensor parallelism (None: replicated).
 TP_AXIS: dict[str, int | None] = {"qkv_a": None, "q_b": 1, "kv_b": 2, "o_a": 0, "o_b": None, "gu_a": None,
                                   "gu_b": 2, "down_a": 0, "down_b": None}
 
@@ -92,13 +91,13 @@ class LoRALayer:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LoRAInputs:
-    """What a forward with adapters takes: the step's mask and the layer-stacked slot arrays."""
+    """What a forward with adapters takes: the step's mask and every layer's slot arrays."""
 
     mask: jax.Array  # [T, S*R]
-    stacked: dict[str, jax.Array]  # name -> [L, *layer_shapes[name]]
+    layers: list[dict[str, jax.Array]]
 
     def layer(self, i: int) -> LoRALayer:
-        return LoRALayer(self.mask, {k: v[i] for k, v in self.stacked.items()})
+        return LoRALayer(self.mask, self.layers[i])
 
 
 def token_mask(slots: jax.Array, num_slots: int, rank: int) -> jax.Array:
@@ -107,21 +106,24 @@ def token_mask(slots: jax.Array, num_slots: int, rank: int) -> jax.Array:
     return jnp.repeat(onehot, rank, axis=1)
 
 
-def write_slot(stacked: dict[str, jax.Array], adapter: dict[str, tuple[jax.Array, jax.Array]], slot: jax.Array,
-               num_slots: int) -> dict[str, jax.Array]:
-    """The stacked arrays with slot `slot` (1..S) holding `adapter`: target -> (A [L, in, R],
-    B [L, R, out]), rank-padded, scaling folded into B. `slot` may be traced: one program serves
+def write_slot(arrays: list[dict[str, jax.Array]], adapter: list[dict[str, tuple[jax.Array, jax.Array]]],
+               slot: jax.Array, num_slots: int) -> list[dict[str, jax.Array]]:
+    """The layers' arrays with slot `slot` (1..S) holding `adapter` (per layer, target -> (A [in, R],
+    B [R, out]), rank-padded, scaling folded into B). `slot` may be traced: one program serves
     every slot."""
-    stacked = dict(stacked)
-    for target, ((a_name, a_idx), (b_name, b_idx)) in LAYOUT.items():
-        a_new, b_new = adapter[target]
-        r = a_new.shape[2]
-        col = (slot - 1) * r
-        a = stacked[a_name]
-        stacked[a_name] = jax.lax.dynamic_update_slice(a, a_new.astype(a.dtype), (0, 0, a_idx * num_slots * r + col))
-        b = stacked[b_name]
-        if b_idx is None:
-            stacked[b_name] = jax.lax.dynamic_update_slice(b, b_new.astype(b.dtype), (0, col, 0))
-        else:
-            stacked[b_name] = jax.lax.dynamic_update_slice(b, b_new.astype(b.dtype)[:, None], (0, b_idx, col, 0))
-    return stacked
+    out = []
+    for layer, new in zip(arrays, adapter):
+        layer = dict(layer)
+        for target, ((a_name, a_idx), (b_name, b_idx)) in LAYOUT.items():
+            a_new, b_new = new[target]
+            r = a_new.shape[1]
+            col = (slot - 1) * r
+            a = layer[a_name]
+            layer[a_name] = jax.lax.dynamic_update_slice(a, a_new.astype(a.dtype), (0, a_idx * num_slots * r + col))
+            b = layer[b_name]
+            if b_idx is None:
+                layer[b_name] = jax.lax.dynamic_update_slice(b, b_new.astype(b.dtype), (col, 0))
+            else:
+                layer[b_name] = jax.lax.dynamic_update_slice(b, b_new.astype(b.dtype)[None], (b_idx, col, 0))
+        out.append(layer)
+    return out

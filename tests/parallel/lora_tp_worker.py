@@ -20,9 +20,9 @@ for tp in [int(s) for s in sizes.split(",")]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5),
                         use_tqdm=False, lora_request=loras)
     r = llm.llm_engine.runner
-    stacked = r.lora_layers
+    layer = r.lora_layers[0]
     out[tp] = {"tokens": [o.outputs[0].token_ids for o in outs],
                "top5": [[sorted(d) for d in o.outputs[0].logprobs] for o in outs],
-               "specs": {k: list(v.sharding.spec)[1:] for k, v in stacked.items()} if tp > 1 else {}}
+               "specs": {k: list(v.sharding.spec) for k, v in layer.items()} if tp > 1 else {}}
     del llm
 print(json.dumps(out))
