@@ -197,7 +197,7 @@ def test_hash_is_chained_and_stable() -> None:
 
 def test_hash_collision_does_not_share_wrong_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a deliberately colliding hash, a hit is still checked against the block's tokens."""
-    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: b"collide")
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens, lora_int_id=0: b"collide")
     bm = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     a = make_req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     a_blocks = prefill(bm, a)
@@ -313,3 +313,14 @@ def test_models_with_a_global_layer_keep_full_tables() -> None:
     req.output_token_ids.append(1)
     assert bm.allocate_slots(req, 1)
     assert 0 not in bm.get_block_ids("a")
+
+
+def test_a_lora_adapter_changes_every_block_hash() -> None:
+    """The first block's hash takes the adapter's id, so no block of one adapter's chain (or the
+    base model's) equals another's for the same tokens."""
+    tokens = [1, 2, 3, 4]
+    base = bm_module.hash_block_tokens(None, tokens)
+    one, two = bm_module.hash_block_tokens(None, tokens, 1), bm_module.hash_block_tokens(None, tokens, 2)
+    assert len({base, one, two}) == 3
+    assert bm_module.hash_block_tokens(one, tokens) != bm_module.hash_block_tokens(two, tokens)
+    assert bm_module.hash_block_tokens(base, tokens, 5) == bm_module.hash_block_tokens(base, tokens)  # chained: the parent carries it
