@@ -294,8 +294,10 @@ class ModelRunner:
     def _lora_slots(self, seqs) -> list[int] | None:
         """Each row's LoRA device slot (adapters new to the device are written first), or None
         when no row of the step has an adapter."""
+        if self.lora_manager is None:  # LoRA off: nothing per row to read
+            return None
         ids = [s.spec.lora_int_id for s in seqs]
-        if self.lora_manager is None or not any(ids):
+        if not any(ids):
             return None
         self.lora_manager.pin({i for i in ids if i})
         try:

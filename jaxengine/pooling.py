@@ -92,14 +92,19 @@ def wants_pooling(config: EngineConfig) -> bool:
     from jaxengine.models.bert import is_encoder_config
     from jaxengine.models.registry import CLASSIFIER_ARCHITECTURES
 
-    folder = Path(config.model).expanduser() if config.model else None
-    if folder is not None and (folder / "config.json").is_file():
-        try:
-            hf = json.loads((folder / "config.json").read_text())
-        except ValueError:
-            return False
-        return is_encoder_config(hf) or (hf.get("architectures") or [""])[0] in CLASSIFIER_ARCHITECTURES
-    return False
+    hf = local_hf_config(config)
+    return hf is not None and (is_encoder_config(hf) or (hf.get("architectures") or [""])[0] in CLASSIFIER_ARCHITECTURES)
+
+
+def local_hf_config(config: EngineConfig) -> dict | None:
+    """config.json of the model when it is a local folder (None otherwise, or when unreadable)."""
+    path = Path(config.model).expanduser() / "config.json" if config.model else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
 
 
 def _pool(hidden: jax.Array, mask: jax.Array, pooling_type: str) -> jax.Array:
@@ -422,11 +427,9 @@ class DecoderPoolingEngine(PoolingEngineBase):
     def _label_names(config: EngineConfig, n: int) -> tuple[str, ...]:
         """config.json's id2label in index order ("LABEL_i" where absent)."""
         names = [f"LABEL_{i}" for i in range(n)]
-        folder = Path(config.model).expanduser() if config.model else None
-        if n and folder is not None and (folder / "config.json").is_file():
-            for key, name in (json.loads((folder / "config.json").read_text()).get("id2label") or {}).items():
-                if str(key).isdigit() and int(key) < n:
-                    names[int(key)] = str(name)
+        for key, name in ((local_hf_config(config) or {}).get("id2label") or {}).items():
+            if str(key).isdigit() and int(key) < n:
+                names[int(key)] = str(name)
         return tuple(names)
 
     def encode_prompt(self, prompt, params: PoolingParams) -> _Encoded:
@@ -469,12 +472,11 @@ def make_pooling_engine(config: EngineConfig) -> PoolingEngineBase:
     """The encoder engine for an encoder checkpoint, else the decoder pooling engine."""
     from jaxengine.models.bert import is_encoder_config
 
+    hf = local_hf_config(config)
+    if hf is not None:
+        return PoolingEngine(config) if is_encoder_config(hf) else DecoderPoolingEngine(config)
     folder = Path(config.model).expanduser() if config.model else None
-    if folder is not None and (folder / "config.json").is_file():
-        if is_encoder_config(json.loads((folder / "config.json").read_text())):
-            return PoolingEngine(config)
-        return DecoderPoolingEngine(config)
-    if config.model is not None and folder is not None and not folder.exists() and "/" in config.model:
+    if folder is not None and not folder.exists() and "/" in config.model:
         from jaxengine.models.checkpoint import open_checkpoint  # a hub id: its config decides
         if is_encoder_config(open_checkpoint(config.model, revision=config.revision).hf_config):
             return PoolingEngine(config)

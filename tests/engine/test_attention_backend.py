@@ -41,6 +41,13 @@ def test_names_on_the_cpu():
         assert hash(backend) == hash(select_attention_backend(name, SMOLLM2, jnp.float32, 16))
 
 
+def _on_a_hopper(monkeypatch) -> None:
+    """JAX answers as on one H100 (the kernels themselves are not run)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(
+        compute_capability="9.0", core_count=132, device_kind="H100")])
+
+
 def test_unknown_name_is_an_error():
     with pytest.raises(ValueError, match="attention backend must be one of auto, pallas"):
         select_attention_backend("mosaic", SMOLLM2, jnp.float32, 16)
@@ -57,9 +64,7 @@ def test_names_pick_the_mosaic_prefill_on_hopper(monkeypatch):
     def ragged_paged_attention_gpu(q, *args, **kwargs):  # stands in for the kernel, by its name
         calls.append(kwargs.get("prefill", "triton"))
 
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(
-        compute_capability="9.0", core_count=132, device_kind="H100")])
+    _on_a_hopper(monkeypatch)
     monkeypatch.setattr(rpa_gpu, "ragged_paged_attention_gpu", ragged_paged_attention_gpu)
     q = jax.ShapeDtypeStruct((gpu_backend.MOSAIC_PREFILL_MIN_TOKENS, 32, 128), jnp.bfloat16)
     described = {}
@@ -87,9 +92,7 @@ def test_gemma_never_gets_the_mosaic_prefill(monkeypatch):
     def ragged_paged_attention_gpu(q, *args, **kwargs):  # stands in for the kernel, by its name
         calls.append(kwargs.get("prefill", "triton"))
 
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(
-        compute_capability="9.0", core_count=132, device_kind="H100")])
+    _on_a_hopper(monkeypatch)
     monkeypatch.setattr(rpa_gpu, "ragged_paged_attention_gpu", ragged_paged_attention_gpu)
     shape = dict(PRESETS["gemma-2-9b"], head_dim=128, num_hidden_layers=6)
     all_global = ["full_attention"] * 6
@@ -154,9 +157,7 @@ def test_attend_under_a_mesh_equals_one_device():
 def test_head_size_not_a_power_of_two_is_padded_for_the_gpu_kernels(monkeypatch):
     """The Pallas GPU kernels take power-of-two head sizes: Phi-3's 96 runs them with a KV cache of
     head size 128; a power-of-two head size keeps its own; the CPU path never pads."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(
-        compute_capability="9.0", core_count=132, device_kind="H100")])
+    _on_a_hopper(monkeypatch)
     phi3 = ModelConfig.from_hf_dict(PRESETS["phi-3-mini"])
     assert phi3.head_dim == 96
     backend = select_attention_backend("auto", phi3, jnp.bfloat16, 16)
