@@ -47,7 +47,7 @@ if not _logger.handlers:
 _logger.setLevel(_level)
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "TextPrompt", "TokensPrompt", "__version__"]
+           "TextPrompt", "TokensPrompt", "StructuredOutputsParams", "GuidedDecodingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -58,6 +58,9 @@ def __getattr__(name: str):
     if name in ("SamplingParams", "BeamSearchParams"):
         from jaxengine import sampling_params
         return getattr(sampling_params, name)
+    if name in ("StructuredOutputsParams", "GuidedDecodingParams"):
+        from jaxengine import structured_outputs
+        return getattr(structured_outputs, name)
     if name == "PoolingParams":
         from jaxengine.pooling_params import PoolingParams
         return PoolingParams

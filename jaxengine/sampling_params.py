@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxengine.structured_outputs import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
@@ -97,6 +99,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # words never generated (their last token is banned after the rest)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len - 1)
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to follow
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's former name for structured_outputs
 
     def __post_init__(self) -> None:
         # Normalise first, then validate. Frozen, so normalising goes through `_set`.
@@ -134,6 +138,8 @@ class SamplingParams:
         set_("logit_bias", self._normalise_logit_bias(self.logit_bias))
         set_("allowed_token_ids", self._normalise_allowed(self.allowed_token_ids))
         set_("bad_words", self._normalise_bad_words(self.bad_words))
+        set_("structured_outputs", self._normalise_structured(self.structured_outputs, self.guided_decoding))
+        set_("guided_decoding", None)
         _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True)
         if self.truncate_prompt_tokens is not None:
             set_("truncate_prompt_tokens", int(self.truncate_prompt_tokens))
@@ -212,6 +218,19 @@ class SamplingParams:
         if len(out) > MAX_ALLOWED_TOKEN_IDS:
             raise ValueError(f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} tokens, got {len(out)}.")
         return out
+
+    @staticmethod
+    def _normalise_structured(so: object, guided: object) -> StructuredOutputsParams | None:
+        """One constraint object from `structured_outputs` or its alias `guided_decoding` (a
+        StructuredOutputsParams, or a dict of its fields)."""
+        if so is not None and guided is not None:
+            raise ValueError("give structured_outputs or guided_decoding (its former name), not both.")
+        so = so if so is not None else guided
+        if so is None or isinstance(so, StructuredOutputsParams):
+            return so
+        if isinstance(so, dict):
+            return StructuredOutputsParams.from_dict(so)
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}.")
 
     @staticmethod
     def _normalise_bad_words(words: object) -> list[str] | None:
