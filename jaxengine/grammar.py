@@ -45,7 +45,7 @@ def _grammar_text(so: StructuredOutputsParams) -> str:
         if isinstance(schema, str):
             schema = json.loads(schema)
         if isinstance(schema, dict) and so.disable_additional_properties:
-            schema = _no_additional_properties(schema)
+            schema = no_additional_properties(schema)
         options: dict[str, object] = {"whitespace_flexible": False}
         if so.whitespace_pattern is not None:
             options = {"whitespace_pattern": so.whitespace_pattern}
@@ -63,7 +63,7 @@ def _grammar_text(so: StructuredOutputsParams) -> str:
         raise ValueError(f"structured_outputs.grammar: {e}") from None
 
 
-def _no_additional_properties(schema: dict) -> dict:
+def no_additional_properties(schema: dict) -> dict:
     """The schema with `additionalProperties: false` on every object that does not say."""
     def walk(node):
         if isinstance(node, dict):
