@@ -104,7 +104,8 @@ class GrammarBackend:
                 import llguidance.hf
 
                 n_vocab = max(self.vocab_size, len(self.tokenizer))
-                eos = self.eos_token_ids or None
+                # the model's eos ids the tokenizer knows (else the tokenizer's own eos)
+                eos = [t for t in self.eos_token_ids if t < len(self.tokenizer)] or None
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab, eos_token=eos)
             return self._ll_tokenizer
 
