@@ -121,6 +121,23 @@ def main() -> int:
             host["advance_s"] += time.perf_counter() - t0
     grammar.fill_bitmask, core._advance_grammars = fill, adv
 
+    # Host time per part of the step (where the step's wall time goes), both paths.
+    parts = {"schedule": (eng.scheduler, "schedule"), "dispatch_forward": (eng.runner, "dispatch_forward"),
+             "dispatch_sampler": (eng.runner, "dispatch_sampler"), "resolve": (core, "_resolve"),
+             "outputs": (core, "_outputs")}
+    spent = {k: 0.0 for k in parts}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return wrapper
+    for name, (obj, attr) in parts.items():
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
+
     def run(constrained: bool, tag: str) -> dict:
         for i, p in enumerate(prompts):
             so = schemas[i % len(schemas)] if constrained else None
@@ -129,18 +146,21 @@ def main() -> int:
                                            structured_outputs=so))
         for k in host:
             host[k] = 0 if k == "fills" else 0.0
-        steps, finished = [], 0
+        steps, breakdown = [], {k: [] for k in parts}
         while eng.has_unfinished_requests():
+            before = dict(spent)
             t0 = time.perf_counter()
-            outs = eng.step()
+            eng.step()
             dt = time.perf_counter() - t0
-            finished += sum(o.finished for o in outs)
             if core.last_step_tokens == BATCH and eng.scheduler.num_running == BATCH:
                 steps.append(dt)
+                for k in parts:
+                    breakdown[k].append(spent[k] - before[k])
         return {"decode_steps": len(steps), "step_ms_median": 1e3 * statistics.median(steps),
                 "step_ms_mean": 1e3 * statistics.fmean(steps),
                 "fill_ms_per_step": 1e3 * host["fill_s"] / max(host["fills"], 1),
-                "advance_ms_per_step": 1e3 * host["advance_s"] / max(host["fills"], 1)}
+                "advance_ms_per_step": 1e3 * host["advance_s"] / max(host["fills"], 1),
+                "host_ms_median": {k: 1e3 * statistics.median(v) for k, v in breakdown.items()}}
 
     run(False, "warm-free")
     run(True, "warm-json")
@@ -150,7 +170,8 @@ def main() -> int:
             x = run(kind == "json", f"{kind}{r}")
             runs[kind].append(x)
             print(f"{kind}: {x['step_ms_median']:.2f} ms/step over {x['decode_steps']} steps "
-                  f"(fill {x['fill_ms_per_step']:.2f} ms, advance {x['advance_ms_per_step']:.2f} ms)", flush=True)
+                  f"(fill {x['fill_ms_per_step']:.2f} ms, advance {x['advance_ms_per_step']:.2f} ms; "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in x["host_ms_median"].items()) + ")", flush=True)
             res["runs"] = runs
             save()
     free = statistics.median(x["step_ms_median"] for x in runs["free"])
