@@ -43,12 +43,24 @@ def main() -> int:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--no-sampler-cond", action="store_true",
+                    help="experiment: the sampler's lax.conds take their false branch unconditionally (right for "
+                         "these runs: no row truncates with top-k / top-p), to see what the conds cost")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
     import jax
 
     from jaxengine import LLM, SamplingParams
+
+    if args.no_sampler_cond:
+        import types
+
+        import jaxengine.sampler as sampler_module
+        lax = types.SimpleNamespace(**{k: getattr(jax.lax, k) for k in dir(jax.lax) if not k.startswith("__")})
+        lax.cond = lambda pred, true_fn, false_fn, *ops: false_fn(*ops)
+        sampler_module.jax = types.SimpleNamespace(**{k: getattr(jax, k) for k in dir(jax) if not k.startswith("__")})
+        sampler_module.jax.lax = lax
     from jaxengine.benchmarks import ceilings
     from jaxengine.grammar import GrammarBackend
     from jaxengine.models.presets import PRESETS
@@ -57,7 +69,7 @@ def main() -> int:
 
     res: dict = {"commit": args.commit, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
                  "model": f"{args.model} (dummy bf16)", "batch": BATCH, "tokenizer": "SmolLM2 (49,152 tokens)",
-                 "max_tokens": args.max_tokens}
+                 "max_tokens": args.max_tokens, "no_sampler_cond": args.no_sampler_cond}
     path = os.path.join(args.out, "structured_outputs.json")
 
     def save() -> None:
