@@ -1,9 +1,9 @@
 """Owns the device side: parameters, the paged KV cache, and the compiled step programs.
 
 Per token bucket T one forward program (KV caches donated, logits for R = min(T, max_num_seqs)
-rows); per row count R three small sampler programs (`SAMPLER_VARIANTS`: plain; with the
-structured-output bitmask; with logits processors (penalties, logit_bias, allowed_token_ids,
-bad_words) and the bitmask). All of them are compiled ahead of time at start-up; running a
+rows); per row count R five small sampler programs (`SAMPLER_VARIANTS`: plain and with the
+structured-output bitmask, each with and without top-k / top-p truncation; with logits
+processors (penalties, logit_bias, allowed_token_ids, bad_words) and the bitmask). All of them are compiled ahead of time at start-up; running a
 shape that was not compiled is a bug and raises. The host waits once per step, for the
 sampler's output. A step is enqueued in one go (`dispatch`), or as its forward first and its
 sampler later (`dispatch_forward` then `dispatch_sampler`): the engine computes the bitmask of
@@ -167,16 +167,19 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     return max(total - weights, 0)
 
 
-# The sampler programs compiled per row count: (logits processors, structured-output bitmask).
-SAMPLER_VARIANTS = ((False, False), (False, True), (True, True))
+# The sampler programs compiled per row count: (logits processors, structured-output bitmask,
+# top-k / top-p truncation; None: decided on the device, see jaxengine.sampler.sample).
+SAMPLER_VARIANTS = ((False, False, False), (False, False, True), (False, True, False), (False, True, True),
+                    (True, True, None))
 
 
 def _sample_padded(logits: jax.Array, packed_md: jax.Array, *, layout: Layout, use_processors: bool, pad_to: int,
-                   use_bitmask: bool = False):
+                   use_bitmask: bool = False, truncate: bool | None = None):
     """The sampler on metadata packed with `layout`, plus its tokens padded to [pad_to] (a fixed
     shape the next forward reads) and a [R] flag for rows whose logits hold a NaN (that request
     is failed alone, not sampled from)."""
-    out = sample(logits, unpack(packed_md, layout), use_processors=use_processors, use_bitmask=use_bitmask)
+    out = sample(logits, unpack(packed_md, layout), use_processors=use_processors, use_bitmask=use_bitmask,
+                 truncate=truncate)
     nan_rows = jnp.any(jnp.isnan(logits), axis=-1)
     return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0])), nan_rows
 
@@ -214,7 +217,7 @@ class ModelRunner:
         # stand-in for the previous step's tokens when nothing is in flight
         self._no_prev = jax.device_put(np.zeros((config.max_num_seqs,), np.int32), self._rep)
         self._forward_fns: dict[int, jax.stages.Compiled] = {}
-        self._sample_fns: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}
+        self._sample_fns: dict[tuple[int, bool, bool, bool | None], jax.stages.Compiled] = {}
         self.mask_words = -(-model_config.vocab_size // 32)  # width of the structured-output bitmask
         self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
         self._pool_fns: dict[int, jax.stages.Compiled] = {}
@@ -333,11 +336,12 @@ class ModelRunner:
         return Layout.of(build_sampling_metadata([], r, self._history_len(processors), processors=processors,
                                                  mask_words=self.mask_words if masked else 1))
 
-    def _compile_sampler(self, r: int, processors: bool, masked: bool = False) -> jax.stages.Compiled:
+    def _compile_sampler(self, r: int, processors: bool, masked: bool = False,
+                         truncate: bool | None = None) -> jax.stages.Compiled:
         layout = self._sampler_layout(r, processors, masked)
         logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32, sharding=self._rep)
         fn = jax.jit(functools.partial(_sample_padded, layout=layout, use_processors=processors,
-                                       pad_to=self.config.max_num_seqs, use_bitmask=masked))
+                                       pad_to=self.config.max_num_seqs, use_bitmask=masked, truncate=truncate))
         return fn.lower(logits, layout.abstract(self._rep)).compile()
 
     def _history_len(self, processors: bool) -> int:
@@ -388,9 +392,11 @@ class ModelRunner:
     def _get_prompt_lp(self, t: int) -> jax.stages.Compiled:
         return self._get(self._prompt_lp_fns, t, self._compile_prompt_logprobs, "prompt-logprob program for bucket")
 
-    def _get_sampler(self, r: int, processors: bool, masked: bool = False) -> jax.stages.Compiled:
-        return self._get(self._sample_fns, (r, processors, masked), self._compile_sampler,
-                         "sampler (rows, processors, bitmask)")
+    def _get_sampler(self, r: int, processors: bool, masked: bool = False,
+                     truncate: bool | None = None) -> jax.stages.Compiled:
+        """The sampler program of a variant; the processors variant decides truncation itself."""
+        key = (r, True, True, None) if processors else (r, False, masked, bool(truncate))
+        return self._get(self._sample_fns, key, self._compile_sampler, "sampler (rows, processors, bitmask, truncate)")
 
     # -- one step --------------------------------------------------------------------------
     def dispatch(self, sched: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
@@ -435,11 +441,11 @@ class ModelRunner:
         """Enqueues the sampler of a step whose forward is enqueued. `bitmask` [R, mask_words]
         int32: the structured-output bitmask of the step's rows (None: no row is constrained)."""
         seqs, r = step.seqs, step.num_rows
-        md, processors = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True))
+        md, processors, truncate = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True))
         masked = bitmask is not None or processors  # the processors program always reads a bitmask
         if masked:
             md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
-        sampler_out, tokens, nan_rows = self._get_sampler(r, processors, masked)(step.logits, pack(md))
+        sampler_out, tokens, nan_rows = self._get_sampler(r, processors, masked, truncate)(step.logits, pack(md))
         rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
         return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, rows_of, nan_rows, step.pooled)
 

@@ -92,6 +92,11 @@ class SamplingRow(NamedTuple):
     eos_token_ids: Sequence[int] = ()  # banned with stop_token_ids until min_tokens are out
 
 
+def needs_truncation(params_list: Sequence[SamplingParams]) -> bool:
+    """Whether any row samples with top-k or top-p (the sampler's sort)."""
+    return any(p.truncates for p in params_list)
+
+
 def needs_processors(params_list: Sequence[SamplingParams]) -> bool:
     """Whether any row needs the `use_processors` variant: penalties (which read the token
     history) or logit edits (logit_bias, allowed_token_ids, bad_words)."""
@@ -150,7 +155,7 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int, history_
 
 
 def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequence[int], num_rows: int,
-                            processors_history_len: int, mask_words: int = 1) -> tuple[SamplingMetadata, bool]:
+                            processors_history_len: int, mask_words: int = 1) -> tuple[SamplingMetadata, bool, bool]:
     """`build_sampling_metadata` for one step's rows straight from the scheduler's output, and
     whether any row needs the `use_processors` variant (then the history is
     `processors_history_len` long, else 1).
@@ -169,8 +174,9 @@ def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequenc
                            eos_token_ids)
 
     processors = needs_processors(params)
-    return _metadata(params, [sp.seed for sp in specs], steps, row, num_rows,
-                     processors_history_len if processors else 1, processors, mask_words), processors
+    return (_metadata(params, [sp.seed for sp in specs], steps, row, num_rows,
+                      processors_history_len if processors else 1, processors, mask_words), processors,
+            needs_truncation(params))
 
 
 def _fill_logit_edits(md: dict[str, np.ndarray], rows: Sequence[SamplingRow]) -> None:
@@ -391,17 +397,21 @@ def _mask_banned(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
     return jnp.where(hit, -jnp.inf, logits)
 
 
-def _random_tokens(logits: jax.Array, row_max: jax.Array, md: SamplingMetadata) -> jax.Array:
+def _random_tokens(logits: jax.Array, row_max: jax.Array, md: SamplingMetadata, truncate: bool | None) -> jax.Array:
     """[R] tokens drawn from the temperature-scaled, truncated distribution of each row.
 
-    logits: [R, V] after penalties and bans; row_max: [R] their row maxima.
+    logits: [R, V] after penalties and bans; row_max: [R] their row maxima. `truncate`: whether
+    to apply top-k / top-p (a sort of [R, V], the costliest part of sampling on GPU); None:
+    decided on the device, only when a row asks for it.
     """
     greedy = md.temperature <= 0.0
     temperature = jnp.where(greedy, 1.0, md.temperature)  # [R]
     scaled = logits / temperature[:, None]
-    # Sorting [R, V] is the costliest part of sampling on GPU: only when a row truncates.
-    needs_sort = jnp.any(~greedy & ((md.top_k > 0) | (md.top_p < 1.0)))
-    scaled = jax.lax.cond(needs_sort, _truncate_sorted, lambda s, k, p: s, scaled, md.top_k, md.top_p)
+    if truncate is None:
+        needs_sort = jnp.any(~greedy & ((md.top_k > 0) | (md.top_p < 1.0)))
+        scaled = jax.lax.cond(needs_sort, _truncate_sorted, lambda s, k, p: s, scaled, md.top_k, md.top_p)
+    elif truncate:
+        scaled = _truncate_sorted(scaled, md.top_k, md.top_p)
     # min-p: p_i >= min_p * p_max  <=>  x_i >= max(x) + log(min_p), no softmax needed. The most
     # likely token survives top-k / top-p, so max(x) is row_max / temperature.
     floor = row_max / temperature + jnp.log(md.min_p)  # [R]; -inf where min_p = 0
@@ -410,10 +420,17 @@ def _random_tokens(logits: jax.Array, row_max: jax.Array, md: SamplingMetadata) 
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, *, use_processors: bool, use_bitmask: bool = False,
-           num_top_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
+           truncate: bool | None = None, num_top_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
     """Samples one token per row of `logits` [R, V] under `md`; jit with `use_processors`
-    (penalties and logit edits: see `needs_processors`) and `use_bitmask` (structured outputs'
-    allowed tokens, applied after them) static.
+    (penalties and logit edits: see `needs_processors`), `use_bitmask` (structured outputs'
+    allowed tokens, applied after them) and `truncate` static.
+
+    `truncate`: whether any row applies top-k / top-p (`needs_truncation`), known on the host.
+    With True or False the program holds no `lax.cond`: XLA's GPU runtime reads a conditional's
+    predicate on the host, so a cond makes the host wait, inside the program's launch, for all
+    the work queued before it (the step's forward), and the device idles while the host then
+    prepares the next step. None keeps the device-side decisions (all rows greedy; any row
+    truncating) as conds: the `use_processors` variant, whose requests are rare and slower anyway.
 
     Logprobs, top logprobs and ranks describe the raw model distribution (before penalties,
     bans and temperature), as vLLM reports them. The full [R, V] log-softmax is never built:
@@ -428,11 +445,14 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, use_processors: bool, use
 
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [R]
     row_max = jnp.take_along_axis(processed, greedy_tokens[:, None], axis=-1)[:, 0]  # [R]
-    tokens = jax.lax.cond(
-        jnp.all(md.temperature <= 0.0),
-        lambda: greedy_tokens,
-        lambda: jnp.where(md.temperature <= 0.0, greedy_tokens, _random_tokens(processed, row_max, md)),
-    )
+    if truncate is None:
+        tokens = jax.lax.cond(
+            jnp.all(md.temperature <= 0.0),
+            lambda: greedy_tokens,
+            lambda: jnp.where(md.temperature <= 0.0, greedy_tokens, _random_tokens(processed, row_max, md, None)),
+        )
+    else:  # the draw is computed for greedy rows too (its noise is cheap next to a host wait)
+        tokens = jnp.where(md.temperature <= 0.0, greedy_tokens, _random_tokens(processed, row_max, md, truncate))
 
     token_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)  # [R, 1] raw
     rank = 1 + jnp.sum(logits > token_logit, axis=-1, dtype=jnp.int32)

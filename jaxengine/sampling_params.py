@@ -300,6 +300,11 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     @functools.cached_property
+    def truncates(self) -> bool:
+        """Whether sampling keeps only the top-k / top-p tokens (the sampler's sort)."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @functools.cached_property
     def uses_logit_edits(self) -> bool:
         """Whether the sampler edits this request's logits: logit_bias, allowed_token_ids or
         bad_words (read by the same sampler variant as penalties)."""

@@ -52,8 +52,10 @@ def test_batch_metadata_equals_row_metadata(seed: int) -> None:
     seqs = [ScheduledSeq(r.request_id, r.num_tokens - 1, 1, [3], [1], True, RequestSpec(r.sampling_params, s, r.prompt_token_ids),
                          r.output_token_ids[:] if r.sampling_params.reads_history else None)
             for r, s in zip(reqs, seeds)]  # each row samples output token number len(outputs)
-    got, penalties = batch_sampling_metadata(seqs, EOS, num_rows, hist)
+    got, penalties, truncate = batch_sampling_metadata(seqs, EOS, num_rows, hist)
     assert penalties == any(r.sampling_params.uses_penalties or r.sampling_params.uses_logit_edits for r in reqs)
+    assert truncate == any(r.sampling_params.temperature > 0 and (r.sampling_params.top_k > 0
+                                                                  or r.sampling_params.top_p < 1) for r in reqs)
     rows = [SamplingRow(r.sampling_params, s, len(r.output_token_ids), r.prompt_token_ids, r.output_token_ids, EOS)
             for r, s in zip(reqs, seeds)]
     want = build_sampling_metadata(rows, num_rows, hist if penalties else 1)

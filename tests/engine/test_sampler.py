@@ -432,3 +432,26 @@ def test_bitmask_draws_follow_the_renormalised_distribution():
     expected = _softmax(logits[0, allowed]) * counts.sum()
     chi2 = (((counts[allowed] - expected) ** 2) / expected).sum()
     assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("case", ["greedy", "random", "truncating"])
+def test_static_truncation_variants_equal_the_device_decided_sampler(case):
+    """The variants without lax.cond (truncate=True / False, chosen on the host) sample exactly
+    what the device-decided sampler (truncate=None) samples."""
+    params = {"greedy": [SamplingParams(temperature=0)] * 3,
+              "random": [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=4),
+                         SamplingParams(temperature=1.3, min_p=0.1, seed=5)],
+              "truncating": [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_p=0.8, seed=6),
+                             SamplingParams(temperature=1.0, top_k=5, seed=7)]}[case]
+    from jaxengine.sampler import needs_truncation
+
+    truncate = needs_truncation(params)
+    assert truncate == (case == "truncating")
+    fn = jax.jit(sample, static_argnames=("use_processors", "truncate"))
+    logits = _logits(R)
+    for step in range(4):
+        md = build_sampling_metadata([_row(p, seed=i, step=step) for i, p in enumerate(params)], R, HIST)
+        want = fn(logits, md, use_processors=False, truncate=None)
+        got = fn(logits, md, use_processors=False, truncate=truncate)
+        np.testing.assert_array_equal(np.asarray(got.token_ids), np.asarray(want.token_ids))
+        np.testing.assert_array_equal(np.asarray(got.logprob), np.asarray(want.logprob))
