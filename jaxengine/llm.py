@@ -232,9 +232,11 @@ class LLM:
 
 def render_chat(tokenizer, conversation: list[Message], chat_template: str | None,
                 add_generation_prompt: bool, continue_final_message: bool = False,
-                chat_template_kwargs: dict[str, object] | None = None) -> tuple[str, list[int]]:
+                chat_template_kwargs: dict[str, object] | None = None,
+                tools: list[dict[str, object]] | None = None) -> tuple[str, list[int]]:
     """Renders one conversation with the chat template; returns (text, token ids).
-    `chat_template_kwargs` are extra variables for the template."""
+    `chat_template_kwargs` are extra variables for the template; `tools`: OpenAI tool
+    definitions (`{"type": "function", "function": {...}}`) for templates that list them."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so chat is not available")
     msgs = [normalize_message(m) for m in conversation]
@@ -248,10 +250,12 @@ def render_chat(tokenizer, conversation: list[Message], chat_template: str | Non
     if extra and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         raise ValueError("chat_template_kwargs: this tokenizer's chat template takes no extra variables")
     own = {name for name, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
-    reserved = (own | {"conversation", "messages"}) & set(extra)
+    reserved = (own | {"conversation", "messages", "tools"}) & set(extra)
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: they are not "
                          "template variables")
+    if tools:
+        extra["tools"] = tools
     text = tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt and not continue_final_message,
                                          continue_final_message=continue_final_message, **extra)

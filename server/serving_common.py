@@ -22,6 +22,7 @@ from jaxengine.server.errors import (EngineDeadError, OpenAIError, RequestFailed
                                      overloaded)
 from jaxengine.server.limits import ServerLimits
 from jaxengine.server.serving_lora import LoRAAdapters
+from jaxengine.server.serving_tools import ToolSettings
 from jaxengine.server.protocol import (ChatCompletionRequest, CompletionLogProbs, PromptLogprob,
                                        PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo)
 from jaxengine.server.protocol import PromptLogprobs as PromptLogprobsJSON
@@ -45,6 +46,7 @@ class ServingContext:
     chat_template: str | None = None
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     lora: LoRAAdapters | None = None  # adapters served as models (server/serving_lora.py)
+    tools: ToolSettings = dataclasses.field(default_factory=ToolSettings)  # tool / reasoning parsers
 
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer

@@ -48,6 +48,7 @@ class ToolParser:
     start_tag: ClassVar[str]
     end_tag: ClassVar[str | None] = None
     args_keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+    special_tokens_in_text: ClassVar[bool] = True  # the tags are special tokens: keep them in the text
 
     def __init__(self) -> None:
         self._scanner = CallScanner(self.args_keys)
@@ -190,6 +191,7 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     start_tag = "<|python_tag|>"
     args_keys = ("parameters", "arguments")
+    special_tokens_in_text = False  # calls are recognised without the tag too
 
     def __init__(self) -> None:
         super().__init__()
