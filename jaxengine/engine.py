@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxengine.config import EngineConfig
 from jaxengine.engine_core import EngineCore
+from jaxengine.grammar import GrammarBackend
 from jaxengine.loading import load_model
 from jaxengine.model_runner import ModelRunner
 from jaxengine.output_processor import OutputProcessor
@@ -58,7 +59,10 @@ class LLMEngine:
             block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             sliding_window=m.model_config.kv_window, max_loras=config.max_loras if config.enable_lora else 0))
         self.outputs = OutputProcessor(self.tokenizer)
-        self.core = EngineCore(self.scheduler, self.runner, self.outputs)
+        # Structured outputs (jaxengine/grammar.py; its tokenizer view is built on first use).
+        self.grammar = (GrammarBackend(self.tokenizer, m.model_config.vocab_size, self.eos_token_ids)
+                        if self.tokenizer is not None else None)
+        self.core = EngineCore(self.scheduler, self.runner, self.outputs, self.grammar)
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         cap = (config.num_kv_blocks - 1) * config.block_size / config.max_model_len
@@ -129,6 +133,8 @@ class LLMEngine:
         ids = self._truncate(ids, params)
         params.update_from_tokenizer(self.tokenizer)
         self._validate(ids, params)
+        if params.structured_outputs is not None:
+            self.compile_grammar(params.structured_outputs)
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -144,8 +150,23 @@ class LLMEngine:
                 seed = int(self._seed_rng.integers(0, 2**31 - 1))
             cid = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(cid, list(ids), child_params, eos_token_ids=self.eos_token_ids, seed=int(seed),
-                                    arrival_time=arrival, lora_int_id=lora_id))
+                                    arrival_time=arrival, lora_int_id=lora_id, grammar=self._matcher(params)))
         self.core.add_request(request_id, text, list(ids), params, children)
+
+    def grammar_backend(self) -> GrammarBackend:
+        if self.grammar is None:
+            raise ValueError("structured_outputs need a tokenizer; this model has none")
+        return self.grammar
+
+    def compile_grammar(self, so) -> None:
+        """Checks and compiles a structured-output constraint (cached by its spec): a ValueError
+        naming the field for an invalid schema, regex or grammar. The server calls this from its
+        request handlers, so the engine thread finds the grammar compiled."""
+        self.grammar_backend().compile(so)
+
+    def _matcher(self, params: SamplingParams):
+        so = params.structured_outputs
+        return None if so is None else self.grammar_backend().new_matcher(so)
 
     def prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         """(text if given, token ids) of a prompt: a string, a token-id list or a prompt dict."""

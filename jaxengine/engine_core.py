@@ -20,6 +20,12 @@ device:
    scheduler.
 When a running request uses penalties or bad words of several tokens (which read its output
 tokens) the step resolves N before scheduling N+1, as a synchronous engine would.
+
+Structured outputs: a step with constrained rows is dispatched in two parts. Its forward is
+enqueued first; then N resolves, each constrained request's grammar consumes its token (a
+rejected token fails that request alone; a grammar that is complete ends it with "stop"), the
+host computes the rows' bitmask while the device runs the forward, and the sampler is enqueued
+with it. Steps without constrained rows run exactly as before.
 """
 
 from __future__ import annotations
@@ -62,10 +68,13 @@ class _Dispatched:
 class EngineCore:
     """Owns the scheduler, the model runner and the output processor, and steps them together."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor, grammar=None):
+        """`grammar`: the structured-output backend (jaxengine.grammar.GrammarBackend) that fills
+        constrained rows' bitmasks; None when no request can be constrained."""
         self.scheduler = scheduler
         self.runner = runner
         self.outputs = outputs
+        self.grammar = grammar
         self._inflight: _Dispatched | None = None  # the step running on the device
         self._preempted_since_log = 0
         self._preemption_logged_at = float("-inf")
@@ -148,7 +157,15 @@ class EngineCore:
                 self._log_preemptions(len(sched.preempted_ids))
             dispatched = None
             if sched.seqs:
-                dispatched = _Dispatched(sched, self.runner.dispatch(sched, prev.handle if prev else None))
+                constrained = self.scheduler.num_constrained and self._constrained_rows(sched)
+                if constrained:
+                    pending = self.runner.dispatch_forward(sched, prev.handle if prev else None)
+                    if prev is not None:
+                        done, prev = self._resolve(prev), None
+                    mask = self.grammar.fill_bitmask(self._constrained_rows(sched), pending.num_rows)
+                    dispatched = _Dispatched(sched, self.runner.dispatch_sampler(pending, mask))
+                else:
+                    dispatched = _Dispatched(sched, self.runner.dispatch(sched, prev.handle if prev else None))
             if prev is not None:
                 done = self._resolve(prev)
             if dispatched is not None:
@@ -157,6 +174,32 @@ class EngineCore:
             return self._outputs(done) if done is not None else []
         finally:
             self.timing["step_s"] += time.perf_counter() - t_start
+
+    @staticmethod
+    def _constrained_rows(sched: SchedulerOutput) -> list[tuple[object, int]]:
+        """(grammar matcher, row) of the step's sampling rows whose request is constrained."""
+        return [(req.grammar, i) for i, (s, req) in enumerate(zip(sched.seqs, sched._requests))
+                if s.samples and req.grammar is not None and not req.is_finished]
+
+    def _advance_grammars(self, sched: SchedulerOutput, sampled: list[int | None],
+                          finished: dict[str, tuple[str, int | str | None]]) -> dict[str, Exception]:
+        """Each constrained request's grammar consumes its sampled token. A complete grammar ends
+        its request ("stop", added to `finished`); a rejected token is that request's error."""
+        errors: dict[str, Exception] = {}
+        done: list[str] = []
+        for req, token in zip(sched._requests, sampled):
+            m = req.grammar
+            if m is None or token is None or req.is_finished:
+                continue
+            if not m.consume_token(token):
+                errors[req.request_id] = ValueError(f"structured outputs: the grammar rejected token {token}: "
+                                                    f"{m.get_error()}")
+            elif m.is_stopped():
+                done.append(req.request_id)
+                finished[req.request_id] = ("stop", None)
+        if done:
+            self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
+        return errors
 
     def _log_preemptions(self, n: int) -> None:
         """A warning with the count, at most once per interval: preemption costs recomputation."""
@@ -179,9 +222,11 @@ class EngineCore:
         if out.pooled is not None:
             self._pool(sched, out.pooled)
         sampled = [tok if s.samples else None for s, tok in zip(sched.seqs, out.token_ids.tolist())]
+        constrained = self.scheduler.num_constrained
         finished = {r.request_id: (r.status.finish_reason, r.stop_reason)
                     for r in self.scheduler.resolve(sched, sampled)}
-        return ResolvedStep(sched, out, sampled, finished)
+        errors = self._advance_grammars(sched, sampled, finished) if constrained else None
+        return ResolvedStep(sched, out, sampled, finished, errors)
 
     def _outputs(self, done: ResolvedStep) -> list[RequestOutput]:
         processed = self.outputs.process(done)

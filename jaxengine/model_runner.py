@@ -1,10 +1,13 @@
 """Owns the device side: parameters, the paged KV cache, and the compiled step programs.
 
 Per token bucket T one forward program (KV caches donated, logits for R = min(T, max_num_seqs)
-rows); per row count R two small sampler programs (with and without logits processors:
-penalties, logit_bias, allowed_token_ids, bad_words). All of them are
-compiled ahead of time at start-up; running a shape that was not compiled is a bug and raises.
-The host waits once per step, for the sampler's output.
+rows); per row count R three small sampler programs (`SAMPLER_VARIANTS`: plain; with the
+structured-output bitmask; with logits processors (penalties, logit_bias, allowed_token_ids,
+bad_words) and the bitmask). All of them are compiled ahead of time at start-up; running a
+shape that was not compiled is a bug and raises. The host waits once per step, for the
+sampler's output. A step is enqueued in one go (`dispatch`), or as its forward first and its
+sampler later (`dispatch_forward` then `dispatch_sampler`): the engine computes the bitmask of
+constrained rows while the forward runs.
 """
 
 from __future__ import annotations
@@ -148,8 +151,10 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
                   donate_argnums=(1,)).lower(
         _abstract(state), [(kv, kv)] * c.num_layers, layout.abstract(rep),
         jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile()
-    md = Layout.of(build_sampling_metadata([], r, config.max_model_len, processors=True))
-    smp = jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True, pad_to=config.max_num_seqs)).lower(
+    md = Layout.of(build_sampling_metadata([], r, config.max_model_len, processors=True,
+                                           mask_words=-(-c.vocab_size // 32)))
+    smp = jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True, pad_to=config.max_num_seqs,
+                                    use_bitmask=True)).lower(
         jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32, sharding=rep), md.abstract(rep)).compile()
     total = 0
     for compiled in (fwd, smp):
@@ -162,11 +167,16 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     return max(total - weights, 0)
 
 
-def _sample_padded(logits: jax.Array, packed_md: jax.Array, *, layout: Layout, use_processors: bool, pad_to: int):
+# The sampler programs compiled per row count: (logits processors, structured-output bitmask).
+SAMPLER_VARIANTS = ((False, False), (False, True), (True, True))
+
+
+def _sample_padded(logits: jax.Array, packed_md: jax.Array, *, layout: Layout, use_processors: bool, pad_to: int,
+                   use_bitmask: bool = False):
     """The sampler on metadata packed with `layout`, plus its tokens padded to [pad_to] (a fixed
     shape the next forward reads) and a [R] flag for rows whose logits hold a NaN (that request
     is failed alone, not sampled from)."""
-    out = sample(logits, unpack(packed_md, layout), use_processors=use_processors)
+    out = sample(logits, unpack(packed_md, layout), use_processors=use_processors, use_bitmask=use_bitmask)
     nan_rows = jnp.any(jnp.isnan(logits), axis=-1)
     return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0])), nan_rows
 
@@ -204,7 +214,8 @@ class ModelRunner:
         # stand-in for the previous step's tokens when nothing is in flight
         self._no_prev = jax.device_put(np.zeros((config.max_num_seqs,), np.int32), self._rep)
         self._forward_fns: dict[int, jax.stages.Compiled] = {}
-        self._sample_fns: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._sample_fns: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}
+        self.mask_words = -(-model_config.vocab_size // 32)  # width of the structured-output bitmask
         self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
         self._pool_fns: dict[int, jax.stages.Compiled] = {}
         self._forward_lora_fns: dict[int, jax.stages.Compiled] = {}
@@ -318,11 +329,15 @@ class ModelRunner:
         qsl = jax.ShapeDtypeStruct((self.rows_for(t) + 1,), jnp.int32, sharding=self._rep)
         return jax.jit(_pool_rows).lower(hidden, rows, qsl).compile()
 
-    def _compile_sampler(self, r: int, processors: bool) -> jax.stages.Compiled:
-        layout = Layout.of(build_sampling_metadata([], r, self._history_len(processors), processors=processors))
+    def _sampler_layout(self, r: int, processors: bool, masked: bool) -> Layout:
+        return Layout.of(build_sampling_metadata([], r, self._history_len(processors), processors=processors,
+                                                 mask_words=self.mask_words if masked else 1))
+
+    def _compile_sampler(self, r: int, processors: bool, masked: bool = False) -> jax.stages.Compiled:
+        layout = self._sampler_layout(r, processors, masked)
         logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32, sharding=self._rep)
         fn = jax.jit(functools.partial(_sample_padded, layout=layout, use_processors=processors,
-                                       pad_to=self.config.max_num_seqs))
+                                       pad_to=self.config.max_num_seqs, use_bitmask=masked))
         return fn.lower(logits, layout.abstract(self._rep)).compile()
 
     def _history_len(self, processors: bool) -> int:
@@ -335,7 +350,7 @@ class ModelRunner:
         jobs: list[tuple[str, object]] = (
             [("forward", t) for t in reversed(self.token_buckets)]
             + [("prompt_logprobs", t) for t in self.token_buckets]
-            + [("sampler", (r, p)) for r in rows for p in (False, True)]
+            + [("sampler", (r, *v)) for r in rows for v in SAMPLER_VARIANTS]
             + ([("pool", t) for t in self.token_buckets] if self.pooling else [])
             + ([("forward_lora", t) for t in reversed(self.token_buckets)] if self.lora_layers is not None else []))
         build = {"forward": self._compile_forward, "prompt_logprobs": self._compile_prompt_logprobs,
@@ -373,8 +388,9 @@ class ModelRunner:
     def _get_prompt_lp(self, t: int) -> jax.stages.Compiled:
         return self._get(self._prompt_lp_fns, t, self._compile_prompt_logprobs, "prompt-logprob program for bucket")
 
-    def _get_sampler(self, r: int, processors: bool) -> jax.stages.Compiled:
-        return self._get(self._sample_fns, (r, processors), self._compile_sampler, "sampler (rows, processors)")
+    def _get_sampler(self, r: int, processors: bool, masked: bool = False) -> jax.stages.Compiled:
+        return self._get(self._sample_fns, (r, processors, masked), self._compile_sampler,
+                         "sampler (rows, processors, bitmask)")
 
     # -- one step --------------------------------------------------------------------------
     def dispatch(self, sched: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
@@ -384,13 +400,17 @@ class ModelRunner:
         placeholder. The model's eos ids are banned with a row's stop ids until its min_tokens
         are out; rows that asked for prompt logprobs get them for this step's prompt tokens.
         """
+        return self.dispatch_sampler(self.dispatch_forward(sched, prev))
+
+    def dispatch_forward(self, sched: SchedulerOutput, prev: InFlight | None = None) -> PendingStep:
+        """Enqueues a step's forward (and prompt logprobs, pooling); its sampler waits for
+        `dispatch_sampler`, so the host can compute the bitmask of constrained rows meanwhile."""
         seqs = sched.seqs
         t = pick_bucket(self.token_buckets, sched.num_batched_tokens)
         r = self.rows_for(t)
         lora_slots = self._lora_slots(seqs)
         inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None else None, lora_slots)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
-        md, processors = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True))
         # Each numpy argument is its own host-to-device copy: one packed buffer per program.
         if lora_slots is None:  # the base model's program: steps without adapters pay nothing for LoRA
             self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches, pack(inputs),
@@ -404,14 +424,24 @@ class ModelRunner:
         targets = prompt_logprob_targets(seqs, t)
         if targets is not None:
             prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, targets)
-        sampler_out, tokens, nan_rows = self._get_sampler(r, processors)(logits, pack(md))
-        rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
         pooled = None
         if self.pooling:
             # a copy: the builder reuses its buffers, and the CPU backend may read numpy memory late
             pooled = self._get(self._pool_fns, t, self._compile_pool, "pooling program for bucket")(
                 hidden, np.array(inputs.logits_indices), np.array(inputs.attn.query_start_loc))
-        return InFlight(sampler_out, len(seqs), prompt_lp, tokens, rows_of, nan_rows, pooled)
+        return PendingStep(seqs, r, logits, prompt_lp, pooled)
+
+    def dispatch_sampler(self, step: PendingStep, bitmask: np.ndarray | None = None) -> InFlight:
+        """Enqueues the sampler of a step whose forward is enqueued. `bitmask` [R, mask_words]
+        int32: the structured-output bitmask of the step's rows (None: no row is constrained)."""
+        seqs, r = step.seqs, step.num_rows
+        md, processors = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True))
+        masked = bitmask is not None or processors  # the processors program always reads a bitmask
+        if masked:
+            md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
+        sampler_out, tokens, nan_rows = self._get_sampler(r, processors, masked)(step.logits, pack(md))
+        rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
+        return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, rows_of, nan_rows, step.pooled)
 
     @staticmethod
     def collect(handle: InFlight) -> RunnerOutput:
@@ -425,6 +455,17 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """One step, waited for (tests and tools; the engine overlaps `dispatch` and `collect`)."""
         return self.collect(self.dispatch(sched))
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A step whose forward is enqueued and whose sampler is not yet."""
+
+    seqs: list  # the scheduler's rows (ScheduledSeq)
+    num_rows: int  # R, the sampler's row bucket
+    logits: jax.Array  # [R, V] on the device
+    prompt_lp: tuple | None
+    pooled: tuple | None
 
 
 @dataclasses.dataclass

@@ -40,6 +40,8 @@ class ResolvedStep:
     # Child requests the scheduler finished on this step's tokens (eos, stop token ids, length):
     # id -> (finish_reason, stop_reason).
     finished: dict[str, tuple[str, int | str | None]]
+    # Child requests whose structured-output grammar rejected their token: id -> the error.
+    errors: dict[str, Exception] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -190,6 +192,7 @@ class OutputProcessor:
         # only when some row has one, and logprob arrays are indexed only for rows that want them.
         states, finished = self.child_states, step.finished
         nan_rows = out.nan_rows if out.nan_rows is not None and out.nan_rows.any() else None
+        errors = step.errors or {}
         now = time.monotonic()
         for i, (s, token) in enumerate(zip(sched.seqs, step.sampled)):
             if token is None:
@@ -201,6 +204,8 @@ class OutputProcessor:
             pid = st.parent.request_id
             if nan_rows is not None and nan_rows[i]:
                 failed.setdefault(pid, FloatingPointError("the model produced NaN logits for this request"))
+            if errors and cid in errors:
+                failed.setdefault(pid, errors[cid])
             if failed and pid in failed:
                 continue
             ended = finished.get(cid)

@@ -79,6 +79,9 @@ class Request:
     # block manager. Tokens are append-only, so the hashes stay valid across preemption.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     lora_int_id: int = 0  # the LoRA adapter (0: none); part of every block hash, so no cross-adapter sharing
+    # Structured outputs: the request's grammar matcher (an llguidance LLMatcher, jaxengine/grammar.py)
+    # at the state after its output tokens so far; None when its output is unconstrained.
+    grammar: object | None = field(default=None, repr=False)
     spec: RequestSpec = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

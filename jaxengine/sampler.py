@@ -66,6 +66,7 @@ class SamplingMetadata:
     allowed_ids: jax.Array  # [R, A] int32 allowed_token_ids, -1 padded; all -1 = no restriction
     bad_prefix: jax.Array  # [R, W, MAX_BAD_WORD_TOKENS - 1] int32 tokens before a bad word's last, right-aligned, -1 padded
     bad_last: jax.Array  # [R, W] int32 a bad word's last token, -1 = none
+    bitmask: jax.Array  # [R, ceil(V / 32)] int32 structured outputs' allowed tokens (bit t % 32 of word t // 32); width 1 unread
 
 
 @jax.tree_util.register_dataclass
@@ -134,21 +135,22 @@ def _fill_history(history: np.ndarray, num_prompt: np.ndarray, rows: Sequence[Sa
 
 
 def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int, history_len: int,
-                            processors: bool | None = None) -> SamplingMetadata:
+                            processors: bool | None = None, mask_words: int = 1) -> SamplingMetadata:
     """Fixed-shape numpy metadata for `rows`, padded to `num_rows` with neutral greedy rows.
 
     `processors`: the layout of the `use_processors` variant (the logit edits at full width);
     None: whether any row needs it. The history (prompt + output ids per row) is filled only for
     rows whose sampling reads it: the plain variant never reads it, so callers compiling that
     variant may pass `history_len=1`. Histories longer than `history_len` keep their most recent
-    tokens.
+    tokens. `mask_words`: the width of the structured-output bitmask (every token allowed; the
+    engine writes constrained rows' masks in), 1 in the variants that do not read it.
     """
     return _metadata([r.params for r in rows], [r.seed for r in rows], [r.step for r in rows],
-                     rows.__getitem__, num_rows, history_len, processors)
+                     rows.__getitem__, num_rows, history_len, processors, mask_words)
 
 
 def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequence[int], num_rows: int,
-                            processors_history_len: int) -> tuple[SamplingMetadata, bool]:
+                            processors_history_len: int, mask_words: int = 1) -> tuple[SamplingMetadata, bool]:
     """`build_sampling_metadata` for one step's rows straight from the scheduler's output, and
     whether any row needs the `use_processors` variant (then the history is
     `processors_history_len` long, else 1).
@@ -168,7 +170,7 @@ def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequenc
 
     processors = needs_processors(params)
     return _metadata(params, [sp.seed for sp in specs], steps, row, num_rows,
-                     processors_history_len if processors else 1, processors), processors
+                     processors_history_len if processors else 1, processors, mask_words), processors
 
 
 def _fill_logit_edits(md: dict[str, np.ndarray], rows: Sequence[SamplingRow]) -> None:
@@ -190,7 +192,7 @@ def _fill_logit_edits(md: dict[str, np.ndarray], rows: Sequence[SamplingRow]) ->
 
 def _metadata(params: list[SamplingParams], seeds: Sequence[int], steps: list[int],
               row: Callable[[int], SamplingRow], num_rows: int, history_len: int,
-              processors: bool | None = None) -> SamplingMetadata:
+              processors: bool | None = None, mask_words: int = 1) -> SamplingMetadata:
     """The metadata from per-row columns; `row(i)` gives row i's full state where needed.
 
     The parameter columns come from bytes cached on each frozen SamplingParams.
@@ -239,7 +241,8 @@ def _metadata(params: list[SamplingParams], seeds: Sequence[int], steps: list[in
         temperature=columns[0].copy(), top_p=columns[1].copy(), top_k=columns[2].astype(np.int32),
         min_p=columns[3].copy(), presence_penalty=columns[4].copy(), frequency_penalty=columns[5].copy(),
         repetition_penalty=columns[6].copy(), seeds=seeds_a, steps=steps_a,
-        history=history, num_prompt=num_prompt, banned_ids=banned, **edits)
+        history=history, num_prompt=num_prompt, banned_ids=banned, **edits,
+        bitmask=np.full((num_rows, mask_words), -1, np.int32))
 
 
 # -- device side -----------------------------------------------------------------------------
@@ -293,6 +296,16 @@ def apply_logit_edits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     hit = jnp.all(ok, axis=-1) & (md.bad_last >= 0)  # [R, W]
     banned = _scatter_rows(jnp.where(hit, md.bad_last, -1), jnp.ones(hit.shape, jnp.float32), vocab) > 0
     return jnp.where(banned, -jnp.inf, logits)
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """`logits` [R, V] with tokens the structured-output bitmask [R, ceil(V / 32)] does not
+    allow set to -inf (bit t % 32 of word t // 32 allows token t). Elementwise: it fuses into
+    the consumers."""
+    r, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1  # [R, W, 32]
+    allowed = bits.reshape(r, -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _sort_key(x: jax.Array) -> jax.Array:
@@ -396,10 +409,11 @@ def _random_tokens(logits: jax.Array, row_max: jax.Array, md: SamplingMetadata) 
     return jnp.argmax(jnp.where(scaled >= floor[:, None], scaled, -jnp.inf) + noise, axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, *, use_processors: bool,
+def sample(logits: jax.Array, md: SamplingMetadata, *, use_processors: bool, use_bitmask: bool = False,
            num_top_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
-    """Samples one token per row of `logits` [R, V] under `md`; jit with `use_processors` static
-    (penalties and logit edits: see `needs_processors`).
+    """Samples one token per row of `logits` [R, V] under `md`; jit with `use_processors`
+    (penalties and logit edits: see `needs_processors`) and `use_bitmask` (structured outputs'
+    allowed tokens, applied after them) static.
 
     Logprobs, top logprobs and ranks describe the raw model distribution (before penalties,
     bans and temperature), as vLLM reports them. The full [R, V] log-softmax is never built:
@@ -408,6 +422,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, use_processors: bool,
     logits = logits.astype(jnp.float32)
     log_norm = jax.nn.logsumexp(logits, axis=-1)  # [R]
     processed = apply_logit_edits(apply_penalties(logits, md), md) if use_processors else logits
+    if use_bitmask:
+        processed = apply_bitmask(processed, md.bitmask)
     processed = _mask_banned(processed, md.banned_ids)
 
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [R]

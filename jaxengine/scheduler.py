@@ -113,6 +113,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last schedule()
         self.num_preemptions = 0  # total
         self._num_reading_history = 0  # unfinished requests whose sampling reads their history
+        self.num_constrained = 0  # unfinished requests with a structured-output grammar
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
@@ -138,6 +139,8 @@ class Scheduler:
         self.waiting.append(request)
         if _reads_history(request):
             self._num_reading_history += 1
+        if request.grammar is not None:
+            self.num_constrained += 1
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -364,6 +367,8 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
         if _reads_history(req):
             self._num_reading_history -= 1
+        if req.grammar is not None:
+            self.num_constrained -= 1
 
     def _drop_finished(self) -> None:
         self.running = [r for r in self.running if not r.status.is_finished]

@@ -326,7 +326,7 @@ def test_sampler_output_is_a_pytree_of_arrays():
     md = build_sampling_metadata([], R, HIST)
     assert isinstance(md, SamplingMetadata)
     leaves = jax.tree_util.tree_leaves(md)
-    assert len(leaves) == 17 and all(isinstance(x, np.ndarray) for x in leaves)
+    assert len(leaves) == 18 and all(isinstance(x, np.ndarray) for x in leaves)
     out = _sample(_logits(R), md, use_processors=False)
     assert len(jax.tree_util.tree_leaves(out)) == 5
 
@@ -386,3 +386,49 @@ def test_bad_words_one_token_always_and_longer_words_after_their_prefix():
     out = _run([_row(two, prompt=(1, 4, 5), output=())], logits, use_processors=True)
     assert int(out.token_ids[0]) == 7  # the prefix in the prompt does not count
     assert two.reads_history and not one.reads_history
+
+
+# -- structured outputs: the token bitmask -----------------------------------------------------
+def _bitmask(allowed_per_row: list[list[int] | None], vocab: int = V) -> np.ndarray:
+    """numpy reference packing: bit t % 32 of word t // 32 set when t is allowed (None: all)."""
+    words = -(-vocab // 32)
+    mask = np.zeros((len(allowed_per_row), words), np.uint32)
+    for i, allowed in enumerate(allowed_per_row):
+        if allowed is None:
+            mask[i] = 0xFFFFFFFF
+        for t in allowed or ():
+            mask[i, t // 32] |= np.uint32(1) << np.uint32(t % 32)
+    return mask.view(np.int32)
+
+
+def test_bitmask_restricts_greedy_and_random_rows_and_keeps_raw_logprobs():
+    logits = _logits(R)
+    allowed = [[3, 40, 63], None, [31, 32], [0]] + [None] * (R - 4)
+    rows = [_row(SamplingParams(temperature=0)), _row(SamplingParams(temperature=0)),
+            _row(SamplingParams(temperature=1.0, seed=1)), _row(SamplingParams(temperature=1.5, top_p=0.9, seed=2))]
+    md = build_sampling_metadata(rows, R, HIST, mask_words=2)
+    md.bitmask = _bitmask(allowed)
+    out = jax.jit(sample, static_argnames=("use_processors", "use_bitmask"))(
+        logits, md, use_processors=False, use_bitmask=True)
+    tokens = np.asarray(out.token_ids)
+    assert tokens[0] == max([3, 40, 63], key=lambda t: logits[0, t])
+    assert tokens[1] == int(np.argmax(logits[1]))  # an all-ones row is unconstrained
+    assert tokens[2] in (31, 32) and tokens[3] == 0
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    np.testing.assert_allclose(np.asarray(out.logprob)[:4], logits[np.arange(4), tokens[:4]] - lse[:4], rtol=1e-5)
+
+
+def test_bitmask_draws_follow_the_renormalised_distribution():
+    logits = np.broadcast_to(_logits(1, seed=5), (R, V)).copy()
+    allowed = [1, 7, 33, 50]
+    counts = np.zeros(V)
+    fn = jax.jit(sample, static_argnames=("use_processors", "use_bitmask"))
+    for k in range(DRAWS // R):
+        rows = [_row(SamplingParams(temperature=1.0, seed=9), step=k * R + s) for s in range(R)]
+        md = build_sampling_metadata(rows, R, HIST, mask_words=2)
+        md.bitmask = _bitmask([allowed] * R)
+        np.add.at(counts, np.asarray(fn(logits, md, use_processors=False, use_bitmask=True).token_ids), 1)
+    assert counts[[t for t in range(V) if t not in allowed]].sum() == 0
+    expected = _softmax(logits[0, allowed]) * counts.sum()
+    chi2 = (((counts[allowed] - expected) ** 2) / expected).sum()
+    assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
