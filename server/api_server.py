@@ -35,7 +35,7 @@ from jaxengine.server.protocol import (ChatCompletionRequest, ClassificationRequ
                                        LoadLoRAAdapterRequest, ModelCard, ModelList, PoolingRequest,
                                        RerankRequest, ScoreRequest, TokenizeChatRequest, TokenizeRequest,
                                        TokenizeResponse, UnloadLoRAAdapterRequest, VersionResponse)
-from jaxengine.server.serving_tools import ToolSettings
+from jaxengine.server.serving_tools import ToolSettings, template_tools
 from jaxengine.server.serving_chat import create_chat_completion, render_messages
 from jaxengine.server.serving_common import ServingContext
 from jaxengine.server.serving_completion import create_completion
@@ -214,7 +214,7 @@ def build_app(engine: AsyncEngine | AsyncPoolingEngine, *, served_model_names: l
         ctx.resolve_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                        req.chat_template_kwargs)
+                                        req.chat_template_kwargs, template_tools(req))
             if req.add_special_tokens:
                 ids = ctx.tokenize(text, add_special_tokens=True)
         else:

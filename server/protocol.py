@@ -231,6 +231,7 @@ class TokenizeChatRequest(RequestModel):
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     chat_template_kwargs: dict[Str, JSONValue] | None = None
+    tools: list[ChatCompletionTool] | None = None  # for templates that list them
     add_special_tokens: Bool = False
     return_token_strs: Bool = False
 

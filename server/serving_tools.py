@@ -24,7 +24,7 @@ import logging
 from jaxengine.server.errors import OpenAIError
 from jaxengine.server.json_calls import CallPiece, CallScanner
 from jaxengine.server.protocol import (AssistantMessage, ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall,
-                                       FunctionCall, NamedToolChoice, ToolCall)
+                                       FunctionCall, NamedToolChoice, TokenizeChatRequest, ToolCall)
 from jaxengine.server.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from jaxengine.server.structured_request import Constraint, constraint
 from jaxengine.server.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser_for_template
@@ -125,7 +125,7 @@ def required_schema(req: ChatCompletionRequest) -> dict[str, object]:
     return schema
 
 
-def template_tools(req: ChatCompletionRequest) -> list[dict[str, object]] | None:
+def template_tools(req: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, object]] | None:
     """The tools as the chat template gets them (OpenAI's `{"type": "function", "function": ...}`)."""
     if not req.tools:
         return None

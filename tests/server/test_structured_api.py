@@ -210,11 +210,14 @@ def test_tool_choice_auto_is_well_formed(client):
         assert finish == choice.finish_reason and streamed["content"] == choice.message.content
 
 
-def test_tools_reach_the_template_and_tool_turns_render(client):
+def test_tools_reach_the_template_and_tool_turns_render(client, server):
     plain = chat(client, max_tokens=1).usage.prompt_tokens
     with_tools = chat(client, max_tokens=1, tools=TOOLS, tool_choice="none")
     assert with_tools.usage.prompt_tokens > plain + 50
     assert not with_tools.choices[0].message.tool_calls
+    tokenized = post(server, "/tokenize", {"messages": ASK, "tools": TOOLS, "return_token_strs": True}).json()
+    assert tokenized["count"] == with_tools.usage.prompt_tokens
+    assert '"get_weather"' in "".join(tokenized["token_strs"]).replace("Ġ", " ")
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function",
