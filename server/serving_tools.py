@@ -69,7 +69,7 @@ class ToolPlan:
     function: str | None = None  # the named function
     constraint: Constraint | None = None  # required / named: the output's schema
     parser: type[ToolParser] | None = None  # auto: the text's tool-call format
-    call_id: type[ToolParser] = ToolParser  # whose call ids (Mistral's templates want their own)
+    id_style: type[ToolParser] = ToolParser  # whose call ids (Mistral's templates want their own)
 
 
 def plan_tools(settings: ToolSettings, req: ChatCompletionRequest) -> ToolPlan:
@@ -88,7 +88,7 @@ def plan_tools(settings: ToolSettings, req: ChatCompletionRequest) -> ToolPlan:
     if choice == "auto":
         if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
             raise OpenAIError(AUTO_NEEDS_FLAGS, 400, param="tool_choice")
-        return ToolPlan("auto", parser=TOOL_PARSERS[settings.tool_call_parser], call_id=id_kind)
+        return ToolPlan("auto", parser=TOOL_PARSERS[settings.tool_call_parser], id_style=id_kind)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         tool = next((t for t in tools if t.function.name == name), None)
@@ -96,9 +96,9 @@ def plan_tools(settings: ToolSettings, req: ChatCompletionRequest) -> ToolPlan:
             raise OpenAIError(f"The tool specified in `tool_choice` ({name!r}) does not match any of the specified "
                               "`tools`.", 400, param="tool_choice")
         schema = tool.function.parameters or {"type": "object", "properties": {}}
-        return ToolPlan("named", function=name, constraint=constraint("tools", {"json": schema}), call_id=id_kind)
+        return ToolPlan("named", function=name, constraint=constraint("tools", {"json": schema}), id_style=id_kind)
     schema = required_schema(req)
-    return ToolPlan("required", constraint=constraint("tools", {"json": schema}), call_id=id_kind)
+    return ToolPlan("required", constraint=constraint("tools", {"json": schema}), id_style=id_kind)
 
 
 def required_schema(req: ChatCompletionRequest) -> dict[str, object]:
@@ -198,7 +198,7 @@ class OutputParser:
         out = []
         for p in pieces:
             if p.first:
-                self._ids[p.index] = self.plan.call_id.call_id()
+                self._ids[p.index] = self.plan.id_style.call_id()
                 out.append(DeltaToolCall(index=p.index, id=self._ids[p.index], type="function",
                                          function=DeltaFunctionCall(name=p.name, arguments=p.args)))
             elif p.args:

@@ -146,3 +146,50 @@ def test_content_deltas_only_after_the_end_tag():
         d = parser.feed(piece)
         seen.append((d.reasoning, d.content))
     assert seen == [("", ""), ("abc", ""), ("", ""), ("", ""), ("", "x"), ("", "y")]
+
+
+# -- reasoning, then tool calls, as one choice's OutputParser runs them ---------------------------
+def output_plan(choice: str):  # noqa: ANN201
+    from jaxengine.server.protocol import ChatCompletionRequest
+    from jaxengine.server.serving_tools import ToolSettings, plan_tools
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")]
+    tool_choice = {"type": "function", "function": {"name": "b"}} if choice == "named" else choice
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=tool_choice)
+    return plan_tools(ToolSettings(True, "hermes"), req)
+
+
+@pytest.mark.parametrize("choice,reasoning,text,expected", [
+    ("auto", "deepseek_r1", f'plan it</think>Sure.<tool_call>{{"name": "a", "arguments": {NESTED}}}</tool_call>',
+     ("plan it", "Sure.", [("a", NESTED)], "tool_calls")),
+    ("auto", "qwen3", "Just text, <b>bold</b>.", (None, "Just text, <b>bold</b>.", [], "stop")),
+    ("auto", None, "", (None, "", [], "stop")),
+    ("required", None, f'[{{"name":"b","parameters":{WEATHER}}},{{"name":"a"}}]',
+     (None, None, [("b", WEATHER), ("a", "{}")], "tool_calls")),
+    ("named", None, WEATHER, (None, None, [("b", WEATHER)], "stop")),
+    ("none", "deepseek_r1", "<think>x</think>", ("x", None, [], "stop")),
+])
+def test_output_parser_whole_equals_streamed(choice, reasoning, text, expected):
+    from jaxengine.server.serving_tools import OutputParser, whole_message
+
+    plan = output_plan(choice)
+    cls = REASONING_PARSERS[reasoning] if reasoning else None
+    whole = OutputParser(plan, cls, "")
+    message = whole_message(whole, text)
+    got = (message.reasoning_content, message.content,
+           [(c.function.name, c.function.arguments) for c in message.tool_calls], whole.finish_reason("stop"))
+    assert got == expected
+    rng = random.Random(7)
+    for _ in range(10):
+        parser = OutputParser(plan, cls, "")
+        deltas = [parser.feed(p) for p in random_pieces(text, rng)] + [parser.finish()]
+        calls: dict[int, list[str]] = {}
+        for d in deltas:
+            for tc in d.tool_calls:
+                if tc.id is not None:
+                    calls[tc.index] = [tc.function.name, ""]
+                calls[tc.index][1] += tc.function.arguments or ""
+        assert "".join(d.reasoning for d in deltas) == (message.reasoning_content or "")
+        assert "".join(d.content for d in deltas) == (message.content or "")
+        assert [tuple(calls[i]) for i in sorted(calls)] == got[2]
+        assert parser.finish_reason("stop") == expected[3]
