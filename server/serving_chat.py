@@ -27,8 +27,8 @@ from jaxengine.async_engine import RequestStream
 from jaxengine.server.errors import EngineDeadError, OpenAIError
 from jaxengine.server.reasoning_parsers import REASONING_PARSERS
 from jaxengine.server.serving_beam import beam_chat
-from jaxengine.server.serving_tools import OutputDelta, OutputParser, plan_tools, template_tools, whole_message
-from jaxengine.server.structured_request import request_constraint
+from jaxengine.server.serving_tools import (OutputDelta, OutputParser, chat_constraint, plan_tools, template_tools,
+                                            whole_message)
 from jaxengine.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice, ChoiceLogprobs,
                                        DeltaMessage)
@@ -70,11 +70,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     top_logprobs = chat_logprobs_setting(req)
     ctx.limits.check_stop(req.stop, req.stop_token_ids)
     plan = plan_tools(ctx.tools, req)
-    constraint = request_constraint(req)
-    if constraint is not None and plan.constraint is not None:
-        raise OpenAIError(f"You can only either use structured outputs or tools, not both: {constraint.param} and "
-                          f"tool_choice {plan.choice!r} both constrain the output.", 400, param=constraint.param)
-    constraint = constraint or plan.constraint
+    constraint = chat_constraint(req, plan)
     if plan.parser is not None and plan.parser.special_tokens_in_text:
         req = req.model_copy(update={"skip_special_tokens": False})  # the call tags are special tokens
     text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,

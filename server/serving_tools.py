@@ -26,7 +26,7 @@ from jaxengine.server.json_calls import CallPiece, CallScanner
 from jaxengine.server.protocol import (AssistantMessage, ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall,
                                        FunctionCall, NamedToolChoice, TokenizeChatRequest, ToolCall)
 from jaxengine.server.reasoning_parsers import REASONING_PARSERS, ReasoningParser
-from jaxengine.server.structured_request import Constraint, constraint
+from jaxengine.server.structured_request import Constraint, constraint, request_constraint
 from jaxengine.server.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser_for_template
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,16 @@ def plan_tools(settings: ToolSettings, req: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan("named", function=name, constraint=constraint("tools", {"json": schema}), id_style=id_kind)
     schema = required_schema(req)
     return ToolPlan("required", constraint=constraint("tools", {"json": schema}), id_style=id_kind)
+
+
+def chat_constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Constraint | None:
+    """The output constraint of a chat request: its structured-output fields' or its tool
+    choice's (both at once is a 400, as in vLLM)."""
+    own = request_constraint(req)
+    if own is not None and plan.constraint is not None:
+        raise OpenAIError(f"You can only either use structured outputs or tools, not both: {own.param} and "
+                          f"tool_choice {plan.choice!r} both constrain the output.", 400, param=own.param)
+    return own or plan.constraint
 
 
 def required_schema(req: ChatCompletionRequest) -> dict[str, object]:

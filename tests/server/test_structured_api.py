@@ -271,7 +271,8 @@ def test_bad_requests_name_the_field(server, body, param):
 def test_completions_bad_constraints(server):
     err = error_of(post(server, "/v1/completions", {"prompt": "x", "guided_choice": ["a"], "guided_regex": "b"}))
     assert err["param"] == "guided_choice" and "guided_regex" in err["message"]  # the second in field order
-    assert error_of(post(server, "/v1/completions", {"prompt": "x", "guided_json": "{not json"}))["param"] == "guided_json"
+    err = error_of(post(server, "/v1/completions", {"prompt": "x", "guided_json": "{not json"}))
+    assert err["param"] == "guided_json"
 
 
 def test_auto_tool_choice_needs_the_flag():

@@ -33,7 +33,8 @@ TOOL_CASES = [
     ("llama3_json", "  \n" + f'{{"name": "f", "arguments": {WEATHER}}}', None, [("f", WEATHER)]),
     ("llama3_json", 'The answer is {"not": "a call"}', 'The answer is {"not": "a call"}', []),
     ("llama3_json", "Sure.<|python_tag|>" + f'{{"name": "f", "parameters": {WEATHER}}}', "Sure.", [("f", WEATHER)]),
-    ("mistral", f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}, {{"name": "n", "arguments": {NESTED}}}]',
+    ("mistral", f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}, '
+                f'{{"name": "n", "arguments": {NESTED}}}]',
      None, [("get_weather", WEATHER), ("n", NESTED)]),
     ("mistral", f'Calling.[TOOL_CALLS][{{"name": "f", "arguments": {WEATHER}}}]', "Calling.", [("f", WEATHER)]),
     ("mistral", "Plain [TOOL text.", "Plain [TOOL text.", []),
