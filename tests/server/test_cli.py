@@ -116,6 +116,31 @@ def test_tool_and_reasoning_flags(tmp_path):
     assert ToolSettings(False).resolved("{{ messages }}").tool_call_parser is None
 
 
+def test_auto_tool_choice_picks_the_parser_from_the_chat_template():
+    import logging
+
+    from jaxengine.async_engine import AsyncEngine
+    from jaxengine.server.api_server import build_app
+
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        build_app(AsyncEngine(FakeEngine()), tool_settings=ToolSettings(True))  # the fake template has no tools
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("jaxengine.server.serving_tools")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        app = build_app(AsyncEngine(FakeEngine()), tool_settings=ToolSettings(True),
+                        chat_template="{{ messages }}[TOOL_CALLS]")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert app.state.ctx.tools.tool_call_parser == "mistral"
+    assert logged == ["tool call parser 'mistral' chosen from the chat template"]
+
+
 def test_lora_modules_without_enable_lora_exits_before_loading():
     from jaxengine.server.cli import main
     with pytest.raises(SystemExit) as e:

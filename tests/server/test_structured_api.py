@@ -284,7 +284,3 @@ def test_auto_tool_choice_needs_the_flag():
         r = post(srv, "/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "abc"
 
-
-def test_auto_tool_choice_without_a_recognisable_template():
-    with pytest.raises(ValueError, match="--tool-call-parser"):
-        ToolSettings(enable_auto_tool_choice=True).resolved("{{ messages }}")
