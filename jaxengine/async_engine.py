@@ -280,6 +280,10 @@ class AsyncEngine:
         self._check_alive()
         if request_id in self._open:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None and hasattr(self.engine, "compile_grammar"):
+            # Compiled (and cached) here, in a worker thread, so the engine thread never waits for
+            # a grammar; an invalid schema, regex or grammar is this call's ValueError.
+            await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
         assert self._loop is not None and self._idle is not None
         stream = RequestStream(request_id, self, self._loop)
         self._open[request_id] = stream
