@@ -9,7 +9,8 @@
 - a named function: the output is constrained to that function's parameters schema and is the
   one call's arguments.
 - "auto" (the default when tools are given; needs `--enable-auto-tool-choice`): free text, split
-  into content and calls by the `--tool-call-parser` (server/tool_parsers.py).
+  into content and calls by the `--tool-call-parser` (server/tool_parsers.py); with
+  `parallel_tool_calls: false` only the first call is kept.
 
 `OutputParser` turns one choice's text into reasoning, content and tool-call pieces, whether fed
 at once (the whole response) or piece by piece (a stream); both give the same result, so a
@@ -70,6 +71,7 @@ class ToolPlan:
     constraint: Constraint | None = None  # required / named: the output's schema
     parser: type[ToolParser] | None = None  # auto: the text's tool-call format
     id_style: type[ToolParser] = ToolParser  # whose call ids (Mistral's templates want their own)
+    single: bool = False  # parallel_tool_calls is false: one call at most
 
 
 def plan_tools(settings: ToolSettings, req: ChatCompletionRequest) -> ToolPlan:
@@ -88,7 +90,8 @@ def plan_tools(settings: ToolSettings, req: ChatCompletionRequest) -> ToolPlan:
     if choice == "auto":
         if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
             raise OpenAIError(AUTO_NEEDS_FLAGS, 400, param="tool_choice")
-        return ToolPlan("auto", parser=TOOL_PARSERS[settings.tool_call_parser], id_style=id_kind)
+        return ToolPlan("auto", parser=TOOL_PARSERS[settings.tool_call_parser], id_style=id_kind,
+                        single=req.parallel_tool_calls is False)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         tool = next((t for t in tools if t.function.name == name), None)
@@ -117,9 +120,10 @@ def required_schema(req: ChatCompletionRequest) -> dict[str, object]:
     defs: dict[str, object] = {}
     for tool in req.tools or []:
         fn = tool.function
+        # No other keys: a small model would otherwise run on with made-up ones.
         branch: dict[str, object] = {"type": "object",
                                      "properties": {"name": {"type": "string", "enum": [fn.name]}},
-                                     "required": ["name"]}
+                                     "required": ["name"], "additionalProperties": False}
         if fn.parameters:
             params = dict(fn.parameters)
             for key in ("$defs", "definitions"):  # references resolve from the root
@@ -207,6 +211,8 @@ class OutputParser:
     def _deltas(self, pieces: list[CallPiece]) -> list[DeltaToolCall]:
         out = []
         for p in pieces:
+            if self.plan.single and p.index > 0:
+                continue
             if p.first:
                 self._ids[p.index] = self.plan.id_style.call_id()
                 out.append(DeltaToolCall(index=p.index, id=self._ids[p.index], type="function",

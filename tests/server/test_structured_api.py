@@ -197,6 +197,19 @@ def test_tool_choice_named_function(client):
     assert finish == "stop" and without_ids(streamed["calls"]) == without_ids([call])
 
 
+class GetWeather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=16)
+    unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
+
+
+def test_client_parses_tool_calls_into_pydantic_models(client):
+    reply = client.beta.chat.completions.parse(model=MODEL, messages=ASK, temperature=0, max_tokens=60,
+                                               tools=[openai.pydantic_function_tool(GetWeather)],
+                                               tool_choice="required", parallel_tool_calls=False)
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)
+
+
 def test_tool_choice_auto_is_well_formed(client):
     """The tiny model rarely calls a tool: whatever it does, the response is well-formed (the
     parsing itself is tested in test_tool_parsers.py)."""

@@ -68,6 +68,7 @@ def test_required_schema_per_tool_and_parallel_calls():
     assert a["properties"]["name"] == {"type": "string", "enum": ["a"]} and a["required"] == ["name", "parameters"]
     assert "$defs" not in a["properties"]["parameters"] and schema["$defs"] == {"P": {"type": "string"}}
     assert b["required"] == ["name"] and "parameters" not in b["properties"]
+    assert a["additionalProperties"] is False and b["additionalProperties"] is False
     plan = plan_tools(ToolSettings(), req)
     assert plan.choice == "required" and plan.constraint.param == "tools" and plan.constraint.params.json == schema
     empty = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[], tool_choice="required")

@@ -150,13 +150,14 @@ def test_content_deltas_only_after_the_end_tag():
 
 
 # -- reasoning, then tool calls, as one choice's OutputParser runs them ---------------------------
-def output_plan(choice: str):  # noqa: ANN201
+def output_plan(choice: str, parallel: bool | None = None):  # noqa: ANN201
     from jaxengine.server.protocol import ChatCompletionRequest
     from jaxengine.server.serving_tools import ToolSettings, plan_tools
 
     tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")]
     tool_choice = {"type": "function", "function": {"name": "b"}} if choice == "named" else choice
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=tool_choice)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=tool_choice,
+                                parallel_tool_calls=parallel)
     return plan_tools(ToolSettings(True, "hermes"), req)
 
 
@@ -194,3 +195,12 @@ def test_output_parser_whole_equals_streamed(choice, reasoning, text, expected):
         assert "".join(d.content for d in deltas) == (message.content or "")
         assert [tuple(calls[i]) for i in sorted(calls)] == got[2]
         assert parser.finish_reason("stop") == expected[3]
+
+
+def test_auto_keeps_one_call_without_parallel_tool_calls():
+    from jaxengine.server.serving_tools import OutputParser, whole_message
+
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    for parallel, names in ((None, ["a", "b"]), (True, ["a", "b"]), (False, ["a"])):
+        message = whole_message(OutputParser(output_plan("auto", parallel), None, ""), text)
+        assert [c.function.name for c in message.tool_calls] == names
