@@ -73,3 +73,16 @@ def test_required_schema_per_tool_and_parallel_calls():
     assert plan.choice == "required" and plan.constraint.param == "tools" and plan.constraint.params.json == schema
     empty = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[], tool_choice="required")
     assert plan_tools(ToolSettings(), empty).choice == "none"  # OpenAI's behaviour for no tools
+
+
+def test_render_chat_passes_tools_to_the_template():
+    from jaxengine.llm import render_chat
+    from tests.server.fake_engine import FakeTokenizer
+
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    text, _ = render_chat(FakeTokenizer(), [{"role": "user", "content": "hi"}], template, True, tools=tools)
+    assert text == "[get_time]hi"
+    with pytest.raises(ValueError, match="tools"):
+        render_chat(FakeTokenizer(), [{"role": "user", "content": "hi"}], template, True,
+                    chat_template_kwargs={"tools": tools}, tools=tools)
