@@ -117,7 +117,7 @@ def chat_constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Constraint | 
 def required_schema(req: ChatCompletionRequest) -> dict[str, object]:
     """The JSON schema of `tool_choice: "required"` output: an array of calls to the tools."""
     branches = []
-    defs: dict[str, object] = {}
+    defs: dict[str, dict[str, object]] = {}  # "$defs" / "definitions" -> shared definitions
     for tool in req.tools or []:
         fn = tool.function
         # No other keys: a small model would otherwise run on with made-up ones.
@@ -126,16 +126,16 @@ def required_schema(req: ChatCompletionRequest) -> dict[str, object]:
                                      "required": ["name"], "additionalProperties": False}
         if fn.parameters:
             params = dict(fn.parameters)
-            for key in ("$defs", "definitions"):  # references resolve from the root
-                defs.update(params.pop(key, None) or {})
+            for key in ("$defs", "definitions"):  # "#/$defs/..." references resolve from the root
+                if key in params:
+                    defs.setdefault(key, {}).update(params.pop(key) or {})
             branch["properties"]["parameters"] = params  # type: ignore[index]
             branch["required"] = ["name", "parameters"]
         branches.append(branch)
     schema: dict[str, object] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
     if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
+    schema.update(defs)
     return schema
 
 
