@@ -104,13 +104,15 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, object] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, object] | None = None,
+             tools: list[dict[str, object]] | None = None) -> list[RequestOutput]:
         """Applies the model's chat template (or `chat_template`) to each conversation, then generates.
-        `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`)."""
+        `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`); so do `tools`
+        (OpenAI tool definitions) for templates that list them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": ids, "prompt": text} for text, ids in (
             render_chat(self._generating().tokenizer, conv, chat_template, add_generation_prompt,
-                        continue_final_message, chat_template_kwargs) for conv in conversations)]
+                        continue_final_message, chat_template_kwargs, tools) for conv in conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # -- pooling -----------------------------------------------------------------------------
@@ -232,9 +234,11 @@ class LLM:
 
 def render_chat(tokenizer, conversation: list[Message], chat_template: str | None,
                 add_generation_prompt: bool, continue_final_message: bool = False,
-                chat_template_kwargs: dict[str, object] | None = None) -> tuple[str, list[int]]:
+                chat_template_kwargs: dict[str, object] | None = None,
+                tools: list[dict[str, object]] | None = None) -> tuple[str, list[int]]:
     """Renders one conversation with the chat template; returns (text, token ids).
-    `chat_template_kwargs` are extra variables for the template."""
+    `chat_template_kwargs` are extra variables for the template; `tools`: OpenAI tool
+    definitions (`{"type": "function", "function": {...}}`) for templates that list them."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so chat is not available")
     msgs = [normalize_message(m) for m in conversation]
@@ -248,10 +252,12 @@ def render_chat(tokenizer, conversation: list[Message], chat_template: str | Non
     if extra and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         raise ValueError("chat_template_kwargs: this tokenizer's chat template takes no extra variables")
     own = {name for name, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
-    reserved = (own | {"conversation", "messages"}) & set(extra)
+    reserved = (own | {"conversation", "messages"} | ({"tools"} if tools else set())) & set(extra)
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: they are not "
                          "template variables")
+    if tools:
+        extra["tools"] = tools
     text = tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt and not continue_final_message,
                                          continue_final_message=continue_final_message, **extra)

@@ -35,6 +35,7 @@ from jaxengine.server.protocol import (ChatCompletionRequest, ClassificationRequ
                                        LoadLoRAAdapterRequest, ModelCard, ModelList, PoolingRequest,
                                        RerankRequest, ScoreRequest, TokenizeChatRequest, TokenizeRequest,
                                        TokenizeResponse, UnloadLoRAAdapterRequest, VersionResponse)
+from jaxengine.server.serving_tools import ToolSettings, template_tools
 from jaxengine.server.serving_chat import create_chat_completion, render_messages
 from jaxengine.server.serving_common import ServingContext
 from jaxengine.server.serving_completion import create_completion
@@ -76,7 +77,7 @@ def build_app(engine: AsyncEngine | AsyncPoolingEngine, *, served_model_names: l
               model_path: str | None = None, api_key: str | None = None, chat_template: str | None = None,
               shutdown_drain_timeout: float = 0.0, exit_requested: Callable[[], bool] | None = None,
               limits: ServerLimits | None = None, metrics_vllm_names: bool = False,
-              lora_requests: Sequence[LoRARequest] = ()) -> FastAPI:
+              lora_requests: Sequence[LoRARequest] = (), tool_settings: ToolSettings | None = None) -> FastAPI:
     """An app serving `engine`. The engine loop starts with the app's lifespan.
 
     `served_model_names`: the names clients may send as `model` (the first is reported);
@@ -87,7 +88,9 @@ def build_app(engine: AsyncEngine | AsyncPoolingEngine, *, served_model_names: l
     `limits`: body size, queue length and per-request limits (default: `ServerLimits()`).
     `metrics_vllm_names`: `/metrics` also exposes every metric under vLLM's `vllm:` name.
     `lora_requests`: LoRA adapters already added to the engine (`serving_lora.load_lora_modules`),
-    served under their names. The runtime load/unload routes are added when
+    served under their names. `tool_settings`: `--enable-auto-tool-choice`, `--tool-call-parser` and
+    `--reasoning-parser` (a ValueError if auto tool choice is on and no parser can be picked from
+    the chat template). The runtime load/unload routes are added when
     `VLLM_ALLOW_RUNTIME_LORA_UPDATING` (or `JAXENGINE_ALLOW_RUNTIME_LORA_UPDATING`) is true now.
     """
     limits = limits or ServerLimits()
@@ -96,8 +99,11 @@ def build_app(engine: AsyncEngine | AsyncPoolingEngine, *, served_model_names: l
     pooling = isinstance(engine, AsyncPoolingEngine)
     max_model_len = int(llm_engine.max_model_len if pooling else llm_engine.config.max_model_len)
     lora = LoRAAdapters(engine, names, lora_requests, max_model_len)
+    tokenizer = None if pooling else llm_engine.tokenizer
+    tools = (tool_settings or ToolSettings()).resolved(chat_template or getattr(tokenizer, "chat_template", None))
     ctx = ServingContext(engine=engine, model_names=names, model_path=model_path or llm_engine.config.model,
-                         max_model_len=max_model_len, chat_template=chat_template, limits=limits, lora=lora)
+                         max_model_len=max_model_len, chat_template=chat_template, limits=limits, lora=lora,
+                         tools=tools)
     metrics = ServerMetrics(names[0], max_model_len, engine.stats, vllm_names=metrics_vllm_names)
     if engine.observer is None:
         engine.observer = metrics
@@ -208,7 +214,7 @@ def build_app(engine: AsyncEngine | AsyncPoolingEngine, *, served_model_names: l
         ctx.resolve_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             text, ids = render_messages(ctx, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                        req.chat_template_kwargs)
+                                        req.chat_template_kwargs, template_tools(req))
             if req.add_special_tokens:
                 ids = ctx.tokenize(text, add_special_tokens=True)
         else:

@@ -31,7 +31,10 @@ import yaml
 from jaxengine.arg_utils import add_engine_args, engine_kwargs
 from jaxengine.distributed import add_multihost_args, multihost_config
 from jaxengine.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerLimits
+from jaxengine.server.reasoning_parsers import REASONING_PARSERS
 from jaxengine.server.serving_lora import LoRAModulePath, load_lora_modules, parse_lora_modules
+from jaxengine.server.serving_tools import ToolSettings
+from jaxengine.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from jaxengine.engine import LLMEngine
@@ -97,6 +100,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-vllm-names", action=argparse.BooleanOptionalAction, default=None,
                    help="/metrics also exposes every metric under vLLM's `vllm:` name, for dashboards built "
                         f"for vLLM (or set ${METRICS_VLLM_NAMES_ENV}=1)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true", default=False,
+                   help='let the model decide when to call tools (tool_choice "auto", the default with tools); '
+                        "needs a tool call parser, given or picked from the chat template")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls (default: picked from the chat template with "
+                        "--enable-auto-tool-choice)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the model's <think>...</think> into reasoning_content (default: none)")
     add_engine_args(parser)
     add_multihost_args(parser)
     actions = [a for a in parser._actions if a.dest not in _NOT_CONFIGURABLE or a.dest == "config"]
@@ -121,7 +132,7 @@ def _convert(action: argparse.Action, key: str, value: object) -> object:
     if value is None:
         return None
     where = f"config key {key!r}"
-    if isinstance(action, argparse.BooleanOptionalAction):
+    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false, got {value!r}")
         return value
@@ -220,6 +231,7 @@ class ServerSettings:
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     metrics_vllm_names: bool = False  # /metrics also under vLLM's `vllm:` names
     lora_modules: tuple[LoRAModulePath, ...] = ()  # --lora-modules, loaded at start-up
+    tools: ToolSettings = dataclasses.field(default_factory=ToolSettings)  # tool call / reasoning parsers
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -238,7 +250,9 @@ class ServerSettings:
                    shutdown_timeout=args.shutdown_timeout, model=args.model,
                    limits=ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
                                        max_queued_requests=args.max_queued_requests),
-                   metrics_vllm_names=bool(args.metrics_vllm_names), lora_modules=lora_modules)
+                   metrics_vllm_names=bool(args.metrics_vllm_names), lora_modules=lora_modules,
+                   tools=ToolSettings(enable_auto_tool_choice=bool(args.enable_auto_tool_choice),
+                                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser))
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -304,7 +318,8 @@ def run_server(engine: LLMEngine | PoolingEngineBase, settings: ServerSettings,
                     model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template,
                     shutdown_drain_timeout=settings.shutdown_timeout,
                     exit_requested=lambda: server is not None and server.should_exit, limits=settings.limits,
-                    metrics_vllm_names=settings.metrics_vllm_names, lora_requests=lora_requests)
+                    metrics_vllm_names=settings.metrics_vllm_names, lora_requests=lora_requests,
+                    tool_settings=settings.tools)
     # The app drains and aborts by itself (see build_app); uvicorn's own timeout is only a backstop
     # for connections that would still hang after that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,

@@ -49,6 +49,25 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: Bool | None = False  # vLLM: usage on every chunk
 
 
+class JsonSchemaFormat(RequestModel):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is accepted: the output
+    always follows the schema)."""
+
+    name: Str
+    description: Str | None = None
+    schema_: dict[Str, JSONValue] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON valid under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(RequestModel):
     """Fields shared by completions and chat completions."""
 
@@ -80,6 +99,15 @@ class SamplingFields(RequestModel):
     truncate_prompt_tokens: Int | None = None  # keep the prompt's last k tokens (-1: max_model_len - 1)
     use_beam_search: Bool = False  # beam search with n beams, n choices best first (not with stream)
     length_penalty: Float = 1.0  # beam search: the final score is cum_logprob / length ** length_penalty
+    # Structured outputs (at most one; server/structured_request.py maps them to SamplingParams)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[Str, JSONValue] | None = None  # vLLM: json, regex, choice, grammar, ...
+    guided_json: Str | dict[Str, JSONValue] | None = None  # vLLM's older names
+    guided_regex: Str | None = None
+    guided_choice: list[Str] | None = None
+    guided_grammar: Str | None = None
+    guided_whitespace_pattern: Str | None = None
+    guided_decoding_backend: Str | None = None  # accepted and ignored: there is one grammar backend
 
 
 Prompt = Str | list[Str] | list[Int] | list[list[Int]]
@@ -101,6 +129,32 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             out.append("best_of")
         return out
+
+
+class FunctionDefinition(RequestModel):
+    name: Str = Field(min_length=1)
+    description: Str | None = None
+    parameters: dict[Str, JSONValue] | None = None  # a JSON schema of the arguments object
+    strict: Bool | None = None
+
+
+class ChatCompletionTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(RequestModel):
+    name: Str
+
+
+class NamedToolChoice(RequestModel):
+    """`tool_choice` forcing one function: `{"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatMessage(RequestModel):
@@ -139,14 +193,14 @@ class ChatCompletionRequest(SamplingFields):
     # Accepted and ignored: they do not change what is generated.
     metadata: dict[Str, Str] | None = None
     service_tier: Str | None = None
-    parallel_tool_calls: Bool | None = None
     store: Bool | None = None
+    # Tool calling (server/serving_tools.py). tool_choice None: "auto" with tools, else "none".
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: Bool | None = None  # None: true (several calls may come back)
     # OpenAI features this server does not implement.
-    tools: list[JSONValue] | None = None
-    tool_choice: JSONValue | None = None
     functions: list[JSONValue] | None = None
     function_call: JSONValue | None = None
-    response_format: JSONValue | None = None
     audio: JSONValue | None = None
     modalities: list[Str] | None = None
     prediction: JSONValue | None = None
@@ -155,8 +209,7 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: JSONValue | None = None
 
     _neutral: ClassVar[dict[str, tuple[object, ...]]] = {
-        "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-        "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
+        "functions": ([],), "function_call": ("none",), "audio": (),
         "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
         "verbosity": (), "store": (False,)}
 
@@ -178,6 +231,7 @@ class TokenizeChatRequest(RequestModel):
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     chat_template_kwargs: dict[Str, JSONValue] | None = None
+    tools: list[ChatCompletionTool] | None = None  # for templates that list them
     add_special_tokens: Bool = False
     return_token_strs: Bool = False
 
@@ -369,11 +423,46 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer protocol
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """One piece of a streamed tool call: `id`, `type` and `function.name` come in a call's
+    first piece, then `function.arguments` pieces that concatenate to the arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer protocol
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict[str, object]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None  # vLLM: the model's thinking (--reasoning-parser)
 
 
 class ChatChoice(BaseModel):
@@ -400,6 +489,8 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer protocol

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 
 from jaxengine.beam_search import BeamSearchOutput, PromptIds
 from jaxengine.sampling_params import BeamSearchParams
+from jaxengine.server.structured_request import request_constraint
 from jaxengine.server.errors import OpenAIError, from_value_error
 from jaxengine.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                        CompletionChoice, CompletionRequest, CompletionResponse, SamplingFields)
@@ -31,6 +32,9 @@ def beam_params(req: SamplingFields, max_tokens: int) -> BeamSearchParams:
         raise OpenAIError("use_beam_search cannot be streamed: set stream to false.", 400, param="stream")
     unused = [name for name, neutral in _UNUSED.items()
               if (v := getattr(req, name, None)) is not None and v is not False and v not in neutral]
+    constraint = request_constraint(req)
+    if constraint is not None:
+        unused.append(constraint.param)
     if unused:
         raise OpenAIError(f"{', '.join(unused)}: not used by beam search (use_beam_search); leave "
                           f"{'it' if len(unused) == 1 else 'them'} unset.", 400, param=unused[0])

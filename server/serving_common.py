@@ -16,11 +16,13 @@ from jaxengine.detokenizer import decode_token
 from jaxengine.lora import LoRARequest
 from jaxengine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from jaxengine.sampling_params import SamplingParams
+from jaxengine.structured_outputs import StructuredOutputsParams
 from jaxengine.async_engine import AsyncEngine, RequestStream
 from jaxengine.server.errors import (EngineDeadError, OpenAIError, RequestFailedError, from_value_error,
                                      overloaded)
 from jaxengine.server.limits import ServerLimits
 from jaxengine.server.serving_lora import LoRAAdapters
+from jaxengine.server.serving_tools import ToolSettings
 from jaxengine.server.protocol import (ChatCompletionRequest, CompletionLogProbs, PromptLogprob,
                                        PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo)
 from jaxengine.server.protocol import PromptLogprobs as PromptLogprobsJSON
@@ -44,6 +46,7 @@ class ServingContext:
     chat_template: str | None = None
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     lora: LoRAAdapters | None = None  # adapters served as models (server/serving_lora.py)
+    tools: ToolSettings = dataclasses.field(default_factory=ToolSettings)  # tool / reasoning parsers
 
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
@@ -113,8 +116,10 @@ def reject_unsupported(req: SamplingFields) -> None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's `SamplingParams` (OpenAI defaults where the request is silent)."""
+                    prompt_logprobs: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The request's `SamplingParams` (OpenAI defaults where the request is silent);
+    `structured`: the output constraint (server/structured_request.py, server/serving_tools.py)."""
     if req.prompt_logprobs is not None and req.stream:
         raise OpenAIError("prompt_logprobs is not available when stream is true.", 400, param="prompt_logprobs")
     try:
@@ -130,7 +135,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             include_stop_str_in_output=req.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
             logit_bias=_clamped_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
-            bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens)
+            bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens,
+            structured_outputs=structured)
     except ValueError as e:
         raise from_value_error(e, SAMPLING_PARAM_NAMES) from e
 
@@ -167,10 +173,12 @@ def check_capacity(ctx: ServingContext, num_new: int) -> None:
 
 
 async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-                       params: SamplingParams, lora_request: LoRARequest | None = None) -> list[RequestStream]:
+                       params: SamplingParams, lora_request: LoRARequest | None = None,
+                       constraint_param: str | None = None) -> list[RequestStream]:
     """One engine request per prompt (ids `<request_id>-<i>`), each with `lora_request` if given;
     all or none (bad input closes the rest). Refused with 503 up front if the queue limit would be
-    exceeded."""
+    exceeded. `constraint_param`: the request field the output constraint came from; the engine's
+    complaints about the constraint (`structured_outputs...`) are 400s naming it."""
     check_capacity(ctx, len(prompts))
     engine = ctx.engine
     streams: list[RequestStream] = []
@@ -181,6 +189,8 @@ async def open_streams(ctx: ServingContext, request_id: str, prompts: Sequence[t
     except ValueError as e:
         for s in streams:
             s.close()
+        if constraint_param is not None and str(e).startswith("structured_outputs"):
+            raise OpenAIError(f"{constraint_param}: {e}", 400, param=constraint_param) from e
         raise from_value_error(e, SAMPLING_PARAM_NAMES) from e
     except BaseException:
         for s in streams:

@@ -17,6 +17,7 @@ from jaxengine.outputs import RequestOutput
 from jaxengine.async_engine import RequestStream
 from jaxengine.server.errors import EngineDeadError, OpenAIError
 from jaxengine.server.serving_beam import beam_completion
+from jaxengine.server.structured_request import request_constraint
 from jaxengine.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                        CompletionResponse, CompletionStreamResponse)
 from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, close_all, completion_logprobs,
@@ -55,10 +56,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     if req.use_beam_search:
         return await beam_completion(ctx, req, raw, model, prompts)
     echo_lp = req.echo and req.logprobs is not None  # the prompt's tokens get logprobs too
+    constraint = request_constraint(req)
     params = sampling_params(req, req.max_tokens, req.logprobs,
-                             max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_lp else None)
+                             max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_lp else None,
+                             constraint.params if constraint else None)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await open_streams(ctx, request_id, prompts, params, ctx.lora_request(model))
+    streams = await open_streams(ctx, request_id, prompts, params, ctx.lora_request(model),
+                                 constraint.param if constraint else None)
     echo = [_prompt_text(ctx, p) if req.echo else "" for p in prompts]
     if req.stream:
         # The background task closes the streams even if the client left before the body started

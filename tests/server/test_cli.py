@@ -20,6 +20,7 @@ import yaml
 from jaxengine.server.api_server import build_app, default_served_name
 from jaxengine.async_engine import AsyncEngine
 from jaxengine.server.cli import ServerSettings, load_chat_template, resolve_args
+from jaxengine.server.serving_tools import ToolSettings
 from jaxengine.server.serving_lora import LoRAModulePath
 from tests.server.conftest import LiveServer, free_port
 from tests.server.fake_engine import FakeEngine
@@ -98,6 +99,46 @@ def test_lora_flags():
             ServerSettings.from_args(parse(["--enable-lora", "--lora-modules", bad]))
     with pytest.raises(ValueError, match="more than once"):
         ServerSettings.from_args(parse(["--enable-lora", "--lora-modules", "a=/x", "a=/y"]))
+
+
+def test_tool_and_reasoning_flags(tmp_path):
+    assert ServerSettings.from_args(parse([])).tools == ToolSettings()
+    args = parse(["--enable-auto-tool-choice", "--tool-call-parser", "mistral", "--reasoning-parser", "deepseek_r1"])
+    assert ServerSettings.from_args(args).tools == ToolSettings(True, "mistral", "deepseek_r1")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"enable-auto-tool-choice": True, "reasoning_parser": "qwen3"}))
+    assert ServerSettings.from_args(parse(["--config", str(cfg)])).tools == ToolSettings(True, None, "qwen3")
+    cfg.write_text(yaml.safe_dump({"tool-call-parser": "nope"}))
+    with pytest.raises(ValueError, match="must be one of"):
+        parse(["--config", str(cfg)])
+    # with no parser given, the chat template's tool format picks one
+    assert ToolSettings(True).resolved("...<tool_call>...").tool_call_parser == "hermes"
+    assert ToolSettings(False).resolved("{{ messages }}").tool_call_parser is None
+
+
+def test_auto_tool_choice_picks_the_parser_from_the_chat_template():
+    import logging
+
+    from jaxengine.async_engine import AsyncEngine
+    from jaxengine.server.api_server import build_app
+
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        build_app(AsyncEngine(FakeEngine()), tool_settings=ToolSettings(True))  # the fake template has no tools
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("jaxengine.server.serving_tools")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        app = build_app(AsyncEngine(FakeEngine()), tool_settings=ToolSettings(True),
+                        chat_template="{{ messages }}[TOOL_CALLS]")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert app.state.ctx.tools.tool_call_parser == "mistral"
+    assert logged == ["tool call parser 'mistral' chosen from the chat template"]
 
 
 def test_lora_modules_without_enable_lora_exits_before_loading():
