@@ -46,6 +46,8 @@ _ENGINE_HELP = {
     "max_loras": "LoRA adapters on the device at once (distinct adapters in one step)",
     "max_lora_rank": "largest LoRA rank served (a power of two up to 512); every device slot is this wide",
     "max_cpu_loras": "LoRA adapters kept loaded on the host, >= max-loras (default: max-loras)",
+    "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+                          '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}',
 }
 # Flags with a fixed set of values: argparse checks them and --help lists them. (runner and task
 # are not here: their pooling values get EngineConfig's explanation instead of argparse's error.)
@@ -93,7 +95,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name in _SKIP:
             continue
         flag = "--" + f.name.replace("_", "-")
-        tp = _base_type(f.type)
+        tp = str if f.name == "speculative_config" else _base_type(f.type)  # JSON text
         default = f.default if f.default is not dataclasses.MISSING else None
         help_ = _ENGINE_HELP.get(f.name)
         if tp is bool:

@@ -62,6 +62,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (vLLM's `speculative_config`: a dict, or its JSON text on the command
+    # line), normalised to a jaxengine.spec_decode.SpeculativeConfig; None: off.
+    speculative_config: object = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -96,6 +99,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be at least 2 (block 0 is reserved)")
+        from jaxengine.spec_decode import SpeculativeConfig
+
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 <= self.max_logprobs <= 20:

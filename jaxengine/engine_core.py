@@ -26,6 +26,12 @@ enqueued first; then N resolves, each constrained request's grammar consumes its
 rejected token fails that request alone; a grammar that is complete ends it with "stop"), the
 host computes the rows' bitmask while the device runs the forward, and the sampler is enqueued
 with it. Steps without constrained rows run exactly as before.
+
+Speculative decoding (jaxengine/spec_decode.py): while it is on (few enough unfinished requests,
+none that cannot be verified), each step first resolves the one before it, proposes draft tokens
+for the running requests from their tokens, and the scheduler gives each draft a slot of its
+request's row; the runner verifies them in place of sampling, and a row resolves to 1 to k + 1
+tokens. Such steps do not overlap the host with the device: the drafts need the latest tokens.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from jaxengine.output_processor import OutputProcessor, ResolvedStep
 from jaxengine.outputs import RequestOutput
 from jaxengine.request import Request, RequestStatus
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.scheduler import Scheduler, SchedulerOutput
+from jaxengine.scheduler import PLACEHOLDER, Scheduler, SchedulerOutput
+from jaxengine.spec_decode import ngram_propose
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +72,26 @@ class _Dispatched:
     handle: InFlight
 
 
+@dataclasses.dataclass
+class SpecDecodeStats:
+    """Speculative decoding so far (vLLM's counters): rows that carried drafts, draft tokens,
+    accepted drafts, and accepted drafts by position (the i-th draft of a row)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a drafted row emits on average: its accepted drafts plus the target's own."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
 class EngineCore:
     """Owns the scheduler, the model runner and the output processor, and steps them together."""
 
@@ -75,6 +102,8 @@ class EngineCore:
         self.runner = runner
         self.outputs = outputs
         self.grammar = grammar
+        self.spec = runner.spec  # jaxengine.spec_decode.SpeculativeConfig, or None
+        self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * (self.spec.num_speculative_tokens if self.spec else 0))
         self._inflight: _Dispatched | None = None  # the step running on the device
         self._preempted_since_log = 0
         self._preemption_logged_at = float("-inf")
@@ -144,8 +173,11 @@ class EngineCore:
         try:
             prev, self._inflight = self._inflight, None
             done = None
-            if prev is not None and self.scheduler.running_reads_history():
+            speculate = self.spec is not None and self._speculating()
+            if prev is not None and (speculate or prev.handle.spec or self.scheduler.running_reads_history()):
                 done, prev = self._resolve(prev), None
+            if speculate:
+                self._propose()
             sched = self.scheduler.schedule()
             self.last_step_tokens = sched.num_batched_tokens
             if sched.num_batched_tokens:
@@ -158,7 +190,9 @@ class EngineCore:
             dispatched = None
             if sched.seqs:
                 constrained = self.scheduler.num_constrained and self._constrained_rows(sched)
-                if constrained:
+                if speculate and any(s.num_drafts for s in sched.seqs):
+                    dispatched = _Dispatched(sched, self.runner.dispatch_spec(sched))
+                elif constrained:
                     pending = self.runner.dispatch_forward(sched, prev.handle if prev else None)
                     if prev is not None:
                         done, prev = self._resolve(prev), None
@@ -174,6 +208,21 @@ class EngineCore:
             return self._outputs(done) if done is not None else []
         finally:
             self.timing["step_s"] += time.perf_counter() - t_start
+
+    def _speculating(self) -> bool:
+        """Whether this step proposes drafts: at most `disable_by_batch_size` unfinished requests,
+        none of which needs what verification does not implement (jaxengine/spec_decode.py)."""
+        s = self.scheduler
+        return 0 < s.num_unfinished <= self.spec.disable_by_batch_size and s.num_unspeculative == 0
+
+    def _propose(self) -> None:
+        """N-gram drafts for every running request whose next step is a decode."""
+        spec = self.spec
+        for req in self.scheduler.running:
+            outs = req.output_token_ids
+            if outs and outs[-1] != PLACEHOLDER and req.num_computed_tokens == req.num_tokens - 1:
+                req.draft_token_ids = ngram_propose(req.prompt_token_ids + outs, spec.num_speculative_tokens,
+                                                    spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     @staticmethod
     def _constrained_rows(sched: SchedulerOutput) -> list[tuple[object, int]]:
@@ -221,12 +270,33 @@ class EngineCore:
         sched = step.sched
         if out.pooled is not None:
             self._pool(sched, out.pooled)
-        sampled = [tok if s.samples else None for s, tok in zip(sched.seqs, out.token_ids.tolist())]
+        accepted = None
+        if out.num_tokens is not None:  # speculative: each row's accepted drafts, then the target's token
+            sampled = [toks[:n] if s.samples else None
+                       for s, toks, n in zip(sched.seqs, out.token_ids.tolist(), out.num_tokens.tolist())]
+            accepted = self._count_accepted(sched, sampled)
+        else:
+            sampled = [tok if s.samples else None for s, tok in zip(sched.seqs, out.token_ids.tolist())]
         constrained = self.scheduler.num_constrained
         finished = {r.request_id: (r.status.finish_reason, r.stop_reason)
                     for r in self.scheduler.resolve(sched, sampled)}
         errors = self._advance_grammars(sched, sampled, finished) if constrained else None
-        return ResolvedStep(sched, out, sampled, finished, errors)
+        return ResolvedStep(sched, out, sampled, finished, errors, accepted)
+
+    def _count_accepted(self, sched: SchedulerOutput, sampled: list) -> list[int]:
+        """Per row, its accepted drafts (0 without drafts), counted into `spec_stats`."""
+        st = self.spec_stats
+        accepted = []
+        for s, toks in zip(sched.seqs, sampled):
+            a = len(toks) - 1 if s.num_drafts and toks else 0
+            accepted.append(a)
+            if s.num_drafts and toks:
+                st.num_drafts += 1
+                st.num_draft_tokens += s.num_drafts
+                st.num_accepted_tokens += a
+                for j in range(a):
+                    st.accepted_per_pos[j] += 1
+        return accepted
 
     def _outputs(self, done: ResolvedStep) -> list[RequestOutput]:
         processed = self.outputs.process(done)

@@ -54,6 +54,9 @@ class RunnerOutput:
     # Pooling engines, per sequence [num_seqs, D] f32: the final hidden state of its last row, of its
     # first row, and the sum over its rows this step (LAST, CLS and MEAN pooling).
     pooled: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # Speculative steps: token_ids, logprob and rank are [num_seqs, K + 1] and top_* [num_seqs, K + 1, L];
+    # each row's first num_tokens[i] entries are its output tokens (accepted drafts, then one more).
+    num_tokens: np.ndarray | None = None
 
 
 def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, lora_layers=None, *,
@@ -173,6 +176,30 @@ SAMPLER_VARIANTS = ((False, False, False), (False, False, True), (False, True, F
                     (True, True, None))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecInputs:
+    """A speculative step's rows for the verify program (R = verify rows, K = drafts per row)."""
+
+    positions: jax.Array  # [R, K + 1] int32 token rows of hidden whose logits verify (last token, then drafts)
+    draft_ids: jax.Array  # [R, K] int32, -1 past the row's drafts
+    num_drafts: jax.Array  # [R] int32
+
+
+def _verify_step(graphdef, state, hidden: jax.Array, packed_spec: jax.Array, packed_md: jax.Array, *,
+                 spec_layout: Layout, md_layout: Layout, truncate: bool):
+    """Logits at every verified position, then the rejection sampler (jaxengine.rejection_sampler),
+    plus a [R] flag for rows whose logits hold a NaN."""
+    from jaxengine.rejection_sampler import verify
+
+    sp: SpecInputs = unpack(packed_spec, spec_layout)
+    r, k1 = sp.positions.shape
+    model = nnx.merge(graphdef, state)
+    logits = model.compute_logits(hidden[sp.positions.reshape(-1)]).reshape(r, k1, -1)
+    out = verify(logits, sp.draft_ids, sp.num_drafts, unpack(packed_md, md_layout), truncate=truncate)
+    return out, jnp.any(jnp.isnan(logits), axis=(1, 2))
+
+
 def _sample_padded(logits: jax.Array, packed_md: jax.Array, *, layout: Layout, use_processors: bool, pad_to: int,
                    use_bitmask: bool = False, truncate: bool | None = None):
     """The sampler on metadata packed with `layout`, plus its tokens padded to [pad_to] (a fixed
@@ -222,6 +249,8 @@ class ModelRunner:
         self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
         self._pool_fns: dict[int, jax.stages.Compiled] = {}
         self._forward_lora_fns: dict[int, jax.stages.Compiled] = {}
+        self.spec = config.speculative_config  # jaxengine.spec_decode.SpeculativeConfig, or None
+        self._verify_fns: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._lora_write: jax.stages.Compiled | None = None
         self.lora_manager = lora_manager  # jaxengine.lora.LoRAManager, or None without LoRA
         self.lora_layers = self._allocate_lora() if lora_manager is not None else None
@@ -344,6 +373,24 @@ class ModelRunner:
                                        pad_to=self.config.max_num_seqs, use_bitmask=masked, truncate=truncate))
         return fn.lower(logits, layout.abstract(self._rep)).compile()
 
+    def verify_rows(self, t: int) -> int:
+        """Rows of token bucket t's verify program: a speculative step has at most
+        `disable_by_batch_size` requests (more unfinished requests turn speculation off)."""
+        return min(self.rows_for(t), self.spec.disable_by_batch_size)
+
+    def _spec_layout(self, t: int) -> Layout:
+        r, k = self.verify_rows(t), self.spec.num_speculative_tokens
+        return Layout.of(SpecInputs(np.zeros((r, k + 1), np.int32), np.zeros((r, k), np.int32), np.zeros(r, np.int32)))
+
+    def _compile_verify(self, t: int, truncate: bool) -> jax.stages.Compiled:
+        r = self.verify_rows(t)
+        md_layout = Layout.of(build_sampling_metadata([], r, 1, processors=False))
+        spec_layout = self._spec_layout(t)
+        fn = jax.jit(_flat(_verify_step, self.graphdef, self.param_treedef, spec_layout=spec_layout,
+                           md_layout=md_layout, truncate=truncate))
+        hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
+        return fn.lower(self._params_abs, hidden, spec_layout.abstract(self._rep), md_layout.abstract(self._rep)).compile()
+
     def _history_len(self, processors: bool) -> int:
         return self.config.max_model_len if processors else 1
 
@@ -356,12 +403,14 @@ class ModelRunner:
             + [("prompt_logprobs", t) for t in self.token_buckets]
             + [("sampler", (r, *v)) for r in rows for v in SAMPLER_VARIANTS]
             + ([("pool", t) for t in self.token_buckets] if self.pooling else [])
-            + ([("forward_lora", t) for t in reversed(self.token_buckets)] if self.lora_layers is not None else []))
+            + ([("forward_lora", t) for t in reversed(self.token_buckets)] if self.lora_layers is not None else [])
+            + ([("verify", (t, tr)) for t in self.token_buckets for tr in (False, True)] if self.spec else []))
         build = {"forward": self._compile_forward, "prompt_logprobs": self._compile_prompt_logprobs,
                  "sampler": lambda key: self._compile_sampler(*key), "pool": self._compile_pool,
-                 "forward_lora": lambda t: self._compile_forward(t, lora=True)}
+                 "forward_lora": lambda t: self._compile_forward(t, lora=True),
+                 "verify": lambda key: self._compile_verify(*key)}
         tables = {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns,
-                  "pool": self._pool_fns, "forward_lora": self._forward_lora_fns}
+                  "pool": self._pool_fns, "forward_lora": self._forward_lora_fns, "verify": self._verify_fns}
         t0 = time.perf_counter()
         workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool, \
@@ -435,7 +484,7 @@ class ModelRunner:
             # a copy: the builder reuses its buffers, and the CPU backend may read numpy memory late
             pooled = self._get(self._pool_fns, t, self._compile_pool, "pooling program for bucket")(
                 hidden, np.array(inputs.logits_indices), np.array(inputs.attn.query_start_loc))
-        return PendingStep(seqs, r, logits, prompt_lp, pooled)
+        return PendingStep(seqs, r, logits, prompt_lp, pooled, hidden, t)
 
     def dispatch_sampler(self, step: PendingStep, bitmask: np.ndarray | None = None) -> InFlight:
         """Enqueues the sampler of a step whose forward is enqueued. `bitmask` [R, mask_words]
@@ -449,6 +498,36 @@ class ModelRunner:
         rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
         return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, rows_of, nan_rows, step.pooled)
 
+    def dispatch_spec(self, sched: SchedulerOutput) -> InFlight:
+        """Enqueues a speculative step (rows with draft tokens; nothing in flight before it): the
+        forward over every row's tokens, then the verify program instead of the sampler."""
+        pending = self.dispatch_forward(sched, None)
+        seqs, t = pending.seqs, pending.num_tokens
+        r, k = self.verify_rows(t), self.spec.num_speculative_tokens
+        if len(seqs) > r:
+            raise RuntimeError(f"a speculative step of {len(seqs)} rows exceeds the verify program's {r}")
+        md, processors, truncate = batch_sampling_metadata(seqs, self.eos_token_ids, r, 1)
+        if processors:
+            raise RuntimeError("a speculative step holds a row that needs logits processors")
+        positions = np.zeros((r, k + 1), np.int32)
+        drafts = np.full((r, k), -1, np.int32)
+        num = np.zeros(r, np.int32)
+        end = 0
+        for i, s in enumerate(seqs):
+            end += s.num_new_tokens
+            d = s.num_drafts
+            last = end - 1 - d  # the row's last real token; its drafts follow it
+            positions[i] = np.minimum(last + np.arange(k + 1), end - 1)
+            if d:
+                drafts[i, :d] = s.token_ids[-d:]
+                num[i] = d
+        spec = SpecInputs(positions, drafts, num)
+        out, nan_rows = self._get(self._verify_fns, (t, bool(truncate)), self._compile_verify, "verify program")(
+            self.param_leaves, pending.hidden, pack(spec), pack(md))
+        rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
+        return InFlight(out, len(seqs), pending.prompt_lp, self._no_prev, rows_of, nan_rows, pending.pooled,
+                        spec=True)
+
     @staticmethod
     def collect(handle: InFlight) -> RunnerOutput:
         """Waits for a dispatched step: the one device-to-host transfer of the step."""
@@ -456,7 +535,8 @@ class ModelRunner:
                                                            handle.pooled))
         n = handle.num_seqs
         return RunnerOutput(out.token_ids[:n], out.logprob[:n], out.rank[:n], out.top_ids[:n], out.top_logprobs[:n],
-                            prompt_lp, nan_rows[:n], None if pooled is None else tuple(p[:n] for p in pooled))
+                            prompt_lp, nan_rows[:n], None if pooled is None else tuple(p[:n] for p in pooled),
+                            out.num_tokens[:n] if handle.spec else None)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """One step, waited for (tests and tools; the engine overlaps `dispatch` and `collect`)."""
@@ -472,6 +552,8 @@ class PendingStep:
     logits: jax.Array  # [R, V] on the device
     prompt_lp: tuple | None
     pooled: tuple | None
+    hidden: jax.Array  # [T, D] the final hidden states (speculative steps verify from them)
+    num_tokens: int  # T, the step's token bucket
 
 
 @dataclasses.dataclass
@@ -485,3 +567,4 @@ class InFlight:
     rows: dict[str, int]  # request id -> its row in this step's samples
     nan_rows: jax.Array  # [R] bool, on the device
     pooled: tuple | None = None  # pooling engines: ([R, D] f32 last, first and summed hidden states)
+    spec: bool = False  # a speculative step: sampler_out is a rejection_sampler.VerifyOutput

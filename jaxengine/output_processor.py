@@ -42,6 +42,8 @@ class ResolvedStep:
     finished: dict[str, tuple[str, int | str | None]]
     # Child requests whose structured-output grammar rejected their token: id -> the error.
     errors: dict[str, Exception] | None = None
+    # Speculative steps: per row, the drafts the verify accepted (0 for rows without drafts).
+    accepted: list[int] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -210,7 +212,14 @@ class OutputProcessor:
                 continue
             ended = finished.get(cid)
             try:
-                if st.logprobs is None:
+                if isinstance(token, list):  # speculative: several tokens (the scheduler kept these)
+                    stop = self._process_tokens(st, token, ended, out, i, now)
+                    if step.accepted is not None and s.num_drafts:
+                        m = st.parent.metrics
+                        m.spec_num_draft_tokens += s.num_drafts
+                        m.spec_num_accepted_tokens += step.accepted[i]
+                        m.spec_num_drafts += 1
+                elif st.logprobs is None:
                     stop = self._process_token(st, token, ended, None, None, None, None, now)
                 else:
                     stop = self._process_token(st, token, ended, out.logprob[i], out.rank[i], out.top_ids[i],
@@ -244,6 +253,22 @@ class OutputProcessor:
                 continue
             self.pop_if_finished(parent.request_id)
         return ProcessedStep(results, stopped, failed_children)
+
+    def _process_tokens(self, st: ChildState, tokens: list[int], ended: tuple[str, int | str | None] | None,
+                        out, i: int, now: float) -> str | None:
+        """A speculative row's tokens in order (logprobs from position j of row i); the first stop
+        string ends it, and the tokens after it are dropped from the output."""
+        last = len(tokens) - 1
+        for j, token in enumerate(tokens):
+            end = ended if j == last else None
+            if st.logprobs is None:
+                stop = self._process_token(st, token, end, None, None, None, None, now)
+            else:
+                stop = self._process_token(st, token, end, out.logprob[i][j], out.rank[i][j], out.top_ids[i][j],
+                                           out.top_logprobs[i][j], now)
+            if stop is not None:
+                return stop
+        return None
 
     def _process_token(self, st: ChildState, token: int, ended: tuple[str, int | str | None] | None,
                        logprob: float | None, rank: int | None, top_ids: np.ndarray | None,

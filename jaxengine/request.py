@@ -82,6 +82,8 @@ class Request:
     # Structured outputs: the request's grammar matcher (an llguidance LLMatcher, jaxengine/grammar.py)
     # at the state after its output tokens so far; None when its output is unconstrained.
     grammar: object | None = field(default=None, repr=False)
+    # Speculative decoding: draft tokens proposed for the request's next step (the scheduler takes them).
+    draft_token_ids: list[int] = field(default_factory=list, repr=False)
     spec: RequestSpec = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

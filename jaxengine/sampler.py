@@ -166,7 +166,7 @@ def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequenc
     """
     specs = [s.spec for s in seqs]
     params = [sp.params for sp in specs]
-    steps = [s.start + s.num_new_tokens - len(sp.prompt_token_ids) for s, sp in zip(seqs, specs)]
+    steps = [s.start + s.num_new_tokens - s.num_drafts - len(sp.prompt_token_ids) for s, sp in zip(seqs, specs)]
 
     def row(i: int) -> SamplingRow:
         sp = specs[i]

@@ -74,6 +74,7 @@ class ScheduledSeq:
     samples: bool  # this step reaches the end of the request's tokens: sample from its last row
     spec: RequestSpec  # the request's sampling parameters, seed and prompt
     output_token_ids: list[int] | None  # a copy of the outputs, only when the sampler reads them (penalties, bad words)
+    num_drafts: int = 0  # speculative decoding: the last token_ids are this many draft tokens to verify
 
     @property
     def is_decode(self) -> bool:
@@ -83,7 +84,7 @@ class ScheduledSeq:
     @property
     def num_output_tokens(self) -> int:
         """Of a sampling row: output tokens before the one it samples (its index among the outputs)."""
-        return self.start + self.num_new_tokens - len(self.spec.prompt_token_ids)
+        return self.start + self.num_new_tokens - self.num_drafts - len(self.spec.prompt_token_ids)
 
 
 @dataclass(slots=True)
@@ -114,6 +115,7 @@ class Scheduler:
         self.num_preemptions = 0  # total
         self._num_reading_history = 0  # unfinished requests whose sampling reads their history
         self.num_constrained = 0  # unfinished requests with a structured-output grammar
+        self.num_unspeculative = 0  # unfinished requests whose sampling speculation cannot verify
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
@@ -141,6 +143,8 @@ class Scheduler:
             self._num_reading_history += 1
         if request.grammar is not None:
             self.num_constrained += 1
+        if not _speculation_compatible(request):
+            self.num_unspeculative += 1
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -172,6 +176,10 @@ class Scheduler:
         """Whether a running request's sampling reads its token history (penalties): no scan
         of the running requests while no unfinished request uses them (the common case)."""
         return self._num_reading_history > 0 and any(_reads_history(r) for r in self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
 
     @property
     def num_running(self) -> int:
@@ -213,6 +221,17 @@ class Scheduler:
             samples = start + n == total
             if samples and n == 1 and start >= num_prompt:
                 outs = req.output_token_ids
+                drafts = req.draft_token_ids
+                if drafts:  # speculative decoding: the drafts ride along as extra tokens of the row
+                    req.draft_token_ids = []
+                    seq = self._with_drafts(req, start, table, drafts[: budget - 1], preempted)
+                    if seq is None:
+                        break  # `req` itself was preempted: it was the last one
+                    add_decode(seq)
+                    decode_reqs.append(req)
+                    budget -= seq.num_new_tokens
+                    i += 1
+                    continue
                 add_decode(ScheduledSeq(req.request_id, start, 1, outs[-1:], table, True, req.spec,
                                         outs[:] if any_history and req.sampling_params.reads_history else None))
                 decode_reqs.append(req)
@@ -249,6 +268,23 @@ class Scheduler:
             decodes += prefills
             decode_reqs += prefill_reqs
         return SchedulerOutput(decodes, num_batched, preempted, finished, num_cached, decode_reqs)
+
+    def _with_drafts(self, req: Request, start: int, table: list[int] | None, drafts: list[int],
+                     preempted: list[str]) -> ScheduledSeq | None:
+        """A decode row that also computes `drafts` (cut to what max_tokens and max_model_len
+        leave room for), with KV slots for all of them; None if `req` was preempted."""
+        sp = req.sampling_params
+        room = self.config.max_model_len - req.num_tokens - 1
+        if sp.max_tokens is not None:
+            room = min(room, sp.max_tokens - len(req.output_token_ids) - 1)
+        drafts = drafts[: max(room, 0)]
+        n = 1 + len(drafts)
+        if table is None or start + n > len(table) * self.config.block_size:
+            if not self.block_manager.allocate_slots(req, n) and not self._preempt_for(req, n, preempted):
+                return None
+            table = self.block_manager.tables[req.request_id]
+        return ScheduledSeq(req.request_id, start, n, req.output_token_ids[-1:] + drafts, table, True, req.spec,
+                            None, len(drafts))
 
     def _preempt_for(self, req: Request, n: int, preempted: list[str]) -> bool:
         """Preempt from the tail until `req` gets its `n` slots; False if `req` went itself."""
@@ -311,7 +347,7 @@ class Scheduler:
             if req.status is not running:
                 continue
             start = seq.start
-            end = start + seq.num_new_tokens
+            end = start + seq.num_new_tokens - seq.num_drafts  # drafts count once verified (`resolve`)
             req.num_computed_tokens = end
             if end // bs != start // bs:  # a block was filled: offer it to the prefix cache
                 bm.cache_full_blocks(req)
@@ -331,16 +367,41 @@ class Scheduler:
             assert token is not None, f"no token sampled for {req.request_id}"
             outs = req.output_token_ids
             assert outs and outs[-1] == PLACEHOLDER, req.request_id
-            outs[-1] = token
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._check_stop(req, token)
+            if isinstance(token, list):  # speculative decoding: accepted drafts, then the target's token
+                status = self._resolve_tokens(req, seq, token)
+            else:
+                outs[-1] = token
+                status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status, now)
                 finished.append(req)
         if finished:
             self._drop_finished()
         return finished
+
+    def _resolve_tokens(self, req: Request, seq: ScheduledSeq, tokens: list[int]) -> RequestStatus | None:
+        """A speculative row's tokens: the accepted drafts' KV counts as computed (their blocks
+        are offered to the prefix cache only now, hashed over verified tokens); tokens after one
+        that ends the request are dropped. `tokens` is trimmed in place to those kept."""
+        outs = req.output_token_ids
+        outs.pop()  # the placeholder
+        status = None
+        for j, t in enumerate(tokens):
+            outs.append(t)
+            status = self._check_stop(req, t)
+            if status is not None:
+                del tokens[j + 1:]
+                break
+        if status is None:
+            accepted = len(tokens) - 1
+            start = req.num_computed_tokens
+            req.num_computed_tokens = start + accepted
+            bs = self.config.block_size
+            if accepted and (start + accepted) // bs != start // bs:
+                self.block_manager.cache_full_blocks(req)
+        return status
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """Why the request ends after sampling `token`, or None. A stop beats a length cap."""
@@ -369,11 +430,22 @@ class Scheduler:
             self._num_reading_history -= 1
         if req.grammar is not None:
             self.num_constrained -= 1
+        if not _speculation_compatible(req):
+            self.num_unspeculative -= 1
 
     def _drop_finished(self) -> None:
         self.running = [r for r in self.running if not r.status.is_finished]
         if any(r.status.is_finished for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if not r.status.is_finished)
+
+
+def _speculation_compatible(req: Request) -> bool:
+    """Whether the verify program samples this request as the sampler would: not with penalties,
+    logit edits, a grammar or min_tokens (the sampler's processors and per-step bans)."""
+    p = req.sampling_params
+    return not (getattr(p, "uses_penalties", False) or getattr(p, "uses_logit_edits", False)
+                or getattr(p, "structured_outputs", None) is not None or getattr(p, "min_tokens", 0)
+                or req.grammar is not None)
 
 
 def _reads_history(req: Request) -> bool:
