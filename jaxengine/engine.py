@@ -252,7 +252,12 @@ class LLMEngine:
         """Scheduler state now, cumulative cache and preemption counts, and `step_tokens`: the
         tokens (prefill + decode) the last `step()` scheduled, 0 if it scheduled nothing."""
         bm = self.scheduler.block_manager
-        return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
-                "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
-                "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": self.scheduler.num_preemptions,
-                "step_tokens": self.core.last_step_tokens}
+        out = {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+               "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
+               "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": self.scheduler.num_preemptions,
+               "step_tokens": self.core.last_step_tokens}
+        if self.config.speculative_config is not None:  # speculative decoding's counters, so far
+            st = self.core.spec_stats
+            out.update(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                       spec_num_accepted_tokens=st.num_accepted_tokens, spec_accepted_per_pos=list(st.accepted_per_pos))
+        return out

@@ -56,6 +56,10 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "prefix_cache_queries": ("prefix_cache_queries", "gpu_prefix_cache_queries"),
     "prefix_cache_hits": ("prefix_cache_hits", "gpu_prefix_cache_hits"),
     "num_preemptions": ("num_preemptions",),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("spec_decode_num_accepted_tokens_per_pos",),
     "prompt_tokens": ("prompt_tokens",),
     "generation_tokens": ("generation_tokens",),
     "request_success": ("request_success",),
@@ -104,9 +108,21 @@ class _EngineStateCollector(Collector):
                     ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_cache_hits"),
                     ("num_preemptions", "Requests preempted (recomputed later) for lack of KV blocks.",
                      "num_preemptions"))
+        if "spec_num_drafts" in s:  # speculative decoding is on (vLLM's counters)
+            counters += (("spec_decode_num_drafts", "Steps' rows that carried draft tokens.", "spec_num_drafts"),
+                         ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                          "spec_num_draft_tokens"),
+                         ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"))
         for name, doc, key in counters:
             c = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             c.add_metric([self._model], float(s.get(key, 0.0)))
+            yield c
+        if "spec_accepted_per_pos" in s:
+            c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by their position among a row's drafts.",
+                                    labels=LABELS + ["position"])
+            for pos, n in enumerate(s["spec_accepted_per_pos"]):
+                c.add_metric([self._model, str(pos)], float(n))
             yield c
 
     def describe(self) -> Iterator[Metric]:

@@ -50,6 +50,16 @@ def test_speculative_config_is_validated_by_key():
             EngineConfig(speculative_config=bad)
 
 
+def test_the_command_line_flag_takes_json():
+    from jaxengine.arg_utils import engine_kwargs, normalize_flags
+    from jaxengine.cli import build_parser
+
+    args = build_parser().parse_args(normalize_flags(["generate", "hi", "--speculative_config",
+                                                      '{"method": "ngram", "num_speculative_tokens": 5}']))
+    config = EngineConfig(**engine_kwargs(args))
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=5)
+
+
 def _scheduler(block_size: int = 4) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_blocks=32,
                                      block_size=block_size))
@@ -195,3 +205,28 @@ def test_acceptance_is_high_on_a_prompt_that_repeats_itself(xla_cache_dir):
     assert stats.num_draft_tokens > 0
     assert stats.acceptance_rate > 0.5, (stats, out.outputs[0].text)
     assert out.metrics.spec_mean_accepted_length > 2.0
+
+
+def test_spec_decode_counters_in_metrics(llms):
+    import httpx
+
+    from jaxengine.async_engine import AsyncEngine
+    from jaxengine.server.api_server import build_app
+    from tests.server.conftest import LiveServer
+
+    _, spec = llms
+    app = build_app(AsyncEngine(spec.llm_engine), served_model_names=["tiny"], metrics_vllm_names=True)
+    with LiveServer(app) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 16,
+                                                            "temperature": 0, "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        srv.app.state.engine.call_threadsafe(lambda e: None, timeout=10)
+        text = httpx.get(srv.url + "/metrics").text
+    st = spec.llm_engine.core.spec_stats
+    for name, value in (("spec_decode_num_drafts_total", st.num_drafts),
+                        ("spec_decode_num_draft_tokens_total", st.num_draft_tokens),
+                        ("spec_decode_num_accepted_tokens_total", st.num_accepted_tokens)):
+        for prefix in ("jaxengine:", "vllm:"):
+            assert f'{prefix}{name}{{model_name="tiny"}} {float(value)}' in text, (prefix, name)
+    assert st.num_draft_tokens > 0
+    assert 'jaxengine:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
