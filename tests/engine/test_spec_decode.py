@@ -198,7 +198,10 @@ def test_sampling_with_speculation_has_the_targets_distribution(llms):
 
 
 def test_acceptance_is_high_on_a_prompt_that_repeats_itself(xla_cache_dir):
-    llm = LLM(compilation_cache_dir=xla_cache_dir, speculative_config=NGRAM, **{**ENGINE_KW, "max_model_len": 512})
+    from tests.engine.test_structured_outputs import ENGINE_KW as SMOLLM2_KW
+
+    # the structured-output tests' SmolLM2 settings: only the verify programs are new to the cache
+    llm = LLM(compilation_cache_dir=xla_cache_dir, speculative_config=NGRAM, **SMOLLM2_KW)
     prompt = "Repeat the list exactly.\nred, green, blue, yellow, red, green, blue, yellow, red, green, blue, yellow,"
     [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     stats = llm.llm_engine.core.spec_stats

@@ -67,8 +67,10 @@ def server(xla_cache_dir):
     from jaxengine.config import EngineConfig
     from jaxengine.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=None, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128,
-                                    num_kv_blocks=96, block_size=16, compilation_cache_dir=xla_cache_dir))
+    from tests.engine.test_structured_outputs import ENGINE_KW
+
+    # The structured-output engine tests' settings: their compiled programs are reused from the cache.
+    engine = LLMEngine(EngineConfig(model=None, compilation_cache_dir=xla_cache_dir, **ENGINE_KW))
     tools = ToolSettings(enable_auto_tool_choice=True, reasoning_parser="qwen3")  # the parser: from the template
     app = build_app(AsyncEngine(engine), chat_template=TEMPLATE, tool_settings=tools)
     assert app.state.ctx.tools.tool_call_parser == "hermes"
