@@ -9,7 +9,8 @@ replaced by one that drafts from that record. Three profiles:
 - "none": k random tokens (every draft rejected: the cost of failing);
 - "measured": the recorded tokens, with the draft after the first `a` replaced by a wrong one,
   `a` drawn per step from the accepted-length distribution measured on the real SmolLM2 on
-  copy-heavy prompts (benchmarks/results/spec_decode_smollm2_cpu.json, --accepted-per-pos).
+  copy-heavy prompts (benchmarks/results/spec_decode_smollm2_cpu.json, --accepted-per-pos);
+- "empty": no drafts at all (speculation on, nothing proposed: what the synchronous steps cost).
 For batch sizes 1..32 (128-token random prompts, 128 greedy tokens): the median step and the
 output tokens per second, plain (speculation off: the asynchronous engine) and per profile.
 Then 1000 random 256/256 prompts at temperature 1, with speculation configured and without.
@@ -103,6 +104,8 @@ def main() -> int:
         true = rec[done: done + kk]
         if profile["name"] == "oracle":
             return true
+        if profile["name"] == "empty":
+            return []
         if profile["name"] == "none":
             return [int(t) for t in rng.integers(3, vocab, kk)]
         a = int(rng.choice(len(dist), p=dist))
@@ -139,7 +142,7 @@ def main() -> int:
         record.update(plain["outs"])
         row = {"plain": {k_: v for k_, v in plain.items() if k_ != "outs"}}
         core.spec = spec_config
-        for name in ("oracle", "none", "measured"):
+        for name in ("oracle", "none", "measured", "empty"):
             if name == "measured" and dist is None:
                 continue
             profile["name"] = name
@@ -157,7 +160,7 @@ def main() -> int:
         print(f"batch {b}: plain {plain['tok_s']:.0f} tok/s ({plain['step_ms_median']:.2f} ms/step); "
               + "; ".join(f"{n} {row[n]['speedup']:.2f}x (L {row[n]['mean_accepted_length']:.2f}, "
                           f"{row[n]['step_ms_median']:.2f} ms/step, equal {row[n]['outputs_equal_plain']})"
-                          for n in ("oracle", "none", "measured") if n in row), flush=True)
+                          for n in ("oracle", "none", "measured", "empty") if n in row), flush=True)
     engine_core.ngram_propose = orig
 
     if not args.skip_throughput:
