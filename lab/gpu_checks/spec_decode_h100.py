@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", help="float32: logits without near-ties broken by rounding, so "
+                                                          "replayed drafts verify as recorded")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -60,7 +62,7 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     k = args.k
     res: dict = {"commit": args.commit, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-                 "model": f"{args.model} (dummy bf16)", "k": k, "output_len": args.output_len, "batches": batches}
+                 "model": f"{args.model} (dummy {args.dtype})", "k": k, "output_len": args.output_len, "batches": batches}
     path = os.path.join(args.out, "spec_decode.json")
 
     def save() -> None:
@@ -71,7 +73,7 @@ def main() -> int:
     vocab = PRESETS[args.model]["vocab_size"]
     tmp = "/tmp/spec_tok"
     t0 = time.perf_counter()
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", tokenizer=synthetic_tokenizer(tmp, vocab),
+    llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tokenizer=synthetic_tokenizer(tmp, vocab),
               speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                   "disable_by_batch_size": max(batches)})
     eng = llm.llm_engine
