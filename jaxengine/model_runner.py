@@ -159,15 +159,27 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     smp = jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True, pad_to=config.max_num_seqs,
                                     use_bitmask=True)).lower(
         jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32, sharding=rep), md.abstract(rep)).compile()
+    programs = [fwd, smp]
+    spec = config.speculative_config
+    if spec is not None:  # the verify program of speculative steps (its logits, and any weight copy XLA makes)
+        rv, k = min(r, spec.disable_by_batch_size), spec.num_speculative_tokens
+        spec_layout = Layout.of(SpecInputs(np.zeros((rv, k + 1), np.int32), np.zeros((rv, k), np.int32),
+                                           np.zeros(rv, np.int32)))
+        md_v = Layout.of(build_sampling_metadata([], rv, 1, processors=False))
+        programs.append(jax.jit(functools.partial(_verify_step, graphdef, spec_layout=spec_layout, md_layout=md_v,
+                                                  truncate=True)).lower(
+            _abstract(state), jax.ShapeDtypeStruct((t, c.hidden_size), dtype, sharding=rep),
+            spec_layout.abstract(rep), md_v.abstract(rep)).compile())
     total = 0
-    for compiled in (fwd, smp):
+    for compiled in programs:
         ma = compiled.memory_analysis()
         if ma is None:
             return None
         total += ma.temp_size_in_bytes + ma.output_size_in_bytes + ma.argument_size_in_bytes
-    # Arguments counted above include this device's share of the weights: take it back out.
+    # Arguments counted above include this device's share of the weights (once per program that
+    # takes them: the forward and the verify program): take them back out.
     weights = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(state))
-    return max(total - weights, 0)
+    return max(total - weights * (len(programs) - 1), 0)
 
 
 # The sampler programs compiled per row count: (logits processors, structured-output bitmask,
