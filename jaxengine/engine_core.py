@@ -104,6 +104,11 @@ class EngineCore:
         self.grammar = grammar
         self.spec = runner.spec  # jaxengine.spec_decode.SpeculativeConfig, or None
         self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * (self.spec.num_speculative_tokens if self.spec else 0))
+        # A proposal round that drafts nothing still made its step wait for the one before: after
+        # such a dry round the next `_spec_skip` steps run ahead without proposing (1, 3, 7, then
+        # 8 after consecutive dry rounds; 0 again once a round drafts).
+        self._spec_skip = 0
+        self._spec_dry = 0
         self._inflight: _Dispatched | None = None  # the step running on the device
         self._preempted_since_log = 0
         self._preemption_logged_at = float("-inf")
@@ -174,6 +179,9 @@ class EngineCore:
             prev, self._inflight = self._inflight, None
             done = None
             speculate = self.spec is not None and self._speculating()
+            if speculate and self._spec_skip:
+                self._spec_skip -= 1
+                speculate = False
             if prev is not None and (speculate or prev.handle.spec or self.scheduler.running_reads_history()):
                 done, prev = self._resolve(prev), None
             if speculate:
@@ -218,11 +226,19 @@ class EngineCore:
     def _propose(self) -> None:
         """N-gram drafts for every running request whose next step is a decode."""
         spec = self.spec
+        decoding = drafted = False
         for req in self.scheduler.running:
             outs = req.output_token_ids
             if outs and outs[-1] != PLACEHOLDER and req.num_computed_tokens == req.num_tokens - 1:
+                decoding = True
                 req.draft_token_ids = ngram_propose(req.prompt_token_ids + outs, spec.num_speculative_tokens,
                                                     spec.prompt_lookup_min, spec.prompt_lookup_max)
+                drafted = drafted or bool(req.draft_token_ids)
+        if drafted:
+            self._spec_dry = 0
+        elif decoding:  # requests were decoding and none got a draft: a dry round
+            self._spec_dry = min(2 * self._spec_dry + 1, 8)
+            self._spec_skip = self._spec_dry
 
     @staticmethod
     def _constrained_rows(sched: SchedulerOutput) -> list[tuple[object, int]]:
