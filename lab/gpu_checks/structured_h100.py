@@ -14,6 +14,10 @@ bitmask has the model's full width and the grammar walks real token strings):
   filling bitmasks and advancing matchers per constrained step.
 
     python -m lab.gpu_checks.structured_h100 --tokenizer DIR --out $OUT
+
+DIR: SmolLM2's tokenizer as a folder, made where the embedded model is installed with
+`open_checkpoint(default_model_path()).load_tokenizer().save_pretrained(DIR)`
+(jaxengine.models.checkpoint, jaxengine.default_model) and carried to the GPU machine.
 """
 
 from __future__ import annotations
