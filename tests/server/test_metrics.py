@@ -115,7 +115,10 @@ def test_vllm_names_repeat_every_sample():
 
 def test_every_family_has_a_vllm_mapping():
     """A new metric must say what vLLM calls it (or map to no name on purpose)."""
-    families = {name.removeprefix(PREFIX) for name in families_of(ServerMetrics("m", 64, dict).render().decode())}
+    def stats() -> dict:  # an engine with speculative decoding: every family shows
+        return {"spec_num_drafts": 0, "spec_accepted_per_pos": [0]}
+
+    families = {name.removeprefix(PREFIX) for name in families_of(ServerMetrics("m", 64, stats).render().decode())}
     assert families == set(VLLM_NAMES)
 
 
