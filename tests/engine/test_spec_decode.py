@@ -233,3 +233,19 @@ def test_spec_decode_counters_in_metrics(llms):
             assert f'{prefix}{name}{{model_name="tiny"}} {float(value)}' in text, (prefix, name)
     assert st.num_draft_tokens > 0
     assert 'jaxengine:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
+
+
+def test_dry_rounds_back_off(llms, monkeypatch):
+    """When nothing is ever drafted, proposal rounds (each a synchronous step) thin out: after
+    dry rounds the engine skips 1, 3, 7, then 8 steps, and its tokens are unchanged."""
+    import jaxengine.engine_core as engine_core
+
+    plain, spec = llms
+    rounds = []
+    monkeypatch.setattr(engine_core, "ngram_propose", lambda tokens, *a: rounds.append(len(tokens)) or [])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    got = spec.generate([PROMPTS[2]], params)[0].outputs[0].token_ids
+    assert got == plain.generate([PROMPTS[2]], params)[0].outputs[0].token_ids
+    outputs_at = [n - len(spec.get_tokenizer().encode(PROMPTS[2])) for n in rounds]
+    gaps = [b - a for a, b in zip(outputs_at, outputs_at[1:])]
+    assert gaps[:4] == [2, 4, 8, 9] and set(gaps[4:]) <= {9}, gaps
