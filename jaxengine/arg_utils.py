@@ -47,7 +47,8 @@ _ENGINE_HELP = {
     "max_lora_rank": "largest LoRA rank served (a power of two up to 512); every device slot is this wide",
     "max_cpu_loras": "LoRA adapters kept loaded on the host, >= max-loras (default: max-loras)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
-                          '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}',
+                          '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}, or a '
+                          'draft model: {"model": PATH, "num_speculative_tokens": 3}',
 }
 # Flags with a fixed set of values: argparse checks them and --help lists them. (runner and task
 # are not here: their pooling values get EngineConfig's explanation instead of argparse's error.)

@@ -50,6 +50,9 @@ class LLMEngine:
         self.lora_manager = self._lora_manager(m.config, m.model_config)
         self.runner = ModelRunner(m.config, m.model_config, m.graphdef, m.state, m.dtype, m.attention, m.plan,
                                   m.eos_token_ids, self.lora_manager)
+        if m.draft is not None:
+            from jaxengine.draft_model import DraftModel
+            self.runner.draft = DraftModel(m.config, m.draft, m.dtype)
         if m.config.warmup:
             self.runner.warmup()
         config = m.config

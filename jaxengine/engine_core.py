@@ -29,7 +29,8 @@ with it. Steps without constrained rows run exactly as before.
 
 Speculative decoding (jaxengine/spec_decode.py): while it is on (few enough unfinished requests,
 none that cannot be verified), each step first resolves the one before it, proposes draft tokens
-for the running requests from their tokens, and the scheduler gives each draft a slot of its
+for the running requests (n-gram lookups in their tokens, or the draft model's proposal round on
+the device: jaxengine/draft_model.py), and the scheduler gives each draft a slot of its
 request's row; the runner verifies them in place of sampling, and a row resolves to 1 to k + 1
 tokens. Such steps do not overlap the host with the device: the drafts need the latest tokens.
 """
@@ -224,15 +225,28 @@ class EngineCore:
         return 0 < s.num_unfinished <= self.spec.disable_by_batch_size and s.num_unspeculative == 0
 
     def _propose(self) -> None:
-        """N-gram drafts for every running request whose next step is a decode."""
+        """Drafts for every running request whose next step is a decode: n-gram lookups on the
+        host, or the draft model's proposal round on the device."""
         spec = self.spec
-        decoding = drafted = False
-        for req in self.scheduler.running:
-            outs = req.output_token_ids
-            if outs and outs[-1] != PLACEHOLDER and req.num_computed_tokens == req.num_tokens - 1:
-                decoding = True
-                req.draft_token_ids = ngram_propose(req.prompt_token_ids + outs, spec.num_speculative_tokens,
-                                                    spec.prompt_lookup_min, spec.prompt_lookup_max)
+        decoding = [req for req in self.scheduler.running
+                    if req.output_token_ids and req.output_token_ids[-1] != PLACEHOLDER
+                    and req.num_computed_tokens == req.num_tokens - 1]
+        drafted = False
+        if self.runner.draft is not None:
+            rows = []
+            for req in decoding:
+                n = self.scheduler.reserve_draft_slots(req, spec.num_speculative_tokens)
+                if n:
+                    rows.append((req, n, self.scheduler.block_manager.get_block_ids(req.request_id)))
+            if rows:
+                for (req, _, _), drafts in zip(rows, self.runner.draft.propose(rows)):
+                    req.draft_token_ids = drafts
+                drafted = True
+        else:
+            for req in decoding:
+                req.draft_token_ids = ngram_propose(req.prompt_token_ids + req.output_token_ids,
+                                                    spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                                    spec.prompt_lookup_max)
                 drafted = drafted or bool(req.draft_token_ids)
         if drafted:
             self._spec_dry = 0

@@ -21,6 +21,7 @@ from jaxengine.attention_backend import AttentionBackend, select_attention_backe
 from jaxengine.config import EngineConfig
 from jaxengine.default_model import default_model_path
 from jaxengine.distributed import agree_min
+from jaxengine.draft_model import LoadedDraft
 from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
@@ -43,6 +44,7 @@ class LoadedModel:
     plan: ShardingPlan | None  # None on one device
     tokenizer: object | None  # a transformers tokenizer; None with skip_tokenizer_init or none found
     eos_token_ids: tuple[int, ...]
+    draft: LoadedDraft | None = None  # speculative decoding's draft model
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -83,12 +85,52 @@ def load_model(config: EngineConfig) -> LoadedModel:
         graphdef, state = load_params(ckpt, model_config, dtype, put=put)
     attention = select_attention_backend(config.attention_backend, model_config, dtype, config.block_size,
                                          plan.mesh if plan is not None else None)
-    blocks = num_kv_blocks(config, model_config, dtype, graphdef, state, attention, plan)
+    spec = config.speculative_config
+    draft = load_draft(config, model_config, dtype) if spec is not None and spec.method == "draft_model" else None
+    draft_bytes = 0 if draft is None else kv_bytes_per_block(
+        draft.model_config, config.block_size, dtype, draft.attention.kv_head_dim(draft.model_config.head_dim))
+    blocks = num_kv_blocks(config, model_config, dtype, graphdef, state, attention, plan, draft_bytes)
     config = dataclasses.replace(config, num_kv_blocks=blocks)
     eos = tuple(model_config.eos_token_id)
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
-    return LoadedModel(config, model_config, dtype, graphdef, state, attention, plan, tokenizer, eos)
+    return LoadedModel(config, model_config, dtype, graphdef, state, attention, plan, tokenizer, eos, draft)
+
+
+def load_draft(config: EngineConfig, target: ModelConfig, dtype: jnp.dtype) -> LoadedDraft:
+    """Speculative decoding's draft model (speculative_config.model), on the device in the
+    target's dtype: a checkpoint as the target's are opened, or with load_format="dummy" a preset
+    name. Its vocabulary must be the target's (it proposes the target's token ids)."""
+    from jaxengine.models.checkpoint import open_checkpoint
+
+    source = config.speculative_config.model
+    if config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config: a draft model runs with tensor_parallel_size=1 only; "
+                         'use {"method": "ngram"} under tensor parallelism')
+    if config.is_pooling:
+        raise ValueError("speculative_config: speculative decoding is for text generation, not pooling")
+    if target.kv_window is not None:
+        raise ValueError(f"speculative_config: a draft model is not supported for {target.architecture} with a "
+                         "sliding window (the target's KV blocks outside the window are freed)")
+    ckpt = None
+    if config.load_format == "dummy" and source in PRESETS:
+        mc = ModelConfig.from_hf_dict(PRESETS[source])
+    else:
+        ckpt = open_checkpoint(source, revision=None)
+        mc = ModelConfig.from_hf_dict(ckpt.hf_config)
+    if mc.vocab_size > target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({mc.vocab_size} tokens) is larger than "
+                         f"the target's ({target.vocab_size}); the draft must share the target's tokenizer")
+    if mc.max_position_embeddings < config.max_model_len:
+        raise ValueError(f"speculative_config: the draft model's max_position_embeddings ({mc.max_position_embeddings}) "
+                         f"is below max_model_len ({config.max_model_len})")
+    mc = mc.with_max_model_len(config.max_model_len)
+    if ckpt is None or config.load_format == "dummy":
+        graphdef, state = dummy_params(mc, dtype, seed=config.seed + 1)
+    else:
+        graphdef, state = load_params(ckpt, mc, dtype)
+    attention = select_attention_backend(config.attention_backend, mc, dtype, config.block_size, None)
+    return LoadedDraft(source, mc, graphdef, state, attention)
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -126,8 +168,9 @@ def derive_config(config: EngineConfig, mc: ModelConfig) -> EngineConfig:
 
 
 def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graphdef, state,
-                  attention: AttentionBackend, plan: ShardingPlan | None = None) -> int:
+                  attention: AttentionBackend, plan: ShardingPlan | None = None, draft_bytes_per_block: int = 0) -> int:
     """Blocks that fit in free device memory (or the CPU budget), never more than useful.
+    `draft_bytes_per_block`: a draft model's KV of one block, which every block also holds.
 
     On accelerators: bytes_limit x gpu_memory_utilization, minus what is in use after the
     weights, minus the profiled peak of one step of the largest bucket.
@@ -135,7 +178,8 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graph
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     # per device: the KV heads are split over the tensor-parallel devices
-    per_block = kv_bytes_per_block(mc, config.block_size, dtype, attention.kv_head_dim(mc.head_dim)) // config.tensor_parallel_size
+    per_block = (kv_bytes_per_block(mc, config.block_size, dtype, attention.kv_head_dim(mc.head_dim))
+                 // config.tensor_parallel_size + draft_bytes_per_block)
     most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:

@@ -263,6 +263,7 @@ class ModelRunner:
         self._forward_lora_fns: dict[int, jax.stages.Compiled] = {}
         self.spec = config.speculative_config  # jaxengine.spec_decode.SpeculativeConfig, or None
         self._verify_fns: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self.draft = None  # speculative decoding's draft model (jaxengine.draft_model.DraftModel), or None
         self._lora_write: jax.stages.Compiled | None = None
         self.lora_manager = lora_manager  # jaxengine.lora.LoRAManager, or None without LoRA
         self.lora_layers = self._allocate_lora() if lora_manager is not None else None
@@ -423,6 +424,10 @@ class ModelRunner:
                  "verify": lambda key: self._compile_verify(*key)}
         tables = {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns,
                   "pool": self._pool_fns, "forward_lora": self._forward_lora_fns, "verify": self._verify_fns}
+        if self.draft is not None:  # the draft model's catch-up per token bucket and its propose program
+            draft_jobs = {(name, key): fn for name, key, fn in self.draft.compile_jobs()}
+            jobs += [("draft", nk) for nk in draft_jobs]
+            build["draft"] = lambda nk: draft_jobs[nk]()
         t0 = time.perf_counter()
         workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool, \
@@ -430,7 +435,10 @@ class ModelRunner:
             futures = {pool.submit(build[kind], key): (kind, key) for kind, key in jobs}
             for fut in concurrent.futures.as_completed(futures):
                 kind, key = futures[fut]
-                tables[kind][key] = fut.result()
+                if kind == "draft":
+                    self.draft.install(*key, fut.result())
+                else:
+                    tables[kind][key] = fut.result()
                 bar.update(1)
         if self.lora_layers is not None:
             self._lora_write = self._compile_lora_write()

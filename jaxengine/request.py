@@ -84,6 +84,11 @@ class Request:
     grammar: object | None = field(default=None, repr=False)
     # Speculative decoding: draft tokens proposed for the request's next step (the scheduler takes them).
     draft_token_ids: list[int] = field(default_factory=list, repr=False)
+    # Draft-model speculation (jaxengine/draft_model.py): leading tokens whose KV is in the draft's
+    # cache, and the drafts whose KV the last proposal wrote after them (unconfirmed until the
+    # next proposal compares them with the tokens). A preemption resets both.
+    draft_computed: int = field(default=0, repr=False)
+    draft_written: list[int] = field(default_factory=list, repr=False)
     spec: RequestSpec = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -269,15 +269,29 @@ class Scheduler:
             decode_reqs += prefill_reqs
         return SchedulerOutput(decodes, num_batched, preempted, finished, num_cached, decode_reqs)
 
-    def _with_drafts(self, req: Request, start: int, table: list[int] | None, drafts: list[int],
-                     preempted: list[str]) -> ScheduledSeq | None:
-        """A decode row that also computes `drafts` (cut to what max_tokens and max_model_len
-        leave room for), with KV slots for all of them; None if `req` was preempted."""
+    def draft_room(self, req: Request) -> int:
+        """Drafts a decoding request's next step can carry: what max_tokens and max_model_len
+        leave room for after the target's own token."""
         sp = req.sampling_params
         room = self.config.max_model_len - req.num_tokens - 1
         if sp.max_tokens is not None:
             room = min(room, sp.max_tokens - len(req.output_token_ids) - 1)
-        drafts = drafts[: max(room, 0)]
+        return max(room, 0)
+
+    def reserve_draft_slots(self, req: Request, k: int) -> int:
+        """Before a draft model proposes for a decoding request: KV slots for its next step with
+        up to `k` drafts (the draft writes its KV there while proposing). Returns the drafts it
+        may propose; 0 when there is no room or no free block (nothing is preempted for drafts)."""
+        n = min(k, self.draft_room(req))
+        if n and not self.block_manager.allocate_slots(req, 1 + n):
+            return 0
+        return n
+
+    def _with_drafts(self, req: Request, start: int, table: list[int] | None, drafts: list[int],
+                     preempted: list[str]) -> ScheduledSeq | None:
+        """A decode row that also computes `drafts` (cut to what max_tokens and max_model_len
+        leave room for), with KV slots for all of them; None if `req` was preempted."""
+        drafts = drafts[: self.draft_room(req)]
         n = 1 + len(drafts)
         if table is None or start + n > len(table) * self.config.block_size:
             if not self.block_manager.allocate_slots(req, n) and not self._preempt_for(req, n, preempted):
@@ -323,6 +337,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.draft_computed, req.draft_written, req.draft_token_ids = 0, [], []
         self.waiting.appendleft(req)
         self.num_preemptions += 1
         logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)

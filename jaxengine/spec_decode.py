@@ -11,6 +11,10 @@ Proposers:
   prompt_lookup_min tokens) that occurred earlier in them proposes the k tokens that followed
   its most recent earlier occurrence. Host-only, no model: it pays on outputs that copy their
   input (summaries, edits, code changes).
+- "draft_model" (`model`: a small model of the target's vocabulary): the draft's own greedy
+  tokens, k decode steps of it on the device (jaxengine/draft_model.py). Its paged KV cache
+  shares the target's block tables, and it catches up on the tokens it has not seen before it
+  proposes, so it costs nothing while speculation is off.
 
 When speculation runs: drafts need the request's latest token, so a step with drafts is
 scheduled after the step before it resolved (the engine's synchronous path); above
@@ -29,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # Unfinished requests above which no drafts are proposed (a step's verification then costs
 # more than the drafts save); see docs/speculative_decoding.md.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
@@ -44,7 +48,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # n-gram: longest suffix looked up
     prompt_lookup_min: int = 1  # n-gram: shortest suffix looked up
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE  # no drafts above this many unfinished requests
-    model: str | None = None  # a draft model (not served yet: refused by name)
+    model: str | None = None  # draft_model: the draft's HF folder, hub id or (dummy weights) preset name
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
@@ -57,10 +61,13 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > 8:
             raise ValueError(f"speculative_config.num_speculative_tokens must be at most 8, got "
                              f"{self.num_speculative_tokens}")
-        if self.model is not None or self.method != "ngram":
-            what = f"a draft model ({self.model!r})" if self.model is not None else f"method {self.method!r}"
-            raise ValueError(f"speculative_config: {what} is not supported yet; use "
-                             '{"method": "ngram", "num_speculative_tokens": k}')
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: method {self.method!r} is not supported; supported: "
+                             f"{', '.join(METHODS)} (a draft model: {{\"model\": PATH, \"num_speculative_tokens\": k}})")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative_config: method "draft_model" needs "model" (the draft\'s path or hub id)')
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative_config: "model" names a draft model; it does not go with method "ngram"')
 
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:
@@ -78,8 +85,8 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - names)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        if "model" in value and "method" not in value and value["model"] is not None:
-            value = {**value, "method": "draft_model"}
+        if value.get("model") is not None and value.get("method") in (None, "draft_model"):
+            value = {**value, "method": "draft_model"}  # vLLM: a model without a method is a draft model
         return cls(**value)
 
 

@@ -17,6 +17,16 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "bos_token_id": 128000, "eos_token_id": 128009,
     },
+    # meta-llama/Llama-3.2-1B's shape: Llama 3's tokenizer, the usual draft model of a Llama-3 target
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "bos_token_id": 128000, "eos_token_id": 128009,
+    },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,

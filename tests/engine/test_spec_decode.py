@@ -43,8 +43,11 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence():
 def test_speculative_config_is_validated_by_key():
     c = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}').speculative_config
     assert c == SpeculativeConfig(num_speculative_tokens=4)
+    draft = EngineConfig(speculative_config={"model": "/some/draft", "num_speculative_tokens": 4}).speculative_config
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/some/draft", 4)
     for bad, what in (({"num_speculative_tokens": 0}, "num_speculative_tokens"), ({"bogus": 1}, "bogus"),
-                      ({"model": "/some/draft"}, "draft model"), ({"method": "eagle3"}, "eagle3"),
+                      ({"method": "draft_model"}, "needs \"model\""), ({"method": "eagle3"}, "eagle3"),
+                      ({"method": "ngram", "model": "/some/draft"}, "does not go with"),
                       ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"), ("{", "JSON")):
         with pytest.raises(ValueError, match=what):
             EngineConfig(speculative_config=bad)
