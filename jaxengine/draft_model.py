@@ -100,7 +100,9 @@ def _propose(graphdef, state, kv_caches, packed: jax.Array, *, layout: Layout, a
         nxt = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
         return jnp.where(live, nxt, 0), kv, drafts.at[:, j].set(nxt)
 
-    _, kv_caches, drafts = jax.lax.fori_loop(0, k, step, (inp.tokens, kv_caches, jnp.zeros((r, k), jnp.int32)))
+    # Unrolled: a rolled loop on the GPU would read its predicate on the host every iteration.
+    _, kv_caches, drafts = jax.lax.fori_loop(0, k, step, (inp.tokens, kv_caches, jnp.zeros((r, k), jnp.int32)),
+                                             unroll=True)
     return kv_caches, drafts
 
 

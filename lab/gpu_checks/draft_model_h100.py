@@ -9,7 +9,9 @@ catch-up does what it would for real drafts). Profiles:
 - "draft": the draft's own tokens (random: nearly always rejected, the cost of failing);
 - "oracle": the k recorded next tokens of a plain greedy run (every draft accepted: the ceiling);
 - "measured": the recorded tokens, wrong after the first `a`, `a` drawn per step from the
-  accepted-length distribution of a real pair measured on the CPU (--accepted-per-pos, --drafted).
+  accepted-length distribution of a real pair measured on the CPU (--accepted-per-pos, --drafted);
+- "rate<x>": the same with each draft accepted with probability x until the first rejection
+  (--rates: an acceptance rate assumed, to draw the speed-up against acceptance).
 For batch sizes (128-token random prompts, 128 greedy tokens): median step, output tok/s, speed-up
 over the asynchronous engine without speculation, outputs equal to plain.
 
@@ -40,9 +42,11 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--accepted-per-pos", default="")
     ap.add_argument("--drafted", type=int, default=0)
+    ap.add_argument("--rates", default="0.5,0.7,0.9")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--tp-len", type=int, default=256, help="input and output length of the throughput run")
     ap.add_argument("--skip-throughput", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -57,6 +61,7 @@ def main() -> int:
     from jaxengine.models.presets import PRESETS
 
     batches = [int(b) for b in args.batches.split(",")]
+    rates = [f"rate{float(x)}" for x in args.rates.split(",") if x]
     k = args.k
     res: dict = {"commit": args.commit, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
                  "target": f"{args.model} (dummy bf16)", "draft": f"{args.draft} (dummy bf16)", "k": k,
@@ -72,13 +77,14 @@ def main() -> int:
     tok = synthetic_tokenizer("/tmp/draft_tok", vocab)
     tp: dict = {}
     if not args.skip_throughput:  # the target alone first, in its own engine (all the memory is its)
-        reqs = random_requests(args.num_prompts, 256, 256, 0.0, vocab, seed=100)
-        warm = [SampleRequest(q.prompt_token_ids, 16) for q in random_requests(64, 256, 256, 0.0, vocab, seed=20_000)]
+        n = args.tp_len
+        reqs = random_requests(args.num_prompts, n, n, 0.0, vocab, seed=100)
+        warm = [SampleRequest(q.prompt_token_ids, 16) for q in random_requests(64, n, n, 0.0, vocab, seed=20_000)]
         plain_llm = LLM(args.model, load_format="dummy", tokenizer=tok)
         tp["num_kv_blocks_plain"] = plain_llm.llm_engine.config.num_kv_blocks
         run_throughput(plain_llm, warm)
         tp["plain"] = run_throughput(plain_llm, reqs)["output_tokens_per_s"]
-        print(f"256/256 x {args.num_prompts} without a draft: {tp['plain']:,.0f} output tok/s", flush=True)
+        print(f"{args.tp_len}/{args.tp_len} x {args.num_prompts} without a draft: {tp['plain']:,.0f} output tok/s", flush=True)
         del plain_llm
         gc.collect()
     t0 = time.perf_counter()
@@ -118,8 +124,13 @@ def main() -> int:
                 continue
             done = len(req.output_token_ids)
             true = list(rec[done: done + n])
-            if profile["name"] == "measured":
-                a = int(rng.choice(len(dist), p=dist))
+            if profile["name"] != "oracle":
+                if profile["name"] == "measured":
+                    a = int(rng.choice(len(dist), p=dist))
+                else:  # rate<x>: each draft accepted with probability x, up to the first rejection
+                    x, a = float(profile["name"][4:]), 0
+                    while a < n and rng.random() < x:
+                        a += 1
                 if a < len(true):
                     true = true[:a] + [(true[a] + 1) % vocab] + true[a + 1:]
             true = (true + d)[:n]
@@ -155,9 +166,8 @@ def main() -> int:
         record.update(plain["outs"])
         row = {"plain": {k_: v for k_, v in plain.items() if k_ != "outs"}}
         core.spec = spec_config
-        for name in ("draft", "oracle", "measured"):
-            if name == "measured" and dist is None:
-                continue
+        names = ["draft", "oracle"] + (["measured"] if dist is not None else []) + rates
+        for name in names:
             profile["name"] = name
             st = core.spec_stats
             before = (st.num_drafts, st.num_accepted_tokens)
@@ -173,7 +183,7 @@ def main() -> int:
         print(f"batch {b}: plain {plain['tok_s']:.0f} tok/s ({plain['step_ms_median']:.2f} ms/step); "
               + "; ".join(f"{n} {row[n]['speedup']:.2f}x (L {row[n]['mean_accepted_length']:.2f}, "
                           f"{row[n]['step_ms_median']:.2f} ms/step, equal {row[n]['outputs_equal_plain']})"
-                          for n in ("draft", "oracle", "measured") if n in row), flush=True)
+                          for n in names), flush=True)
     draft.propose = real_propose
 
     if not args.skip_throughput:
@@ -183,9 +193,9 @@ def main() -> int:
         tp["draft_configured"] = run_throughput(llm, reqs)["output_tokens_per_s"]
         tp["catch_up_tokens"] = draft.num_catch_up_tokens
         tp["loss"] = 1 - tp["draft_configured"] / tp["plain"]
-        res["throughput_256x256"] = tp
+        res[f"throughput_{args.tp_len}x{args.tp_len}"] = tp
         save()
-        print(f"256/256 x {args.num_prompts}: plain {tp['plain']:,.0f}, draft configured {tp['draft_configured']:,.0f} "
+        print(f"{args.tp_len}/{args.tp_len} x {args.num_prompts}: plain {tp['plain']:,.0f}, draft configured {tp['draft_configured']:,.0f} "
               f"output tok/s (loss {tp['loss']:.1%})", flush=True)
     return 0
 
