@@ -1,0 +1,57 @@
+"""The grouped matmul of the MoE layer against a numpy loop over experts: ragged group sizes,
+empty experts (first, middle, last), and rows past the groups' total, which must come out zero."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxengine.pallas_kernels.grouped_matmul import MgpuTiling, grouped_matmul, mgpu_applies
+
+
+def _numpy_loop(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    out = np.zeros((x.shape[0], w.shape[2]), np.float64)
+    start = 0
+    for g, n in enumerate(sizes):
+        out[start:start + n] = x[start:start + n].astype(np.float64) @ w[g].astype(np.float64)
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("sizes,m", [
+    ([3, 0, 5, 1], 9),  # an empty middle expert
+    ([0, 4, 4, 0], 8),  # empty first and last
+    ([0, 0, 0, 7], 7),  # everything in one
+    ([2, 0, 1, 0], 6),  # rows past the total (3 of 6) are zero
+    ([1], 1),  # one row, one expert (decode with top-1)
+])
+def test_grouped_matmul_matches_numpy_loop(sizes, m):
+    rng = np.random.default_rng(len(sizes) * 10 + m)
+    g, k, n = len(sizes), 24, 40
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((g, k, n), np.float32)
+    got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32)))
+    np.testing.assert_allclose(got, _numpy_loop(x, w, np.asarray(sizes)), atol=1e-4, rtol=1e-5)
+
+
+def test_bad_arguments_are_value_errors():
+    x, w = jnp.zeros((4, 8)), jnp.zeros((2, 8, 16))
+    with pytest.raises(ValueError, match="group_sizes"):
+        grouped_matmul(x, w, jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match=r"\[M, K\] and \[G, K, N\]"):
+        grouped_matmul(x, jnp.zeros((2, 4, 16)), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        grouped_matmul(x, w, jnp.zeros((2,), jnp.int32), impl="cutlass")
+    with pytest.raises(ValueError, match="bf16/f16"):  # float32: the Hopper kernel does not apply
+        grouped_matmul(x, w, jnp.zeros((2,), jnp.int32), impl="mgpu")
+
+
+def test_hopper_kernel_constraints():
+    t = MgpuTiling()
+    bf = jnp.bfloat16
+    assert mgpu_applies(jnp.zeros((3, 4096), bf), jnp.zeros((8, 4096, 14336), bf), t)  # Mixtral gate/up
+    assert mgpu_applies(jnp.zeros((16, 768), bf), jnp.zeros((128, 768, 2048), bf), t)  # Qwen3-30B-A3B down
+    assert not mgpu_applies(jnp.zeros((3, 4096), jnp.float32), jnp.zeros((8, 4096, 128), jnp.float32), t)
+    assert not mgpu_applies(jnp.zeros((3, 96), bf), jnp.zeros((8, 96, 128), bf), t)  # K % block_k
+    assert not mgpu_applies(jnp.zeros((3, 128), bf), jnp.zeros((8, 128, 96), bf), t)  # N % block_n
