@@ -37,14 +37,47 @@ def _fused_path(path: Path, expected: dict) -> Path | None:
 _FUSED_OF = {part: fused for fused, (parts, _) in FUSED.items() for part in parts}
 
 
-def param_paths(name: str, family: Family) -> list[tuple[Path, Transform]]:
-    """HF tensor name -> the (parameter path in the NNX state, layout transform) it fills; [] if none."""
+def param_paths(name: str, family: Family) -> list[tuple[Path, Transform, int | None]]:
+    """HF tensor name -> the (parameter path in the NNX state, layout transform, expert index) it
+    fills; [] if none. The expert index (a rule's `expert` group) is the slice of a stacked
+    [E, ...] parameter the tensor fills; None for a whole parameter."""
     for r in family.weights:
         m = r.compiled.match(name)
         if m:
             layer = ("model", "layers", int(m.group(1))) if m.groups() else ()
-            return [(layer + path, fn) for path, fn in r.targets]
+            expert = m.groupdict().get("expert")
+            return [(layer + path, fn, None if expert is None else int(expert)) for path, fn in r.targets]
     return []
+
+
+class _ExpertStacks:
+    """Stacked [E, ...] parameters filled one expert at a time: each in a preallocated host array
+    of the model's dtype, placed (and dropped from the host) as soon as its last expert arrives,
+    so only the stacks of the layers being read are held at once."""
+
+    def __init__(self, expected: dict, dtype: jnp.dtype, put: Callable[[Path, np.ndarray], jax.Array]):
+        self.expected, self.dtype, self.put = expected, np.dtype(dtype), put
+        self.open: dict[Path, tuple[np.ndarray, set[int]]] = {}  # stacks still missing experts
+        self.finished: dict[Path, jax.Array] = {}  # placed
+
+    def add(self, name: str, path: Path, expert: int, arr: np.ndarray | None, raw_shape: tuple) -> str | None:
+        """Fills slice `expert` of `path` (placed once complete); returns an error text, or None."""
+        want = tuple(self.expected[path].shape)
+        if arr is None or expert >= want[0] or tuple(arr.shape) != want[1:]:
+            return f"{name}: checkpoint shape {raw_shape} does not fit expert {expert} of parameter {want}"
+        if path not in self.open:
+            self.open[path] = (np.empty(want, self.dtype), set())
+        stack, filled = self.open[path]
+        stack[expert] = arr
+        filled.add(expert)
+        if len(filled) == want[0]:
+            self.finished[path] = self.put(path, self.open.pop(path)[0])
+        return None
+
+    def missing(self) -> list[str]:
+        """Experts never read, by parameter and index."""
+        return [f"{'.'.join(map(str, p))}[expert {e}]" for p, (stack, filled) in self.open.items()
+                for e in range(stack.shape[0]) if e not in filled]
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
@@ -81,11 +114,13 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
     parts_read: dict[Path, dict[str, tuple[str, np.ndarray]]] = {}  # fused path -> part -> (name, array)
     family = get_family(cfg.architecture)
     ignored = re.compile(family.ignored + r"$")
+    stacks = _ExpertStacks(expected, dtype, put)
     for name in checkpoint.tensor_names():
         if ignored.match(name):
             continue
         hits = param_paths(name, family)
-        hits = [(path, fn, _fused_path(path, expected)) for path, fn in hits]
+        experts = {path: expert for path, _, expert in hits}
+        hits = [(path, fn, _fused_path(path, expected)) for path, fn, _ in hits]
         if not hits or any(path not in expected and fused is None for path, _, fused in hits):
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # some tied checkpoints still store the head
@@ -97,6 +132,12 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                 arr = fn(raw, cfg)
             except ValueError:
                 arr = None
+            if experts[path] is not None:
+                error = stacks.add(name, path, experts[path], arr, tuple(raw.shape))
+                if error:
+                    bad_shapes.append(error)
+                seen.add(path)  # incomplete stacks are reported by their missing experts
+                continue
             if fused is not None and arr is not None:
                 parts_read.setdefault(fused, {})[str(path[-1])] = (name, arr)  # shape checked once whole
                 continue
@@ -127,7 +168,9 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             continue
         set_path(pure, path, put(path, arr.astype(dtype)))
         seen.add(path)
-    missing = [".".join(map(str, p)) for p in expected if p not in seen] + missing_parts
+    for path, arr in stacks.finished.items():
+        set_path(pure, path, arr)
+    missing = [".".join(map(str, p)) for p in expected if p not in seen] + missing_parts + stacks.missing()
     if missing or unexpected or bad_shapes:
         parts = []
         if missing:

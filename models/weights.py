@@ -2,7 +2,9 @@
 
 A family lists `WeightRule`s: a regular expression over the Hugging Face tensor name (the first
 group, when there is one, is the layer index) and the parameters the tensor fills, each with a
-layout transform from the checkpoint's layout to the model's. One tensor may fill several
+layout transform from the checkpoint's layout to the model's. A rule with a group named `expert`
+fills one slice of a stacked [E, ...] parameter (an MoE layer's experts: models/moe.py); the
+loader stacks the slices. One tensor may fill several
 parameters (GPT-2's fused `c_attn` fills q, k and v); the loader fuses parts back together where
 the model holds them fused (`FUSED`). Every shape is checked by the loader, not here.
 """
@@ -23,7 +25,7 @@ Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 
 @dataclasses.dataclass(frozen=True)
 class WeightRule:
-    pattern: str  # regex over the whole tensor name; group 1, if any, is the layer index
+    pattern: str  # regex over the whole tensor name; group 1, if any, is the layer index; (?P<expert>...)
     targets: tuple[tuple[Path, Transform], ...]  # (parameter path, below the layer when indexed; transform)
 
     @property
