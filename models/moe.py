@@ -16,7 +16,8 @@ The layer has fixed shapes under jit. The T*k (token, expert) pairs are sorted b
 of the flattened ids), the token rows gathered in that order, group sizes counted per expert,
 and gate/up and down run as grouped matmuls (pallas_kernels/grouped_matmul.py) over the stacked
 expert weights: gate/up [E, D, F], down [E, F, D]. The rows are then put back in token order and
-summed with their routing weights. Every token row takes k experts, padding rows included.
+summed with their routing weights. The bucket's padding rows (after the step's real tokens)
+are left out: they would otherwise read experts no real token uses.
 
 Parallelism (jaxengine/sharding.py places the weights; the layer runs under `jax.shard_map` over
 the mesh's "model" axis, which the engine's attention backend carries):
@@ -131,14 +132,18 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool, softmax_of_topk: bool
 
 
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-               first_expert: jax.Array | int, act) -> jax.Array:
+               first_expert: jax.Array | int, act, num_tokens: jax.Array | int | None = None) -> jax.Array:
     """One device's share of the experts' output [T, D] (float32), for the experts it holds:
     gate/up [El, D, F'], down [El, F', D] are experts first_expert .. first_expert + El - 1 (all
-    of them, or a slice of F under tensor parallelism). Pairs routed to other experts add nothing."""
+    of them, or a slice of F under tensor parallelism). Pairs routed to other experts add nothing.
+    `num_tokens`: rows from it on are the bucket's padding; their pairs are left out (zero
+    output), so they neither read experts no real token uses nor add matmul rows."""
     t, k = ids.shape
     n_local = gate.shape[0]
     local = ids.reshape(-1) - first_expert  # [M]
     mine = (local >= 0) & (local < n_local)
+    if num_tokens is not None:
+        mine &= jnp.repeat(jnp.arange(t) < num_tokens, k)
     key = jnp.where(mine, local, n_local)  # pairs of other devices' experts sort last
     order = jnp.argsort(key, stable=True)  # [M]
     sizes = jnp.zeros((n_local + 1,), jnp.int32).at[key].add(1)[:n_local]  # [El]
@@ -166,26 +171,30 @@ class SparseMoeBlock(nnx.Module):
         self.expert_parallel = cfg.expert_parallel
         self.act = activation(cfg.hidden_act, cfg.architecture)
 
-    def __call__(self, x: jax.Array, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
-        """x [T, D] -> [T, D]. `mesh`: the tensor-parallel mesh (None on one device)."""
+    def __call__(self, x: jax.Array, mesh: jax.sharding.Mesh | None = None,
+                 num_tokens: jax.Array | None = None) -> jax.Array:
+        """x [T, D] -> [T, D]. `mesh`: the tensor-parallel mesh (None on one device);
+        `num_tokens` (int32 []): rows from it on are padding, left out of the experts."""
         router, gate, up, down = (p[...] for p in (self.router, self.experts_gate, self.experts_up, self.experts_down))
+        num_tokens = jnp.asarray(x.shape[0] if num_tokens is None else num_tokens, jnp.int32)
 
-        def local(x, router, gate, up, down):
+        def local(x, num_tokens, router, gate, up, down):
             logits = jnp.einsum("TD,DE->TE", x.astype(jnp.float32), router.astype(jnp.float32))
             weights, ids = route(logits, self.k, self.norm_topk_prob, self.softmax_of_topk)
             first = 0
             if mesh is not None and self.expert_parallel:
                 first = jax.lax.axis_index("model") * gate.shape[0]
-            y = expert_ffn(x, weights, ids, gate, up, down, first, self.act)
+            y = expert_ffn(x, weights, ids, gate, up, down, first, self.act, num_tokens)
             return y if mesh is None else jax.lax.psum(y, "model")
 
         if mesh is None or mesh.shape["model"] == 1:
-            return local(x, router, gate, up, down).astype(x.dtype)
+            return local(x, num_tokens, router, gate, up, down).astype(x.dtype)
         from jaxengine.attention_backend import shard_map
 
         wspec = (P("model", None, None),) * 3 if self.expert_parallel else \
             (P(None, None, "model"), P(None, None, "model"), P(None, "model", None))
-        y = shard_map(local, mesh=mesh, in_specs=(P(), P(), *wspec), out_specs=P())(x, router, gate, up, down)
+        y = shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *wspec), out_specs=P())(
+            x, num_tokens, router, gate, up, down)
         return y.astype(x.dtype)
 
 
@@ -203,7 +212,9 @@ class DecoderLayer(nnx.Module):
         h, kv = self.self_attn(self.input_layernorm(x), positions, kv, md, attention)
         x = x + h
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, attention.mesh) if self.sparse else self.mlp(h)), kv
+        if self.sparse:  # the step's real tokens come first; the bucket's padding after them
+            return x + self.mlp(h, attention.mesh, md.query_start_loc[md.num_seqs[0]]), kv
+        return x + self.mlp(h), kv
 
 
 class ForCausalLM(llama.ForCausalLM):

@@ -72,6 +72,10 @@ def test_expert_ffn_matches_per_token_loop_and_its_shards():
              for h in (slice(0, 12), slice(12, 24)))
     np.testing.assert_allclose(ep, want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(tp, want, atol=1e-4, rtol=1e-4)
+    # the bucket's padding rows (from num_tokens on) are left out of the experts
+    part = np.asarray(expert_ffn(x, weights, ids, gate, up, down, 0, jax.nn.silu, jnp.int32(4)))
+    np.testing.assert_allclose(part[:4], want[:4], atol=1e-4, rtol=1e-4)
+    assert not part[4:].any()
 
 
 def test_missing_and_misshapen_experts_are_reported(tmp_path):
