@@ -36,10 +36,10 @@ def _close(a: list[int], b: list[int], top_a: list[list[int]], top_b: list[list[
     return len(a) == len(b)
 
 
-def _run_worker(jobs: list[tuple[str, tuple[int | str, ...]]], devices: int, warmup: bool = True) -> dict:
+def _run_worker(jobs: list[tuple[str, tuple[int, ...]]], devices: int) -> dict:
     """One worker process for every (checkpoint, sizes) job: {checkpoint: {tp: result}}."""
     env = _env(devices)
-    args = ([] if warmup else ["--no-warmup"]) + [a for path, sizes in jobs for a in (path, ",".join(map(str, sizes)))]
+    args = [a for path, sizes in jobs for a in (path, ",".join(map(str, sizes)))]
     proc = subprocess.run([sys.executable, WORKER, *args], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

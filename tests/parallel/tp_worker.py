@@ -3,10 +3,7 @@ tensor-parallel size given, for each checkpoint given; prints one JSON line
 {checkpoint: {tp: result}}. One process serves every checkpoint, so the interpreter, JAX and the
 tokenizer start once.
 
-    python tp_worker.py [--no-warmup] CHECKPOINT TP[,TP ...] [CHECKPOINT TP[,TP ...] ...]
-
-A size written "Nep" (e.g. 2ep) runs N devices with enable_expert_parallel (MoE models).
---no-warmup: compile only the programs the prompts use (fewer compiles on a busy test machine).
+    python tp_worker.py CHECKPOINT TP[,TP ...] [CHECKPOINT TP[,TP ...] ...]
 """
 
 import json
@@ -19,19 +16,16 @@ from jaxengine.model_runner import profile_step_bytes
 from jaxengine.sharding import LOGICAL_AXES
 
 args = sys.argv[1:]
-warmup = "--no-warmup" not in args
-args = [a for a in args if a != "--no-warmup"]
 assert args and len(args) % 2 == 0, __doc__
-jobs = [(args[i], args[i + 1].split(",")) for i in range(0, len(args), 2)]
+jobs = [(args[i], [int(s) for s in args[i + 1].split(",")]) for i in range(0, len(args), 2)]
 prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(4)]
 out = {}
 for path, sizes in jobs:
     res = out[path] = {}
     for tp in sizes:
         # one token bucket (16): prompts of 35-41 tokens are prefilled in chunks, mixed with decodes
-        llm = LLM(path, tensor_parallel_size=int(tp.removesuffix("ep")), enable_expert_parallel=tp.endswith("ep"),
-                  max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64,
-                  compilation_cache_dir=None, warmup=warmup)
+        llm = LLM(path, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+                  num_kv_blocks=64, compilation_cache_dir=None)
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5),
                             use_tqdm=False)
         r = llm.llm_engine.runner
@@ -45,9 +39,7 @@ for path, sizes in jobs:
             kv = r.kv_caches[0][0].sharding.spec
         res[tp] = {"tokens": [o.outputs[0].token_ids for o in outs],
                    "top5": [[sorted(d) for d in o.outputs[0].logprobs] for o in outs], "bad_shardings": bad,
-                   "kv_spec": str(kv), "specs": {".".join(map(str, p)): str(v.get_value().sharding.spec)
-                                                 for p, v in nnx.to_flat_state(r.state)
-                                                 if r.plan is not None and "experts" in str(p[-1])}, "kv_heads": llm.llm_engine.model_config.num_kv_heads,
+                   "kv_spec": str(kv), "kv_heads": llm.llm_engine.model_config.num_kv_heads,
                    "kv_shard_heads": r.kv_caches[0][0].addressable_shards[0].data.shape[1],
                    "step_bytes": profile_step_bytes(r.config, r.model_config, r.graphdef, r.state, r.dtype, r.plan,
                                                    r.attention)}
