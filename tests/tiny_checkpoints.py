@@ -59,14 +59,11 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
     # Mixture of experts: 4 experts, top-2, every layer sparse (Mixtral's router: softmax of the top-k logits).
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)),
-    # Qwen3-MoE: q/k norm, layer 0 dense (mlp_only_layers), top-2 of 4 not renormalised; and
-    # renormalised, every second layer sparse (decoder_sparse_step=2: layer 1 of 2).
+    # Qwen3-MoE: q/k norm, layer 0 dense (mlp_only_layers), top-2 of 4 not renormalised (Mixtral
+    # covers renormalised weights; tests/models/test_moe.py the rules and decoder_sparse_step).
     "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
         head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[0],
         norm_topk_prob=False)),
-    "qwen3-moe-norm": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
-        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=2,
-        norm_topk_prob=True)),
 }
 # Families whose norm weights are random too (Gemma's zero-initialised (1 + weight) norms would
 # otherwise leave the weight untested).
