@@ -177,25 +177,23 @@ class SparseMoeBlock(nnx.Module):
         `num_tokens` (int32 []): rows from it on are padding, left out of the experts."""
         router, gate, up, down = (p[...] for p in (self.router, self.experts_gate, self.experts_up, self.experts_down))
         num_tokens = jnp.asarray(x.shape[0] if num_tokens is None else num_tokens, jnp.int32)
+        sharded = mesh is not None and mesh.shape["model"] > 1
 
         def local(x, num_tokens, router, gate, up, down):
             logits = jnp.einsum("TD,DE->TE", x.astype(jnp.float32), router.astype(jnp.float32))
             weights, ids = route(logits, self.k, self.norm_topk_prob, self.softmax_of_topk)
-            first = 0
-            if mesh is not None and self.expert_parallel:
-                first = jax.lax.axis_index("model") * gate.shape[0]
-            y = expert_ffn(x, weights, ids, gate, up, down, first, self.act, num_tokens)
-            return y if mesh is None else jax.lax.psum(y, "model")
+            first = jax.lax.axis_index("model") * gate.shape[0] if sharded and self.expert_parallel else 0
+            y = expert_ffn(x, weights, ids, gate, up, down, first, self.act, num_tokens).astype(x.dtype)
+            return jax.lax.psum(y, "model") if sharded else y  # partial sums in the model dtype
 
-        if mesh is None or mesh.shape["model"] == 1:
-            return local(x, num_tokens, router, gate, up, down).astype(x.dtype)
+        if not sharded:
+            return local(x, num_tokens, router, gate, up, down)
         from jaxengine.attention_backend import shard_map
 
         wspec = (P("model", None, None),) * 3 if self.expert_parallel else \
             (P(None, None, "model"), P(None, None, "model"), P(None, "model", None))
-        y = shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *wspec), out_specs=P())(
+        return shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *wspec), out_specs=P())(
             x, num_tokens, router, gate, up, down)
-        return y.astype(x.dtype)
 
 
 class DecoderLayer(nnx.Module):
