@@ -29,6 +29,8 @@ def test_config_sparse_layers():
     mix = ModelConfig.from_hf_dict(dict(PRESETS["mixtral-8x7b"], sliding_window=4096))
     assert (mix.num_experts, mix.num_experts_per_tok, mix.moe_intermediate_size) == (8, 2, 14336)
     assert mix.sliding_window == 4096 and all(mix.sparse_layers) and not mix.qk_norm
+    assert round(mix.num_params() / 1e9, 1) == 46.7  # Mixtral-8x7B: 46.7B, 12.9B active
+    assert round(ModelConfig.from_hf_dict(PRESETS["qwen3-30b-a3b"]).num_params() / 1e9, 1) == 30.5
     with pytest.raises(ValueError, match="num_experts_per_tok=9 must be in"):
         ModelConfig.from_hf_dict(dict(PRESETS["mixtral-8x7b"], num_experts_per_tok=9))
 
@@ -78,12 +80,20 @@ def test_expert_ffn_matches_per_token_loop_and_its_shards():
     assert not part[4:].any()
 
 
-def test_missing_and_misshapen_experts_are_reported(tmp_path):
+def test_experts_stacked_and_missing_or_misshapen_ones_reported(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     path = make_checkpoint("mixtral", str(tmp_path / "m"), num_layers=1, vocab_size=128)
     f = os.path.join(path, "model.safetensors")
     tensors = load_file(f)
+    ckpt = open_checkpoint(path)
+    _, state = load_params(ckpt, ModelConfig.from_hf_dict(ckpt.hf_config), jnp.bfloat16)  # stacked in bf16
+    moe = state["model"]["layers"][0]["mlp"]
+    for e in range(4):
+        for param, name in (("experts_gate", "w1"), ("experts_up", "w3"), ("experts_down", "w2")):
+            want = tensors[f"model.layers.0.block_sparse_moe.experts.{e}.{name}.weight"].T
+            np.testing.assert_array_equal(np.asarray(moe[param][...][e], np.float32),
+                                          np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32))
     del tensors["model.layers.0.block_sparse_moe.experts.3.w1.weight"]
     tensors["model.layers.0.block_sparse_moe.experts.1.w2.weight"] = np.zeros((64, 5), np.float32)
     save_file(tensors, f, metadata={"format": "pt"})
