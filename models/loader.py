@@ -51,33 +51,45 @@ def param_paths(name: str, family: Family) -> list[tuple[Path, Transform, int | 
 
 
 class _ExpertStacks:
-    """Stacked [E, ...] parameters filled one expert at a time: each in a preallocated host array
-    of the model's dtype, placed (and dropped from the host) as soon as its last expert arrives,
-    so only the stacks of the layers being read are held at once."""
+    """Stacked [E, ...] parameters filled one expert (and, for a fused parameter, one part) at a
+    time: each in a preallocated host array of the model's dtype, placed (and dropped from the
+    host) as soon as its last slice arrives, so only the stacks of the layers being read are held."""
 
     def __init__(self, expected: dict, dtype: jnp.dtype, put: Callable[[Path, np.ndarray], jax.Array]):
         self.expected, self.dtype, self.put = expected, np.dtype(dtype), put
-        self.open: dict[Path, tuple[np.ndarray, set[int]]] = {}  # stacks still missing experts
+        self.open: dict[Path, tuple[np.ndarray, set[tuple[int, int]], tuple[str, ...]]] = {}  # still filling
         self.finished: dict[Path, jax.Array] = {}  # placed
+        self.targets: set[Path] = set()  # every stacked parameter that some tensor filled
 
     def add(self, name: str, path: Path, expert: int, arr: np.ndarray | None, raw_shape: tuple) -> str | None:
-        """Fills slice `expert` of `path` (placed once complete); returns an error text, or None."""
-        want = tuple(self.expected[path].shape)
-        if arr is None or expert >= want[0] or tuple(arr.shape) != want[1:]:
+        """Fills expert `expert` of `path` (a part of a fused stack where the model holds one);
+        returns an error text, or None."""
+        target, parts, axis = path, (str(path[-1]),), 0
+        fused = _FUSED_OF.get(str(path[-1]))
+        if path not in self.expected and fused is not None:
+            target = path[:-1] + (fused,)
+            parts, axis = FUSED[fused]
+        want = tuple(self.expected[target].shape)
+        part_shape = tuple(n // len(parts) if i == axis else n for i, n in enumerate(want[1:]))
+        if arr is None or expert >= want[0] or tuple(arr.shape) != part_shape:
             return f"{name}: checkpoint shape {raw_shape} does not fit expert {expert} of parameter {want}"
-        if path not in self.open:
-            self.open[path] = (np.empty(want, self.dtype), set())
-        stack, filled = self.open[path]
-        stack[expert] = arr
-        filled.add(expert)
-        if len(filled) == want[0]:
-            self.finished[path] = self.put(path, self.open.pop(path)[0])
+        self.targets.add(target)
+        if target not in self.open:
+            self.open[target] = (np.empty(want, self.dtype), set(), parts)
+        stack, filled, _ = self.open[target]
+        part = parts.index(str(path[-1]))
+        width = part_shape[axis]
+        index = (expert,) + (slice(None),) * axis + (slice(part * width, (part + 1) * width),)
+        stack[index] = arr
+        filled.add((expert, part))
+        if len(filled) == want[0] * len(parts):
+            self.finished[target] = self.put(target, self.open.pop(target)[0])
         return None
 
     def missing(self) -> list[str]:
-        """Experts never read, by parameter and index."""
-        return [f"{'.'.join(map(str, p))}[expert {e}]" for p, (stack, filled) in self.open.items()
-                for e in range(stack.shape[0]) if e not in filled]
+        """Expert slices never read, by parameter (or part) and index."""
+        return [f"{'.'.join(map(str, p[:-1] + (part,)))}[expert {e}]" for p, (stack, filled, parts) in self.open.items()
+                for e in range(stack.shape[0]) for i, part in enumerate(parts) if (e, i) not in filled]
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
@@ -136,7 +148,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                 error = stacks.add(name, path, experts[path], arr, tuple(raw.shape))
                 if error:
                     bad_shapes.append(error)
-                seen.add(path)  # incomplete stacks are reported by their missing experts
+                seen.add(fused or path)  # incomplete stacks are reported by their missing experts
                 continue
             if fused is not None and arr is not None:
                 parts_read.setdefault(fused, {})[str(path[-1])] = (name, arr)  # shape checked once whole
@@ -148,7 +160,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             set_path(pure, path, put(path, np.asarray(arr).astype(dtype)))
             seen.add(path)
     missing_parts = []
-    for path in [p for p in expected if str(p[-1]) in FUSED]:
+    for path in [p for p in expected if str(p[-1]) in FUSED and p not in stacks.targets]:
         parts, axis = FUSED[str(path[-1])]
         got = parts_read.get(path, {})
         absent = [p for p in parts if p not in got]

@@ -15,7 +15,8 @@ whose index + 1 is not a multiple of `decoder_sparse_step`.
 The layer has fixed shapes under jit. The T*k (token, expert) pairs are sorted by expert (argsort
 of the flattened ids), the token rows gathered in that order, group sizes counted per expert,
 and gate/up and down run as grouped matmuls (pallas_kernels/grouped_matmul.py) over the stacked
-expert weights: gate/up [E, D, F], down [E, F, D]. The rows are then put back in token order and
+expert weights: gate/up [E, D, F] (one fused [E, D, 2F] on one device, as the dense MLP fuses
+them), down [E, F, D]. The rows are then put back in token order and
 summed with their routing weights. The bucket's padding rows (after the step's real tokens)
 are left out: they would otherwise read experts no real token uses.
 
@@ -131,11 +132,12 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool, softmax_of_topk: bool
     return top, ids.astype(jnp.int32)
 
 
-def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array | None, down: jax.Array,
                first_expert: jax.Array | int, act, num_tokens: jax.Array | int | None = None) -> jax.Array:
     """One device's share of the experts' output [T, D] (float32), for the experts it holds:
     gate/up [El, D, F'], down [El, F', D] are experts first_expert .. first_expert + El - 1 (all
-    of them, or a slice of F under tensor parallelism). Pairs routed to other experts add nothing.
+    of them, or a slice of F under tensor parallelism); up None: gate is gate and up fused,
+    [El, D, 2F] (gate columns first). Pairs routed to other experts add nothing.
     `num_tokens`: rows from it on are the bucket's padding; their pairs are left out (zero
     output), so they neither read experts no real token uses nor add matmul rows."""
     t, k = ids.shape
@@ -148,7 +150,11 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate: jax.Array
     order = jnp.argsort(key, stable=True)  # [M]
     sizes = jnp.zeros((n_local + 1,), jnp.int32).at[key].add(1)[:n_local]  # [El]
     xs = x[order // k]  # [M, D]
-    h = act(grouped_matmul(xs, gate, sizes)) * grouped_matmul(xs, up, sizes)  # [M, F']
+    if up is None:  # gate is gate and up fused, [El, D, 2F]
+        g, u = jnp.split(grouped_matmul(xs, gate, sizes), 2, axis=-1)
+    else:
+        g, u = grouped_matmul(xs, gate, sizes), grouped_matmul(xs, up, sizes)
+    h = act(g) * u  # [M, F']
     ys = grouped_matmul(h, down, sizes)  # [M, D]; rows past sum(sizes) are zero
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     y = ys[inverse].reshape(t, k, -1).astype(jnp.float32)  # back in (token, j) order
@@ -163,8 +169,12 @@ class SparseMoeBlock(nnx.Module):
         d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         init = nnx.initializers.normal(0.02)
         self.router = nnx.Param(init(rngs.params(), (d, e), dtype))  # DE
-        self.experts_gate = nnx.Param(init(rngs.params(), (e, d, f), dtype))  # EDF
-        self.experts_up = nnx.Param(init(rngs.params(), (e, d, f), dtype))  # EDF
+        self.fused = cfg.fused_projections  # gate and up as one [E, D, 2F] (one grouped matmul); split under TP
+        if self.fused:
+            self.experts_gate_up = nnx.Param(init(rngs.params(), (e, d, 2 * f), dtype))  # ED(F+F)
+        else:
+            self.experts_gate = nnx.Param(init(rngs.params(), (e, d, f), dtype))  # EDF
+            self.experts_up = nnx.Param(init(rngs.params(), (e, d, f), dtype))  # EDF
         self.experts_down = nnx.Param(init(rngs.params(), (e, f, d), dtype))  # EFD
         self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.softmax_of_topk = cfg.architecture == MIXTRAL
@@ -175,7 +185,11 @@ class SparseMoeBlock(nnx.Module):
                  num_tokens: jax.Array | None = None) -> jax.Array:
         """x [T, D] -> [T, D]. `mesh`: the tensor-parallel mesh (None on one device);
         `num_tokens` (int32 []): rows from it on are padding, left out of the experts."""
-        router, gate, up, down = (p[...] for p in (self.router, self.experts_gate, self.experts_up, self.experts_down))
+        router, down = self.router[...], self.experts_down[...]
+        if self.fused:  # one device: expert_ffn takes the fused weight, `up` unused
+            gate, up = self.experts_gate_up[...], None
+        else:
+            gate, up = self.experts_gate[...], self.experts_up[...]
         num_tokens = jnp.asarray(x.shape[0] if num_tokens is None else num_tokens, jnp.int32)
         sharded = mesh is not None and mesh.shape["model"] > 1
 
@@ -188,6 +202,7 @@ class SparseMoeBlock(nnx.Module):
 
         if not sharded:
             return local(x, num_tokens, router, gate, up, down)
+        assert not self.fused, "a model under a plan is built with split projections (plan.model_config)"
         from jaxengine.attention_backend import shard_map
 
         wspec = (P("model", None, None),) * 3 if self.expert_parallel else \

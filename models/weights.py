@@ -53,6 +53,7 @@ def _compile(pattern: str) -> re.Pattern:
 FUSED: dict[str, tuple[tuple[str, ...], int]] = {
     "qkv_proj": (("q_proj", "k_proj", "v_proj"), 1),  # [D, N + 2K, H]
     "gate_up_proj": (("gate_proj", "up_proj"), 1),  # [D, 2F]
+    "experts_gate_up": (("experts_gate", "experts_up"), 1),  # [E, D, 2F]; the axis within one expert's [D, 2F]
 }
 
 

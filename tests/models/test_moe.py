@@ -1,6 +1,6 @@
 """The MoE layer's parts: config parsing (sparse and dense layers), the two routing rules, the
 expert computation against a per-token loop (also split into expert shards and F shards, as
-expert and tensor parallelism run it), and the loader's expert stacking errors."""
+expert and tensor parallelism run it), and the loader's expert stacking and its errors."""
 
 from __future__ import annotations
 
@@ -89,11 +89,12 @@ def test_experts_stacked_and_missing_or_misshapen_ones_reported(tmp_path):
     ckpt = open_checkpoint(path)
     _, state = load_params(ckpt, ModelConfig.from_hf_dict(ckpt.hf_config), jnp.bfloat16)  # stacked in bf16
     moe = state["model"]["layers"][0]["mlp"]
+    gate_up, down = np.asarray(moe["experts_gate_up"][...], np.float32), np.asarray(moe["experts_down"][...], np.float32)
+    ff = down.shape[1]  # gate and up fused on one device: [E, D, 2F], gate columns first
     for e in range(4):
-        for param, name in (("experts_gate", "w1"), ("experts_up", "w3"), ("experts_down", "w2")):
+        for got, name in ((gate_up[e, :, :ff], "w1"), (gate_up[e, :, ff:], "w3"), (down[e], "w2")):
             want = tensors[f"model.layers.0.block_sparse_moe.experts.{e}.{name}.weight"].T
-            np.testing.assert_array_equal(np.asarray(moe[param][...][e], np.float32),
-                                          np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32))
+            np.testing.assert_array_equal(got, np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32))
     del tensors["model.layers.0.block_sparse_moe.experts.3.w1.weight"]
     tensors["model.layers.0.block_sparse_moe.experts.1.w2.weight"] = np.zeros((64, 5), np.float32)
     save_file(tensors, f, metadata={"format": "pt"})
