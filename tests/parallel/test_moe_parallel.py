@@ -62,3 +62,25 @@ def test_expert_parallel_flag_on_a_dense_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no experts"):
         load_model(EngineConfig(model=path, enable_expert_parallel=True, skip_tokenizer_init=True,
                                 compilation_cache_dir=None))
+
+
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_moe_plan_has_rules_for_every_parameter(preset):
+    """Under a plan (TP or EP) every MoE parameter is named in the rules table; on one device the
+    fused stacks stand in for exactly their parts."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxengine.models.loader import abstract_model
+    from jaxengine.models.weights import FUSED
+    from jaxengine.sharding import LOGICAL_AXES
+
+    # Qwen3-MoE gets a dense first layer too (mlp_only_layers; Mixtral has none), so both MLP kinds appear
+    cfg = ModelConfig.from_hf_dict(dict(PRESETS[preset], num_hidden_layers=2, mlp_only_layers=[0]))
+    names = lambda c: {str(p[-1]) for p, _ in nnx.to_flat_state(abstract_model(c, jnp.bfloat16)[1])}  # noqa: E731
+    for ep in (False, True):
+        plan = make_plan(cfg, 1, expert_parallel=ep)
+        split = names(plan.model_config(cfg))
+        assert split <= set(LOGICAL_AXES) and {"router", "experts_gate", "experts_up", "experts_down"} <= split
+    fused = names(cfg) - set(LOGICAL_AXES)
+    assert fused <= set(FUSED) and "experts_gate_up" in fused
