@@ -54,8 +54,8 @@ def _is_hopper() -> bool:
 
 def mgpu_applies(x_sorted: jax.Array, w: jax.Array, tiling: MgpuTiling = MgpuTiling()) -> bool:
     """Whether the bundled Hopper kernel takes these operands (shapes and dtypes only; the
-    device is checked by `grouped_matmul`)."""
-    if x_sorted.ndim != 2 or w.ndim != 3:
+    device is checked by `grouped_matmul`); arrays or jax.ShapeDtypeStructs."""
+    if len(x_sorted.shape) != 2 or len(w.shape) != 3:
         return False
     _, k = x_sorted.shape
     _, k2, n = w.shape

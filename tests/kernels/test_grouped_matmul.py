@@ -3,6 +3,7 @@ empty experts (first, middle, last), and rows past the groups' total, which must
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -49,9 +50,13 @@ def test_bad_arguments_are_value_errors():
 
 def test_hopper_kernel_constraints():
     t = MgpuTiling()
-    bf = jnp.bfloat16
-    assert mgpu_applies(jnp.zeros((3, 4096), bf), jnp.zeros((8, 4096, 14336), bf), t)  # Mixtral gate/up
-    assert mgpu_applies(jnp.zeros((16, 768), bf), jnp.zeros((128, 768, 2048), bf), t)  # Qwen3-30B-A3B down
-    assert not mgpu_applies(jnp.zeros((3, 4096), jnp.float32), jnp.zeros((8, 4096, 128), jnp.float32), t)
-    assert not mgpu_applies(jnp.zeros((3, 96), bf), jnp.zeros((8, 96, 128), bf), t)  # K % block_k
-    assert not mgpu_applies(jnp.zeros((3, 128), bf), jnp.zeros((8, 128, 96), bf), t)  # N % block_n
+    bf, f32 = jnp.bfloat16, jnp.float32
+
+    def applies(x, w, dtype=bf):
+        return mgpu_applies(jax.ShapeDtypeStruct(x, dtype), jax.ShapeDtypeStruct(w, dtype), t)
+
+    assert applies((3, 4096), (8, 4096, 28672))  # Mixtral fused gate/up
+    assert applies((16, 768), (128, 768, 2048))  # Qwen3-30B-A3B down
+    assert not applies((3, 4096), (8, 4096, 128), f32)
+    assert not applies((3, 96), (8, 96, 128))  # K % block_k
+    assert not applies((3, 128), (8, 128, 96))  # N % block_n
