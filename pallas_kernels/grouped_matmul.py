@@ -90,19 +90,30 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                    tiling: MgpuTiling = MgpuTiling()) -> jax.Array:
     """x_sorted [M, K], w [G, K, N], group_sizes [G] -> [M, N] (module docstring).
 
-    impl: "auto" (the Hopper kernel where it applies, else ragged_dot), "ragged_dot", or "mgpu"
-    (the Hopper kernel, a ValueError where it does not apply)."""
+    impl: "auto" (the Hopper kernel where it applies, else ragged_dot; also ragged_dot where the
+    kernel refuses the call while tracing, with a warning), "ragged_dot", or "mgpu" (the Hopper
+    kernel, a ValueError where it does not apply)."""
     if impl not in IMPLS:
         raise ValueError(f"grouped_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if x_sorted.ndim != 2 or w.ndim != 3 or x_sorted.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul: x_sorted {x_sorted.shape} and w {w.shape} are not [M, K] and [G, K, N]")
     if group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped_matmul: group_sizes {group_sizes.shape} does not match {w.shape[0]} groups")
-    use_mgpu = impl == "mgpu" or (impl == "auto" and _is_hopper() and mgpu_applies(x_sorted, w, tiling))
-    if use_mgpu:
+    if impl == "mgpu":
         if not (mgpu_applies(x_sorted, w, tiling) and _mgpu_module() is not None):
             raise ValueError(f"grouped_matmul impl='mgpu' needs bf16/f16 operands, K % {tiling.block_k} == 0 and "
                              f"N % {tiling.block_n * tiling.grid_block_n} == 0; got {x_sorted.dtype} "
                              f"{x_sorted.shape} x {w.dtype} {w.shape}")
         return _mgpu(x_sorted, w, group_sizes, tiling)
+    if impl == "auto" and _is_hopper() and mgpu_applies(x_sorted, w, tiling) and _mgpu_module() is not None:
+        try:
+            return _mgpu(x_sorted, w, group_sizes, tiling)
+        except (TypeError, ValueError, NotImplementedError) as e:  # a jax whose kernel takes other arguments
+            _warn_once(f"bundled ragged_dot_mgpu refused {x_sorted.shape} x {w.shape} ({type(e).__name__}: {e}); "
+                       "using lax.ragged_dot")
     return grouped_matmul_reference(x_sorted, w, group_sizes)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
