@@ -60,3 +60,36 @@ def test_hopper_kernel_constraints():
     assert not applies((3, 4096), (8, 4096, 128), f32)
     assert not applies((3, 96), (8, 96, 128))  # K % block_k
     assert not applies((3, 128), (8, 128, 96))  # N % block_n
+
+
+def test_hopper_wrapper_pads_masks_and_falls_back(monkeypatch):
+    """The wrapper around the bundled kernel, with a stand-in kernel on CPU: rows padded to whole
+    row tiles and sliced back, rows past the groups' total (which the kernel leaves unwritten)
+    zeroed; and under "auto" a kernel that refuses the call while tracing gives ragged_dot's result."""
+    import types
+
+    from jaxengine.pallas_kernels import grouped_matmul as gm
+
+    seen = {}
+
+    def fake_ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps, grid_block_n):
+        seen["rows"] = lhs.shape[0]
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes)
+        return out + 7.0 * (jnp.arange(lhs.shape[0]) >= jnp.sum(group_sizes))[:, None].astype(out.dtype)  # junk
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((10, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((3, 64, 128)), jnp.bfloat16)
+    sizes = jnp.asarray([4, 0, 3], jnp.int32)  # 3 rows past the total
+    want = np.asarray(jax.lax.ragged_dot(x, w, sizes), np.float32)
+    monkeypatch.setattr(gm, "_mgpu_module", lambda: types.SimpleNamespace(ragged_dot=fake_ragged_dot))
+    got = np.asarray(gm.grouped_matmul(x, w, sizes, impl="mgpu"), np.float32)
+    assert seen["rows"] == 64 and got.shape == (10, 128)
+    np.testing.assert_array_equal(got, want)
+
+    def refusing(*args, **kwargs):
+        raise TypeError("unexpected keyword argument 'block_m'")
+
+    monkeypatch.setattr(gm, "_mgpu_module", lambda: types.SimpleNamespace(ragged_dot=refusing))
+    monkeypatch.setattr(gm, "_is_hopper", lambda: True)
+    np.testing.assert_array_equal(np.asarray(gm.grouped_matmul(x, w, sizes), np.float32), want)
