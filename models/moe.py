@@ -108,7 +108,8 @@ def config_from_hf(cfg: Mapping) -> MoeConfig:
                          sparse_layers=(True,) * layers)
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
-    return MoeConfig(**_fields(base), num_experts=experts, num_experts_per_tok=int(hf_field(cfg, "num_experts_per_tok")),
+    return MoeConfig(**_fields(base), num_experts=experts,
+                     num_experts_per_tok=int(hf_field(cfg, "num_experts_per_tok")),
                      moe_intermediate_size=int(hf_field(cfg, "moe_intermediate_size")),
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                      sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))

@@ -38,6 +38,8 @@ SHAPES = {  # model -> (E, k, D, F)
 }
 TOKENS = (1, 16, 256, 2048)
 BF16 = 2  # bytes
+HEADER = (f"{'model':14s} {'matmul':7s} {'tokens':>6s} {'hit':>4s} {'floor ms':>9s} {'ragged_dot ms (% floor)':>24s} "
+          "mgpu best ms (% floor)")
 
 
 def routed_sizes(tokens: int, e: int, k: int, seed: int) -> np.ndarray:
@@ -52,12 +54,40 @@ def floor_bytes(sizes: np.ndarray, m: int, k_dim: int, n_dim: int) -> int:
     return int((sizes > 0).sum()) * k_dim * n_dim * BF16 + m * k_dim * BF16 + m * n_dim * BF16
 
 
-def time_grouped(copy_bps: float, tilings: list) -> list[dict]:
+def time_impls(x, w, sizes, floor_s: float, tilings: list) -> dict:
+    """ragged_dot, then the bundled kernel at each tiling (its output checked against ragged_dot's)."""
     import jax
     import jax.numpy as jnp
 
     from jaxengine.benchmarks.ceilings import _time
     from jaxengine.pallas_kernels.grouped_matmul import grouped_matmul, mgpu_applies
+
+    ref_fn = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, impl="ragged_dot"))
+    ref = ref_fn(x, w, sizes).astype(jnp.float32)
+    t = _time(ref_fn, x, w, sizes)
+    row: dict = {"ragged_dot_ms": 1e3 * t, "ragged_dot_pct_floor": floor_s / t, "mgpu_best": None}
+    for i, tiling in enumerate(tilings):
+        tag = f"mgpu{i}"
+        if not mgpu_applies(x, w, tiling):
+            row[f"{tag}_error"] = "constraints do not hold"
+            continue
+        fn = jax.jit(lambda x, w, s, tiling=tiling: grouped_matmul(x, w, s, impl="mgpu", tiling=tiling))
+        try:
+            out = fn(x, w, sizes).astype(jnp.float32)
+            rel = float(jnp.max(jnp.abs(out - ref))) / (float(jnp.max(jnp.abs(ref))) or 1.0)
+            t = _time(fn, x, w, sizes)
+        except Exception as ex:  # a Mosaic lowering or launch failure is a result too
+            row[f"{tag}_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            continue
+        row.update({f"{tag}_ms": 1e3 * t, f"{tag}_pct_floor": floor_s / t, f"{tag}_max_rel_err": rel})
+        if row["mgpu_best"] is None or 1e3 * t < row["mgpu_best"]["ms"]:
+            row["mgpu_best"] = {"tiling": i, "ms": 1e3 * t, "pct_floor": floor_s / t}
+    return row
+
+
+def time_grouped(copy_bps: float, tilings: list) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
 
     rows = []
     for model, (e, k, d, f) in SHAPES.items():
@@ -67,42 +97,26 @@ def time_grouped(copy_bps: float, tilings: list) -> list[dict]:
         w_down = (0.02 * jax.random.normal(jax.random.fold_in(key, 1), (e, f, d), jnp.float32)).astype(jnp.bfloat16)
         for tokens in TOKENS:
             sizes_np = routed_sizes(tokens, e, k, seed=tokens)
-            sizes = jnp.asarray(sizes_np)
             m = tokens * k
             for name, w in (("gate_up", w_gate), ("down", w_down)):
                 k_dim, n_dim = w.shape[1], w.shape[2]
                 x = jax.random.normal(jax.random.fold_in(key, m), (m, k_dim), jnp.float32).astype(jnp.bfloat16)
-                floor_s = floor_bytes(sizes_np, m, k_dim, n_dim) / copy_bps
-                row = {"model": model, "matmul": name, "tokens": tokens, "rows": m, "experts_hit": int((sizes_np > 0).sum()),
-                       "floor_bytes": floor_bytes(sizes_np, m, k_dim, n_dim), "floor_ms": 1e3 * floor_s}
-                ref_fn = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, impl="ragged_dot"))
-                ref = ref_fn(x, w, sizes)
-                t = _time(ref_fn, x, w, sizes)
-                row["ragged_dot_ms"], row["ragged_dot_pct_floor"] = 1e3 * t, floor_s / t
-                for i, tiling in enumerate(tilings):
-                    tag = f"mgpu{i}"
-                    if not mgpu_applies(x, w, tiling):
-                        row[f"{tag}_error"] = "constraints do not hold"
-                        continue
-                    fn = jax.jit(lambda x, w, s, tiling=tiling: grouped_matmul(x, w, s, impl="mgpu", tiling=tiling))
-                    try:
-                        out = fn(x, w, sizes)
-                        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-                        scale = float(jnp.max(jnp.abs(ref.astype(jnp.float32)))) or 1.0
-                        t = _time(fn, x, w, sizes)
-                        row.update({f"{tag}_ms": 1e3 * t, f"{tag}_pct_floor": floor_s / t, f"{tag}_max_rel_err": err / scale})
-                    except Exception as ex:  # a Mosaic lowering or launch failure is a result too
-                        row[f"{tag}_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-                best = min((row[f"mgpu{i}_ms"], i) for i in range(len(tilings)) if f"mgpu{i}_ms" in row) \
-                    if any(f"mgpu{i}_ms" in row for i in range(len(tilings))) else None
-                row["mgpu_best"] = None if best is None else {"tiling": best[1], "ms": best[0], "pct_floor": floor_s / (best[0] / 1e3)}
+                nbytes = floor_bytes(sizes_np, m, k_dim, n_dim)
+                floor_s = nbytes / copy_bps
+                row = {"model": model, "matmul": name, "tokens": tokens, "rows": m,
+                       "experts_hit": int((sizes_np > 0).sum()), "floor_bytes": nbytes, "floor_ms": 1e3 * floor_s}
+                row.update(time_impls(x, w, jnp.asarray(sizes_np), floor_s, tilings))
                 rows.append(row)
-                mg = row["mgpu_best"]
-                print(f"{model:14s} {name:7s} T={tokens:5d} M={m:6d} hit={row['experts_hit']:3d} floor {row['floor_ms']:7.3f} ms | "
-                      f"ragged_dot {row['ragged_dot_ms']:7.3f} ms ({row['ragged_dot_pct_floor']:5.1%}) | mgpu "
-                      + (f"{mg['ms']:7.3f} ms ({mg['pct_floor']:5.1%}) tiling {mg['tiling']}" if mg else "n/a"), flush=True)
+                print(_line(row), flush=True)
         del w_gate, w_down
     return rows
+
+
+def _line(r: dict) -> str:
+    mg = r["mgpu_best"]
+    best = f"{mg['ms']:8.3f} ({mg['pct_floor']:6.1%}) tiling {mg['tiling']}" if mg else "n/a"
+    return (f"{r['model']:14s} {r['matmul']:7s} {r['tokens']:6d} {r['experts_hit']:4d} {r['floor_ms']:9.3f} "
+            f"{r['ragged_dot_ms']:8.3f} ({r['ragged_dot_pct_floor']:6.1%}) {best}")
 
 
 def decode_floor_bytes(mc, context: int) -> int:
@@ -196,6 +210,7 @@ def main() -> int:
     print(f"{res['device']}, jax {res['jax']}: copy bandwidth {copy_bps / 1e9:.0f} GB/s (read + write)", flush=True)
     save()
     if not args.skip_kernels:
+        print(HEADER, flush=True)
         try:
             res["grouped_matmul"] = time_grouped(copy_bps, tilings)
         except Exception:
@@ -210,12 +225,9 @@ def main() -> int:
             print(res["engine_error"], flush=True)
         save()
     print(f"\nwrote {path}")
-    print(f"{'model':14s} {'matmul':7s} {'tokens':>6s} {'floor ms':>9s} {'ragged_dot':>18s} {'mgpu best':>18s}")
+    print(HEADER)
     for r in res.get("grouped_matmul", []):
-        mg = r["mgpu_best"]
-        print(f"{r['model']:14s} {r['matmul']:7s} {r['tokens']:6d} {r['floor_ms']:9.3f} "
-              f"{r['ragged_dot_ms']:8.3f} ({r['ragged_dot_pct_floor']:6.1%}) "
-              + (f"{mg['ms']:8.3f} ({mg['pct_floor']:6.1%})" if mg else f"{'n/a':>18s}"))
+        print(_line(r))
     if "engine" in res and "decode_b1" in res["engine"]:
         e = res["engine"]
         print(f"qwen3-30b-a3b batch-1 decode {e['decode_b1']['ms_per_token_median']:.2f} ms/token "

@@ -89,7 +89,8 @@ def test_experts_stacked_and_missing_or_misshapen_ones_reported(tmp_path):
     ckpt = open_checkpoint(path)
     _, state = load_params(ckpt, ModelConfig.from_hf_dict(ckpt.hf_config), jnp.bfloat16)  # stacked in bf16
     moe = state["model"]["layers"][0]["mlp"]
-    gate_up, down = np.asarray(moe["experts_gate_up"][...], np.float32), np.asarray(moe["experts_down"][...], np.float32)
+    gate_up = np.asarray(moe["experts_gate_up"][...], np.float32)
+    down = np.asarray(moe["experts_down"][...], np.float32)
     ff = down.shape[1]  # gate and up fused on one device: [E, D, 2F], gate columns first
     for e in range(4):
         for got, name in ((gate_up[e, :, :ff], "w1"), (gate_up[e, :, ff:], "w3"), (down[e], "w2")):
