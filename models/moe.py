@@ -16,9 +16,9 @@ The layer has fixed shapes under jit. The T*k (token, expert) pairs are sorted b
 of the flattened ids), the token rows gathered in that order, group sizes counted per expert,
 and gate/up and down run as grouped matmuls (pallas_kernels/grouped_matmul.py) over the stacked
 expert weights: gate/up [E, D, F] (one fused [E, D, 2F] on one device, as the dense MLP fuses
-them), down [E, F, D]. The rows are then put back in token order and
-summed with their routing weights. The bucket's padding rows (after the step's real tokens)
-are left out: they would otherwise read experts no real token uses.
+them), down [E, F, D]. The rows are then put back in token order and summed with their routing
+weights. The bucket's padding rows (after the step's real tokens) are left out: they would
+otherwise read experts no real token uses.
 
 Parallelism (jaxengine/sharding.py places the weights; the layer runs under `jax.shard_map` over
 the mesh's "model" axis, which the engine's attention backend carries):
