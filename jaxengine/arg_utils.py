@@ -28,6 +28,8 @@ _ENGINE_HELP = {
     "cpu_kv_cache_bytes": "KV-cache budget when the backend reports no memory size (CPU)",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before",
     "tensor_parallel_size": "devices one model is sharded over",
+    "enable_expert_parallel": "mixture-of-experts models: split the experts over the tensor-parallel devices "
+                              "(whole experts per device) instead of each expert's feed-forward width",
     "seed": "engine seed: draws the seeds of requests that give none",
     "load_format": "how to read the weights; dummy: random weights of the model's (or preset's) shape",
     "attention_backend": "attention kernels; auto picks the fastest for the device",

@@ -39,6 +39,9 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 1 << 30  # KV budget when the backend reports no memory (CPU)
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    # vLLM's flag: a mixture-of-experts model's experts are split over the tensor-parallel devices
+    # (whole experts per device) instead of each expert's feed-forward width.
+    enable_expert_parallel: bool = False
     seed: int = 0
     load_format: str = "auto"
     attention_backend: str = "auto"

@@ -70,13 +70,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if jax.process_count() > 1 and config.tensor_parallel_size != jax.device_count():
         raise ValueError(f"across {jax.process_count()} processes, tensor_parallel_size must span every device "
                          f"of the job: {jax.device_count()}, got {config.tensor_parallel_size}")
-    plan = make_plan(model_config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+    if config.enable_expert_parallel and not getattr(model_config, "num_experts", 0):
+        raise ValueError(f"enable_expert_parallel: {model_config.architecture} has no experts (mixture-of-experts "
+                         "models only)")
+    plan = make_plan(model_config, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel) \
+        if config.tensor_parallel_size > 1 else None
     if plan is not None:
         if plan.kv_head_replicas > 1:
             logger.info("each of the %d KV heads is repeated on %d devices", model_config.num_kv_heads,
                         plan.kv_head_replicas)
         model_config = plan.model_config(model_config)  # KV heads repeated, projections split
-        logger.info("tensor parallel over %d devices (mesh %s)", plan.tp, dict(plan.mesh.shape))
+        logger.info("tensor parallel over %d devices (mesh %s)%s", plan.tp, dict(plan.mesh.shape),
+                    ", experts split over them" if plan.expert_parallel else "")
     if ckpt is None or config.load_format == "dummy":
         graphdef, state = dummy_params(model_config, dtype, seed=config.seed,
                                        sharding_of=plan.param_sharding if plan is not None else None)

@@ -42,6 +42,7 @@ _ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
+_MOE_ARCHITECTURES = frozenset({"qwen3moe", "qwen2moe", "mixtral", "deepseek2", "olmoe"})
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -100,6 +101,10 @@ class GGUFCheckpoint(Checkpoint):
             raise ValueError(f"cannot read GGUF file {self.path}: {type(e).__name__}: {e}") from e
         self._meta = self._reader.fields
         arch = self._meta_value("general.architecture")
+        if arch in _MOE_ARCHITECTURES or self._meta_value(f"{arch}.expert_count", 0):
+            # llama.cpp stores the experts stacked (ffn_gate_exps, ...) and files Mixtral as llama
+            raise ValueError(f"GGUF file {self.path}: mixture-of-experts GGUF files ({arch}) are not supported; "
+                             "load the model's Hugging Face safetensors folder")
         if arch not in _ARCHITECTURES:
             raise ValueError(f"GGUF file {self.path}: unsupported architecture {arch!r} "
                              f"(supported: {sorted(_ARCHITECTURES)})")

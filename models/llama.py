@@ -40,10 +40,12 @@ class DecoderLayer(nnx.Module):
 
 
 class Model(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, layer: type[nnx.Module] | None = None):
+        """`layer(cfg, dtype, rngs, index)`: a family's own decoder layer (default: DecoderLayer)."""
         self.embed_tokens = nnx.Param(
             nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))  # VD
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([layer(cfg, dtype, rngs, i) if layer is not None else DecoderLayer(cfg, dtype, rngs)
+                                for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[KVCache],
@@ -58,11 +60,14 @@ class Model(nnx.Module):
 
 
 class ForCausalLM(nnx.Module):
-    """A causal LM: `__call__` gives final hidden states, `compute_logits` the float32 logits."""
+    """A causal LM: `__call__` gives final hidden states, `compute_logits` the float32 logits.
+    A family with its own decoder layer (models/moe.py) subclasses it and sets `decoder_layer`."""
+
+    decoder_layer: type[nnx.Module] | None = None  # (cfg, dtype, rngs, layer index); None: DecoderLayer
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32, *, rngs: nnx.Rngs):
         self.config = cfg
-        self.model = Model(cfg, dtype, rngs)
+        self.model = Model(cfg, dtype, rngs, self.decoder_layer)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(

@@ -37,14 +37,59 @@ def _fused_path(path: Path, expected: dict) -> Path | None:
 _FUSED_OF = {part: fused for fused, (parts, _) in FUSED.items() for part in parts}
 
 
-def param_paths(name: str, family: Family) -> list[tuple[Path, Transform]]:
-    """HF tensor name -> the (parameter path in the NNX state, layout transform) it fills; [] if none."""
+def param_paths(name: str, family: Family) -> list[tuple[Path, Transform, int | None]]:
+    """HF tensor name -> the (parameter path in the NNX state, layout transform, expert index) it
+    fills; [] if none. The expert index (a rule's `expert` group) is the slice of a stacked
+    [E, ...] parameter the tensor fills; None for a whole parameter."""
     for r in family.weights:
         m = r.compiled.match(name)
         if m:
             layer = ("model", "layers", int(m.group(1))) if m.groups() else ()
-            return [(layer + path, fn) for path, fn in r.targets]
+            expert = m.groupdict().get("expert")
+            return [(layer + path, fn, None if expert is None else int(expert)) for path, fn in r.targets]
     return []
+
+
+class _ExpertStacks:
+    """Stacked [E, ...] parameters filled one expert (and, for a fused parameter, one part) at a
+    time: each in a preallocated host array of the model's dtype, placed (and dropped from the
+    host) as soon as its last slice arrives, so only the stacks of the layers being read are held."""
+
+    def __init__(self, expected: dict, dtype: jnp.dtype, put: Callable[[Path, np.ndarray], jax.Array]):
+        self.expected, self.dtype, self.put = expected, np.dtype(dtype), put
+        self.open: dict[Path, tuple[np.ndarray, set[tuple[int, int]], tuple[str, ...]]] = {}  # still filling
+        self.finished: dict[Path, jax.Array] = {}  # placed
+        self.targets: set[Path] = set()  # every stacked parameter that some tensor filled
+
+    def add(self, name: str, path: Path, expert: int, arr: np.ndarray | None, raw_shape: tuple) -> str | None:
+        """Fills expert `expert` of `path` (a part of a fused stack where the model holds one);
+        returns an error text, or None."""
+        target, parts, axis = path, (str(path[-1]),), 0
+        fused = _FUSED_OF.get(str(path[-1]))
+        if path not in self.expected and fused is not None:
+            target = path[:-1] + (fused,)
+            parts, axis = FUSED[fused]
+        want = tuple(self.expected[target].shape)
+        part_shape = tuple(n // len(parts) if i == axis else n for i, n in enumerate(want[1:]))
+        if arr is None or expert >= want[0] or tuple(arr.shape) != part_shape:
+            return f"{name}: checkpoint shape {raw_shape} does not fit expert {expert} of parameter {want}"
+        self.targets.add(target)
+        if target not in self.open:
+            self.open[target] = (np.empty(want, self.dtype), set(), parts)
+        stack, filled, _ = self.open[target]
+        part = parts.index(str(path[-1]))
+        width = part_shape[axis]
+        index = (expert,) + (slice(None),) * axis + (slice(part * width, (part + 1) * width),)
+        stack[index] = arr
+        filled.add((expert, part))
+        if len(filled) == want[0] * len(parts):
+            self.finished[target] = self.put(target, self.open.pop(target)[0])
+        return None
+
+    def missing(self) -> list[str]:
+        """Expert slices never read, by parameter (or part) and index."""
+        return [f"{'.'.join(map(str, p[:-1] + (part,)))}[expert {e}]" for p, (stack, filled, parts) in self.open.items()
+                for e in range(stack.shape[0]) for i, part in enumerate(parts) if (e, i) not in filled]
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
@@ -81,11 +126,13 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
     parts_read: dict[Path, dict[str, tuple[str, np.ndarray]]] = {}  # fused path -> part -> (name, array)
     family = get_family(cfg.architecture)
     ignored = re.compile(family.ignored + r"$")
+    stacks = _ExpertStacks(expected, dtype, put)
     for name in checkpoint.tensor_names():
         if ignored.match(name):
             continue
         hits = param_paths(name, family)
-        hits = [(path, fn, _fused_path(path, expected)) for path, fn in hits]
+        experts = {path: expert for path, _, expert in hits}
+        hits = [(path, fn, _fused_path(path, expected)) for path, fn, _ in hits]
         if not hits or any(path not in expected and fused is None for path, _, fused in hits):
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # some tied checkpoints still store the head
@@ -97,6 +144,12 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                 arr = fn(raw, cfg)
             except ValueError:
                 arr = None
+            if experts[path] is not None:
+                error = stacks.add(name, path, experts[path], arr, tuple(raw.shape))
+                if error:
+                    bad_shapes.append(error)
+                seen.add(fused or path)  # incomplete stacks are reported by their missing experts
+                continue
             if fused is not None and arr is not None:
                 parts_read.setdefault(fused, {})[str(path[-1])] = (name, arr)  # shape checked once whole
                 continue
@@ -107,7 +160,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             set_path(pure, path, put(path, np.asarray(arr).astype(dtype)))
             seen.add(path)
     missing_parts = []
-    for path in [p for p in expected if str(p[-1]) in FUSED]:
+    for path in [p for p in expected if str(p[-1]) in FUSED and p not in stacks.targets]:
         parts, axis = FUSED[str(path[-1])]
         got = parts_read.get(path, {})
         absent = [p for p in parts if p not in got]
@@ -127,7 +180,9 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             continue
         set_path(pure, path, put(path, arr.astype(dtype)))
         seen.add(path)
-    missing = [".".join(map(str, p)) for p in expected if p not in seen] + missing_parts
+    for path, arr in stacks.finished.items():
+        set_path(pure, path, arr)
+    missing = [".".join(map(str, p)) for p in expected if p not in seen] + missing_parts + stacks.missing()
     if missing or unexpected or bad_shapes:
         parts = []
         if missing:

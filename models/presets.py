@@ -51,4 +51,21 @@ PRESETS: dict[str, dict] = {
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192,
         "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": [1, 107],
     },
+    # mistralai/Mixtral-8x7B-v0.1's config.json shape: 8 experts, top-2, every layer sparse
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "max_position_embeddings": 32768, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    },
+    # Qwen/Qwen3-30B-A3B's config.json shape: 128 experts of width 768, top-8 renormalised, q/k norm
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+    },
 }

@@ -15,6 +15,7 @@ from flax import nnx
 from jaxengine.models import gpt2, llama, opt
 from jaxengine.models import phi3
 from jaxengine.models import gemma
+from jaxengine.models import moe
 from jaxengine.models.bert import ENCODER_ARCHITECTURES
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.weights import WeightRule
@@ -53,6 +54,8 @@ _REGISTRY: dict[str, Family] = {
     "OPTForCausalLM": Family(opt.OPTForCausalLM, opt.config_from_hf, opt.WEIGHTS),
     "Gemma2ForCausalLM": Family(gemma.ForCausalLM, gemma.config_from_hf, gemma.WEIGHTS),
     "Gemma3ForCausalLM": Family(gemma.ForCausalLM, gemma.config_from_hf, gemma.WEIGHTS),
+    moe.MIXTRAL: Family(moe.ForCausalLM, moe.config_from_hf, moe.MIXTRAL_WEIGHTS, moe.IGNORED),
+    moe.QWEN3_MOE: Family(moe.ForCausalLM, moe.config_from_hf, moe.QWEN3_MOE_WEIGHTS, moe.IGNORED),
     **{name: _LLAMA_CLASSIFIER for name in CLASSIFIER_ARCHITECTURES},
 }
 

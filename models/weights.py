@@ -2,7 +2,9 @@
 
 A family lists `WeightRule`s: a regular expression over the Hugging Face tensor name (the first
 group, when there is one, is the layer index) and the parameters the tensor fills, each with a
-layout transform from the checkpoint's layout to the model's. One tensor may fill several
+layout transform from the checkpoint's layout to the model's. A rule with a group named `expert`
+fills one slice of a stacked [E, ...] parameter (an MoE layer's experts: models/moe.py); the
+loader stacks the slices. One tensor may fill several
 parameters (GPT-2's fused `c_attn` fills q, k and v); the loader fuses parts back together where
 the model holds them fused (`FUSED`). Every shape is checked by the loader, not here.
 """
@@ -23,7 +25,7 @@ Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 
 @dataclasses.dataclass(frozen=True)
 class WeightRule:
-    pattern: str  # regex over the whole tensor name; group 1, if any, is the layer index
+    pattern: str  # regex over the whole tensor name; group 1, if any, is the layer index; (?P<expert>...)
     targets: tuple[tuple[Path, Transform], ...]  # (parameter path, below the layer when indexed; transform)
 
     @property
@@ -51,6 +53,7 @@ def _compile(pattern: str) -> re.Pattern:
 FUSED: dict[str, tuple[tuple[str, ...], int]] = {
     "qkv_proj": (("q_proj", "k_proj", "v_proj"), 1),  # [D, N + 2K, H]
     "gate_up_proj": (("gate_proj", "up_proj"), 1),  # [D, 2F]
+    "experts_gate_up": (("experts_gate", "experts_up"), 1),  # [E, D, 2F]; the axis within one expert's [D, 2F]
 }
 
 

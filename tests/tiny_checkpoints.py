@@ -56,6 +56,14 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
         head_dim=16, query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
         rope_theta=10000.0, rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
         tie_word_embeddings=True)),
+    # Mixture of experts: 4 experts, top-2, every layer sparse (Mixtral's router: softmax of the top-k logits).
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)),
+    # Qwen3-MoE: q/k norm, layer 0 dense (mlp_only_layers), top-2 of 4 not renormalised (Mixtral
+    # covers renormalised weights; tests/models/test_moe.py the rules and decoder_sparse_step).
+    "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[0],
+        norm_topk_prob=False)),
 }
 # Families whose norm weights are random too (Gemma's zero-initialised (1 + weight) norms would
 # otherwise leave the weight untested).

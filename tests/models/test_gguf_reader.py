@@ -170,6 +170,18 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         open_checkpoint(tmp_path / "bare.gguf")
 
 
+def test_mixture_of_experts_files_are_refused(tmp_path: Path) -> None:
+    """MoE GGUF files (stacked ffn_*_exps tensors; Mixtral filed as llama with an expert count) are
+    refused by name, pointing to the safetensors folder."""
+    embd = {"token_embd.weight": (np.zeros((VOCAB, HIDDEN), np.float32), Q.F32)}
+    _write_tiny(tmp_path / "q.gguf", "qwen3moe", embd)
+    with pytest.raises(ValueError, match=r"mixture-of-experts GGUF files \(qwen3moe\) are not supported"):
+        open_checkpoint(tmp_path / "q.gguf")
+    _write_tiny(tmp_path / "m.gguf", "llama", embd, extra_meta={"add_expert_count": 8})
+    with pytest.raises(ValueError, match=r"mixture-of-experts GGUF files \(llama\).*safetensors"):
+        open_checkpoint(tmp_path / "m.gguf")
+
+
 def test_qwen2_biases_not_permuted_and_qwen3_qk_norm(tmp_path: Path) -> None:
     rng = np.random.default_rng(2)
     q_w, q_b = _rand(rng, HIDDEN, HIDDEN), _rand(rng, HIDDEN)

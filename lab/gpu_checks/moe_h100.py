@@ -1,0 +1,241 @@
+"""Mixture-of-experts on one H100: the grouped matmul alone, then the qwen3-30b-a3b preset in the engine.
+
+1. Grouped matmul (pallas_kernels/grouped_matmul.py), bf16, for both models' expert shapes:
+   Mixtral-8x7B (E=8, k=2, D=4096, F=14336) and Qwen3-30B-A3B (E=128, k=8, D=2048, F=768), at
+   1, 16, 256 and 2048 tokens (M = tokens * k rows, each token routed to k distinct random
+   experts), for the fused gate/up product [M, D] x [E, D, 2F] (the engine's layout on one GPU)
+   and the down product [M, F] x [E, F, D];
+   `jax.lax.ragged_dot` against jax's bundled Mosaic kernel (ragged_dot_mgpu) at two tilings, in
+   the same run, with the Mosaic output checked against ragged_dot's. The floor of each call is
+   the bytes it must move (every expert hit: K * N * 2 bytes each, plus the rows read and written)
+   over the copy bandwidth measured in the same run (a 2 GiB device copy, bytes read + written);
+   "% floor" is floor time / measured time.
+2. Engine, qwen3-30b-a3b preset, dummy bf16 weights (the grouped matmul as the engine picks it):
+   batch-1 decode ms/token (128 in / 128 out, greedy; its floor: the weights one decode token reads,
+   attention, router, k experts a layer and the LM head, over the copy bandwidth) and offline
+   throughput (random 256 in / 256 out prompts, temperature 1, ignore_eos, after a warm-up).
+
+Writes $OUT/moe_h100.json (after each part) and prints a short table. About 6-8 minutes.
+
+    python -m lab.gpu_checks.moe_h100 --out $OUT [--num-prompts 500] [--skip-engine] [--skip-kernels]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+SHAPES = {  # model -> (E, k, D, F)
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+}
+TOKENS = (1, 16, 256, 2048)
+BF16 = 2  # bytes
+HEADER = (f"{'model':14s} {'matmul':7s} {'tokens':>6s} {'hit':>4s} {'floor ms':>9s} {'ragged_dot ms (% floor)':>24s} "
+          "mgpu best ms (% floor)")
+
+
+def routed_sizes(tokens: int, e: int, k: int, seed: int) -> np.ndarray:
+    """Group sizes [E] of `tokens` tokens, each routed to k distinct random experts."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((tokens, e)), axis=1)[:, :k]
+    return np.bincount(ids.ravel(), minlength=e).astype(np.int32)
+
+
+def floor_bytes(sizes: np.ndarray, m: int, k_dim: int, n_dim: int) -> int:
+    """Bytes a grouped matmul must move: each expert hit read once, the rows read and written."""
+    return int((sizes > 0).sum()) * k_dim * n_dim * BF16 + m * k_dim * BF16 + m * n_dim * BF16
+
+
+def time_impls(x, w, sizes, floor_s: float, tilings: list) -> dict:
+    """ragged_dot, then the bundled kernel at each tiling (its output checked against ragged_dot's)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxengine.benchmarks.ceilings import _time
+    from jaxengine.pallas_kernels.grouped_matmul import grouped_matmul, mgpu_applies
+
+    ref_fn = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, impl="ragged_dot"))
+    ref = ref_fn(x, w, sizes).astype(jnp.float32)
+    t = _time(ref_fn, x, w, sizes)
+    row: dict = {"ragged_dot_ms": 1e3 * t, "ragged_dot_pct_floor": floor_s / t, "mgpu_best": None}
+    for i, tiling in enumerate(tilings):
+        tag = f"mgpu{i}"
+        if not mgpu_applies(x, w, tiling):
+            row[f"{tag}_error"] = "constraints do not hold"
+            continue
+        fn = jax.jit(lambda x, w, s, tiling=tiling: grouped_matmul(x, w, s, impl="mgpu", tiling=tiling))
+        try:
+            out = fn(x, w, sizes).astype(jnp.float32)
+            rel = float(jnp.max(jnp.abs(out - ref))) / (float(jnp.max(jnp.abs(ref))) or 1.0)
+            t = _time(fn, x, w, sizes)
+        except Exception as ex:  # a Mosaic lowering or launch failure is a result too
+            row[f"{tag}_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            continue
+        row.update({f"{tag}_ms": 1e3 * t, f"{tag}_pct_floor": floor_s / t, f"{tag}_max_rel_err": rel})
+        if row["mgpu_best"] is None or 1e3 * t < row["mgpu_best"]["ms"]:
+            row["mgpu_best"] = {"tiling": i, "ms": 1e3 * t, "pct_floor": floor_s / t}
+    return row
+
+
+def time_grouped(copy_bps: float, tilings: list) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    rows = []
+    for model, (e, k, d, f) in SHAPES.items():
+        key = jax.random.key(0)
+        # gate and up fused, as the engine holds them on one GPU: [E, D, 2F]
+        w_gate = (0.02 * jax.random.normal(key, (e, d, 2 * f), jnp.float32)).astype(jnp.bfloat16)
+        w_down = (0.02 * jax.random.normal(jax.random.fold_in(key, 1), (e, f, d), jnp.float32)).astype(jnp.bfloat16)
+        for tokens in TOKENS:
+            sizes_np = routed_sizes(tokens, e, k, seed=tokens)
+            m = tokens * k
+            for name, w in (("gate_up", w_gate), ("down", w_down)):
+                k_dim, n_dim = w.shape[1], w.shape[2]
+                x = jax.random.normal(jax.random.fold_in(key, m), (m, k_dim), jnp.float32).astype(jnp.bfloat16)
+                nbytes = floor_bytes(sizes_np, m, k_dim, n_dim)
+                floor_s = nbytes / copy_bps
+                row = {"model": model, "matmul": name, "tokens": tokens, "rows": m,
+                       "experts_hit": int((sizes_np > 0).sum()), "floor_bytes": nbytes, "floor_ms": 1e3 * floor_s}
+                row.update(time_impls(x, w, jnp.asarray(sizes_np), floor_s, tilings))
+                rows.append(row)
+                print(_line(row), flush=True)
+        del w_gate, w_down
+    return rows
+
+
+def _line(r: dict) -> str:
+    mg = r["mgpu_best"]
+    best = f"{mg['ms']:8.3f} ({mg['pct_floor']:6.1%}) tiling {mg['tiling']}" if mg else "n/a"
+    return (f"{r['model']:14s} {r['matmul']:7s} {r['tokens']:6d} {r['experts_hit']:4d} {r['floor_ms']:9.3f} "
+            f"{r['ragged_dot_ms']:8.3f} ({r['ragged_dot_pct_floor']:6.1%}) {best}")
+
+
+def decode_floor_bytes(mc, context: int) -> int:
+    """Weight + KV bytes one batch-1 decode token reads: attention, norms, router and the k experts
+    of each sparse layer (the dense MLP of a dense one), the LM head; the embedding row is negligible."""
+    d, h = mc.hidden_size, mc.head_dim
+    attn = d * h * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+    total = 0
+    for sparse in mc.sparse_layers:
+        ffn = (mc.num_experts_per_tok * 3 * d * mc.moe_intermediate_size + d * mc.num_experts) if sparse \
+            else 3 * d * mc.intermediate_size
+        total += attn + ffn + 2 * d
+    total += mc.vocab_size * d + d
+    kv = mc.num_layers * 2 * mc.num_kv_heads * h * context
+    return (total + kv) * BF16
+
+
+def engine_part(args, copy_bps: float, res: dict, save) -> None:
+    from jaxengine import LLM
+    from jaxengine.benchmarks.common import SampleRequest, percentiles, random_requests
+    from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer
+    from jaxengine.benchmarks.latency import run_batch
+    from jaxengine.benchmarks.throughput import run_throughput
+    from jaxengine.models.presets import PRESETS
+
+    model = "qwen3-30b-a3b"
+    vocab = PRESETS[model]["vocab_size"]
+    tmp = tempfile.mkdtemp()
+    t0 = time.perf_counter()
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", tokenizer=synthetic_tokenizer(tmp, vocab),
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256, max_model_len=1024)
+    eng = llm.llm_engine
+    out = res["engine"] = {"model": f"{model} (dummy bf16)", "startup_s": time.perf_counter() - t0,
+                           "compile_s": eng.runner.compile_seconds, "attention": eng.runner.attention_impl,
+                           "num_kv_blocks": eng.config.num_kv_blocks,
+                           "max_num_batched_tokens": eng.config.max_num_batched_tokens}
+    print(f"engine start-up {out['startup_s']:.1f} s (compile {out['compile_s']:.1f} s), "
+          f"{out['num_kv_blocks']} KV blocks", flush=True)
+    save()
+
+    def prompts(i: int) -> list[list[int]]:
+        return [q.prompt_token_ids for q in random_requests(1, 128, 128, 0.0, vocab, seed=500 + i)]
+
+    run_batch(llm, prompts(100), 128)
+    runs = [run_batch(llm, prompts(i), 128) for i in range(2)]
+    steps = percentiles([g for x in runs for g in x["decode_steps"]])
+    floor_s = decode_floor_bytes(eng.model_config, 192) / copy_bps
+    out["decode_b1"] = {"ms_per_token_median": 1e3 * steps["median"], "ms_per_token_p99": 1e3 * steps["p99"],
+                        "floor_ms": 1e3 * floor_s, "pct_floor": floor_s / steps["median"]}
+    print(f"batch-1 decode {out['decode_b1']['ms_per_token_median']:.2f} ms/token, floor "
+          f"{out['decode_b1']['floor_ms']:.2f} ms ({out['decode_b1']['pct_floor']:.1%})", flush=True)
+    save()
+    warm = [SampleRequest(q.prompt_token_ids, 16) for q in random_requests(64, 256, 256, 0.0, vocab, seed=20_000)]
+    run_throughput(llm, warm)
+    tr = run_throughput(llm, random_requests(args.num_prompts, 256, 256, 0.0, vocab, seed=100))
+    t = tr["engine_timing"]
+    tr["ms_per_step"] = 1e3 * t["step_s"] / max(t["steps"], 1)
+    out["throughput_256x256"] = tr
+    print(f"offline 256/256 x {args.num_prompts}: {tr['output_tokens_per_s']:,.0f} output tok/s, "
+          f"{tr['ms_per_step']:.1f} ms/step", flush=True)
+    save()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--num-prompts", type=int, default=500)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-kernels", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    import jax
+
+    from jaxengine.benchmarks.ceilings import copy_bandwidth
+    from jaxengine.pallas_kernels.grouped_matmul import MgpuTiling
+
+    tilings = [MgpuTiling(), MgpuTiling(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2)]
+    res: dict = {"commit": args.commit, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+                 "tilings": [vars(t) for t in tilings]}
+    path = os.path.join(args.out, "moe_h100.json")
+
+    def save() -> None:
+        with open(path, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+    copy_bps = copy_bandwidth(2 << 30)
+    res["copy_bandwidth_GBps"] = copy_bps / 1e9
+    print(f"{res['device']}, jax {res['jax']}: copy bandwidth {copy_bps / 1e9:.0f} GB/s (read + write)", flush=True)
+    save()
+    if not args.skip_kernels:
+        print(HEADER, flush=True)
+        try:
+            res["grouped_matmul"] = time_grouped(copy_bps, tilings)
+        except Exception:
+            res["grouped_matmul_error"] = traceback.format_exc()[-2000:]
+            print(res["grouped_matmul_error"], flush=True)
+        save()
+    if not args.skip_engine:
+        try:
+            engine_part(args, copy_bps, res, save)
+        except Exception:
+            res["engine_error"] = traceback.format_exc()[-2000:]
+            print(res["engine_error"], flush=True)
+        save()
+    print(f"\nwrote {path}")
+    print(HEADER)
+    for r in res.get("grouped_matmul", []):
+        print(_line(r))
+    if "engine" in res and "decode_b1" in res["engine"]:
+        e = res["engine"]
+        print(f"qwen3-30b-a3b batch-1 decode {e['decode_b1']['ms_per_token_median']:.2f} ms/token "
+              f"({e['decode_b1']['pct_floor']:.1%} of floor)"
+              + (f"; offline {e['throughput_256x256']['output_tokens_per_s']:,.0f} output tok/s"
+                 if "throughput_256x256" in e else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
