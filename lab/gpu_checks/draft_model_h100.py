@@ -188,7 +188,9 @@ def main() -> int:
 
     if not args.skip_throughput:
         tp["draft_configured"] = None
-        core.spec = spec_config.__class__(model=args.draft, method="draft_model", num_speculative_tokens=k)
+        # the defaults a user gets (the verify programs were compiled for disable_by_batch_size = max(batches))
+        core.spec = spec_config.__class__(model=args.draft, method="draft_model", num_speculative_tokens=k,
+                                          disable_by_batch_size=spec_config.disable_by_batch_size)
         run_throughput(llm, warm)
         tp["draft_configured"] = run_throughput(llm, reqs)["output_tokens_per_s"]
         tp["catch_up_tokens"] = draft.num_catch_up_tokens
