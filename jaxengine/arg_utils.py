@@ -46,6 +46,9 @@ _ENGINE_HELP = {
     "max_loras": "LoRA adapters on the device at once (distinct adapters in one step)",
     "max_lora_rank": "largest LoRA rank served (a power of two up to 512); every device slot is this wide",
     "max_cpu_loras": "LoRA adapters kept loaded on the host, >= max-loras (default: max-loras)",
+    "quantization": "quantization method (vLLM's names): fp8 quantizes a float checkpoint's linear weights at load "
+                    "time; compressed-tensors, gptq, awq (and the *_marlin aliases) name a quantized checkpoint's "
+                    "method (default: the checkpoint's quantization_config, if any)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}',
 }

@@ -65,6 +65,9 @@ class EngineConfig:
     # Speculative decoding (vLLM's `speculative_config`: a dict, or its JSON text on the command
     # line), normalised to a jaxengine.spec_decode.SpeculativeConfig; None: off.
     speculative_config: object = None
+    # Quantization (vLLM's name and method names): None reads the checkpoint's quantization_config;
+    # "fp8" also quantizes a float checkpoint's linear weights at load time (models/quant_formats.py).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -102,6 +105,11 @@ class EngineConfig:
         from jaxengine.spec_decode import SpeculativeConfig
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        from jaxengine.models.quant_formats import QUANTIZATION_METHODS
+
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 <= self.max_logprobs <= 20:

@@ -25,6 +25,7 @@ from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
 from jaxengine.models.presets import PRESETS
+from jaxengine.models.quant_formats import check_model, resolve_quantization
 from jaxengine.sharding import ShardingPlan, make_plan
 
 logger = logging.getLogger(__name__)
@@ -75,12 +76,20 @@ def load_model(config: EngineConfig) -> LoadedModel:
                         plan.kv_head_replicas)
         model_config = plan.model_config(model_config)  # KV heads repeated, projections split
         logger.info("tensor parallel over %d devices (mesh %s)", plan.tp, dict(plan.mesh.shape))
+    quant = resolve_quantization(config.quantization, ckpt.hf_config if ckpt is not None else None,
+                                 dummy=ckpt is None or config.load_format == "dummy")
+    if quant is not None:
+        check_model(quant, model_config.architecture, config.tensor_parallel_size)
+        if quant.act_order:  # each projection has its own input permutation: no fused q/k/v, gate/up
+            model_config = model_config.with_split_projections()
+        logger.info("quantization: %s", quant.label)
     if ckpt is None or config.load_format == "dummy":
         graphdef, state = dummy_params(model_config, dtype, seed=config.seed,
-                                       sharding_of=plan.param_sharding if plan is not None else None)
+                                       sharding_of=plan.param_sharding if plan is not None else None,
+                                       quantization=quant)
     else:
         put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
-        graphdef, state = load_params(ckpt, model_config, dtype, put=put)
+        graphdef, state = load_params(ckpt, model_config, dtype, put=put, quantization=quant)
     attention = select_attention_backend(config.attention_backend, model_config, dtype, config.block_size,
                                          plan.mesh if plan is not None else None)
     blocks = num_kv_blocks(config, model_config, dtype, graphdef, state, attention, plan)
