@@ -115,6 +115,19 @@ class GGUFCheckpoint(Checkpoint):
             # Kept under their GGUF names so the weight loader reports them as unexpected.
             logger.warning("GGUF file %s: tensors with no HF counterpart: %s", self.path, extra)
         self.hf_config = self._build_hf_config()
+        self._log_dequantized_types()
+
+    def _log_dequantized_types(self) -> None:
+        """One line naming the quantized GGUF types that load as float weights: the engine's
+        quantized paths (models/quantization.py) do not read GGUF blocks yet."""
+        counts: dict[str, int] = {}
+        for t in self._reader.tensors:
+            if t.tensor_type.name not in ("F32", "F16", "BF16"):
+                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        if counts:
+            kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(counts.items()))
+            logger.info("GGUF file %s: %s dequantized to float at load (the model runs unquantized)",
+                        self.path, kinds)
 
     # ---- metadata -------------------------------------------------------------------------
 
