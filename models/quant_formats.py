@@ -322,8 +322,8 @@ def quantize_on_device(path: tuple, w: jax.Array, scheme: QuantScheme | None):
 
 def dummy_quantized(path: tuple, w: jax.Array, scheme: QuantScheme | None, key: jax.Array):
     """`load_format="dummy"`: a linear weight in the scheme's form; weight-only schemes get random
-    packed values (4-bit, group 128 unless the scheme says otherwise) with scales that give the
-    float dummy's spread."""
+    packed values (4-bit, groups of 128, or the scheme's size, or the largest of 64 and 32 that
+    divides the inputs) with scales that give the float dummy's spread."""
     name = str(path[-1])
     if scheme is None or name not in LINEAR_IN_NDIM:
         return w
@@ -333,13 +333,13 @@ def dummy_quantized(path: tuple, w: jax.Array, scheme: QuantScheme | None, key: 
     shape = tuple(w.shape)
     k, n = math.prod(shape[:in_ndim]), math.prod(shape[in_ndim:])
     bits = scheme.bits if scheme.from_checkpoint else 4
-    group = scheme.group_size if scheme.group_size > 0 and k % scheme.group_size == 0 else min(128, k)
+    group = next((g for g in (scheme.group_size, 128, 64, 32) if g > 0 and k % g == 0), k)
     return _dummy_packed(k, n, bits, group, shape, in_ndim, jnp.dtype(w.dtype), key)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _dummy_packed(k: int, n: int, bits: int, group: int, shape: tuple, in_ndim: int, dtype, key) -> PackedWeight:
-    packed = jax.random.bits(key, (k * bits // 32, n), jnp.uint32).view(jnp.int32)
+    packed = jax.lax.bitcast_convert_type(jax.random.bits(key, (k * bits // 32, n), jnp.uint32), jnp.int32)
     levels = (1 << bits) - 1
     scales = jnp.full((k // group, n), 0.04 / levels * 2, dtype)  # about the float dummy's 0.02 spread
     zeros = jnp.full((k // group, n), 1 << (bits - 1), jnp.uint8)
