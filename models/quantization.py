@@ -10,7 +10,8 @@ model's structure does not change:
 - `PackedWeight`: weight-only 4- or 8-bit integers packed into int32 along the input axis
   (`[K / (32 / bits), N]`, value j of word i is input row i * (32 / bits) + j, lowest bits first),
   per-group scales and unsigned zero points `[K / group, N]`; dequantized inside the compiled step
-  by `weight_only_matmul`, the one function a GPU kernel replaces.
+  by `weight_only_matmul` (the reference), or on GPU by the Pallas kernel with the same signature
+  (`weight_only_linear` picks per call site).
 
 Every checkpoint format (models/quant_formats.py) is converted to these layouts at load time, so
 the forward has one path per kind. K is the flattened input features, N the flattened outputs:
@@ -99,7 +100,7 @@ class PackedWeight(_QuantizedBase):
         """x [T, K] -> [T, N] in x's dtype."""
         if self.act_order:
             x = jnp.take(x, self.perm, axis=1)
-        return weight_only_matmul(x, self.packed, self.scales, self.zeros, self.bits, self.group_size)
+        return weight_only_linear(x, self.packed, self.scales, self.zeros, self.bits, self.group_size)
 
 
 QuantizedWeight = Fp8Weight | PackedWeight
@@ -166,6 +167,19 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     for act-order)."""
     w = dequantize_packed(packed, scales, zeros, bits, group_size, x.dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
+                       bits: int, group_size: int) -> jax.Array:
+    """One call site's weight-only matmul: on GPU the Pallas kernel
+    (pallas_kernels/weight_only_matmul_gpu.py) where it takes the shape (K and the group size
+    multiples of 128, N of 128), else `weight_only_matmul`."""
+    if jax.default_backend() == "gpu":
+        from jaxengine.pallas_kernels import weight_only_matmul_gpu as kernel
+
+        if kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
+            return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size)
+    return weight_only_matmul(x, packed, scales, zeros, bits, group_size)
 
 
 # -- building weights ---------------------------------------------------------------------------

@@ -5,10 +5,11 @@ Parts, each in its own process (every engine takes most of the GPU memory for it
 - micro: copy bandwidth and bf16 matmul rate (benchmarks/ceilings.py), then one linear layer of
   K=4096 inputs x N=14336 outputs at 1, 16 and 256 rows: bf16 `jnp.dot`, fp8 (per-token
   activation quantization + e4m3 x e4m3 dot_general + scales, as the model runs it), the fp8 dot
-  alone, and the int4 group-128 weight-only reference (unpack, dequantize, bf16 dot); each with
+  alone, the int4 group-128 weight-only reference (unpack, dequantize, bf16 dot) and the Pallas
+  kernel (pallas_kernels/weight_only_matmul_gpu.py, checked against the reference); each with
   whether the compiled program holds cuBLASLt's FP8 GEMM;
 - engine bf16 / fp8 / w4a16: LLM("llama-3-8b", load_format="dummy", dtype="bfloat16",
-  quantization=None / "fp8" / "gptq" (random 4-bit weights, groups of 128)): start-up, weight
+  quantization=None / "fp8" / "gptq" (random 4-bit weights, groups of 128, through the kernel)): start-up, weight
   bytes, batch-1 decode (128 in / 256 out greedy, median ms/token over 3 runs after one warm-up)
   and its bytes-read roofline, then offline throughput of --num-prompts random 256 in / 256 out
   prompts after a 64-prompt warm-up (w4a16: decode only unless --w4a16-throughput).
@@ -56,6 +57,7 @@ def micro() -> dict:
 
     from jaxengine.benchmarks import ceilings
     from jaxengine.models.quantization import fp8_matmul, quantize_fp8, weight_only_matmul
+    from jaxengine.pallas_kernels import weight_only_matmul_gpu as kernel
 
     res: dict = {"ceilings": ceilings.measure(), "K": K, "N": N}
     key = jax.random.key(0)
@@ -70,6 +72,8 @@ def micro() -> dict:
         "fp8_dot_only": (jax.jit(lambda xq: jax.lax.dot_general(
             xq, q.qweight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)), K * N),
         "int4_reference": (jax.jit(lambda x: weight_only_matmul(x, packed, scales, zeros, 4, 128)), K * N // 2),
+        "int4_kernel": (jax.jit(lambda x: kernel.weight_only_matmul(x, packed, scales, zeros, bits=4, group_size=128)),
+                        K * N // 2),
     }
     for rows in ROWS:
         x = jax.random.normal(jax.random.fold_in(key, rows), (rows, K), jnp.float32).astype(jnp.bfloat16)
@@ -81,6 +85,10 @@ def micro() -> dict:
             hlo = fn.lower(arg).compile().as_text()
             out[name] = {"us": 1e6 * s, "weight_GBps": weight_bytes / s / 1e9, "TFLOPs": 2 * rows * K * N / s / 1e12,
                          "fp8_gemm_in_hlo": "f8" in hlo and "cublas" in hlo.lower()}
+        ref = fns["int4_reference"][0](x).astype(jnp.float32)
+        got = fns["int4_kernel"][0](x).astype(jnp.float32)
+        out["int4_kernel"]["max_abs_err_vs_reference"] = float(jnp.max(jnp.abs(got - ref)))
+        out["int4_kernel"]["reference_max_abs"] = float(jnp.max(jnp.abs(ref)))
         res[f"rows_{rows}"] = out
     return res
 
@@ -154,7 +162,7 @@ def _table(res: dict) -> None:
         c = m["ceilings"]
         print(f"ceilings: copy {c['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
         print(f"{'linear 4096x14336':<18}" + "".join(f"{f'rows {r}':>22}" for r in ROWS))
-        for name in ("bf16", "fp8", "fp8_dot_only", "int4_reference"):
+        for name in ("bf16", "fp8", "fp8_dot_only", "int4_reference", "int4_kernel"):
             cells = [m[f"rows_{r}"][name] for r in ROWS]
             print(f"{name:<18}" + "".join(f"{c['us']:>9.1f} us {c['weight_GBps']:>6.0f} GB/s" for c in cells))
     print(f"{'engine':<8}{'weights GiB':>12}{'decode ms/tok':>15}{'roofline':>10}{'256/256 tok/s':>15}")

@@ -1,0 +1,107 @@
+"""Weight-only quantized matmul on GPU: one Triton-lowered Pallas kernel that dequantizes the
+packed weight tile by tile inside the matmul, so the weight is read from memory packed.
+
+Same contract as `weight_only_matmul_reference` (models/quantization.weight_only_matmul):
+x [T, K] (bf16 / f16 / f32) times the weight held as `packed` [K / per, N] int32 (per = 32 / bits
+values per word, packed along K, value j of word i is input row i * per + j), `scales` [G, N] and
+unsigned `zeros` [G, N] uint8 in groups of `group_size` rows: weight = (value - zero) * scale.
+
+Grid (T / block_m, N / block_n). A program walks K in blocks of 128 rows (inside one group): it
+loads the block's 128 / per packed rows of its columns once and, for each of the `per` values of
+a word, dequantizes a [128 / per, block_n] slice and multiplies it with the matching columns of x.
+Those columns are rows i * per + j of the block, a strided set; the wrapper permutes x's columns
+once per call (a small XLA transpose of the activations) so that each of them is a contiguous
+slice: within every 128-row block, column j * (128 / per) + i of the permuted x is row i * per + j.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxengine.models.quantization import weight_only_matmul as weight_only_matmul_reference
+
+BLOCK_K = 128  # rows of K per step; group sizes must be multiples of it
+_pl_dot = getattr(plgpu, "dot", None) or pl.dot
+
+
+def supported(t: int, k: int, n: int, bits: int, group_size: int, block_n: int = 128) -> bool:
+    """Whether the kernel takes this shape (else callers use the reference)."""
+    del t
+    return bits in (4, 8) and k % BLOCK_K == 0 and group_size % BLOCK_K == 0 and k % group_size == 0 \
+        and n % block_n == 0
+
+
+def _permute_columns(x: jax.Array, per: int) -> jax.Array:
+    """x [T, K] -> x with each 128-row block's columns reordered value-major: new column
+    j * (128 / per) + i of a block is old column i * per + j."""
+    t, k = x.shape
+    return x.reshape(t, k // BLOCK_K, BLOCK_K // per, per).swapaxes(2, 3).reshape(t, k)
+
+
+def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, k: int):
+    per = 32 // bits
+    rows = BLOCK_K // per
+    mask = (1 << bits) - 1
+    block_m, block_n = o_ref.shape
+
+    def body(kb, acc):
+        words = p_ref[pl.ds(kb * rows, rows), :]  # [rows, block_n] int32
+        g = (kb * BLOCK_K) // group_size
+        scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, block_n]
+        zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
+        for j in range(per):
+            vals = ((words >> (bits * j)) & mask).astype(jnp.float32)
+            w = ((vals - zero) * scale).astype(x_ref.dtype)  # [rows, block_n]
+            xj = x_ref[:, pl.ds(kb * BLOCK_K + j * rows, rows)]  # [block_m, rows]
+            prec = lax.Precision.HIGHEST if xj.dtype == jnp.float32 else None
+            acc += _pl_dot(xj, w, precision=prec)
+        return acc
+
+    acc = lax.fori_loop(0, k // BLOCK_K, body, jnp.zeros((block_m, block_n), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n", "num_warps",
+                                             "num_stages", "interpret"))
+def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, bits: int,
+                       group_size: int, block_m: int = 16, block_n: int = 128, num_warps: int = 4,
+                       num_stages: int = 2, interpret: bool = False) -> jax.Array:
+    """x [T, K] @ dequant(packed) -> [T, N] in x's dtype; shapes as in the module docstring.
+    T is padded to a multiple of `block_m` (at least 16, Triton's smallest dot)."""
+    t, k = x.shape
+    n = packed.shape[1]
+    per = 32 // bits
+    if not supported(t, k, n, bits, group_size, block_n):
+        raise ValueError(f"weight_only_matmul kernel: unsupported shape T={t} K={k} N={n} bits={bits} "
+                         f"group_size={group_size} (K and the group size must be multiples of {BLOCK_K}, "
+                         f"N of {block_n})")
+    if packed.shape != (k // per, n) or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
+        raise ValueError(f"weight_only_matmul kernel: packed {packed.shape}, scales {scales.shape}, zeros "
+                         f"{zeros.shape} do not fit K={k}, N={n}, {bits} bits, groups of {group_size}")
+    tp = -(-t // block_m) * block_m
+    xp = _permute_columns(jnp.pad(x, ((0, tp - t), (0, 0))), per)
+    g = k // group_size
+    kwargs = {}
+    if not interpret:
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    out = pl.pallas_call(
+        functools.partial(_kernel, bits=bits, group_size=group_size, k=k),
+        grid=(tp // block_m, n // block_n),
+        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+                  pl.BlockSpec((k // per, block_n), lambda i, j: (0, j)),
+                  pl.BlockSpec((g, block_n), lambda i, j: (0, j)),
+                  pl.BlockSpec((g, block_n), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((tp, n), x.dtype),
+        interpret=interpret, name="weight_only_matmul", **kwargs,
+    )(xp, packed, scales, zeros)
+    return out[:t]
+
+
+__all__ = ["weight_only_matmul", "weight_only_matmul_reference", "supported"]
