@@ -17,6 +17,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 RUNNERS = ("auto", "generate", "pooling")
 TASKS = ("auto", "generate", "embed", "classify", "score", "encode", "reward")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas-mosaic", "reference")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8: e4m3 with scale 1.0
 
 
 def default_cache_dir() -> str:
@@ -68,6 +69,7 @@ class EngineConfig:
     # Quantization (vLLM's name and method names): None reads the checkpoint's quantization_config;
     # "fp8" also quantizes a float checkpoint's linear weights at load time (models/quant_formats.py).
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; auto: the model's dtype
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -105,6 +107,8 @@ class EngineConfig:
         from jaxengine.spec_decode import SpeculativeConfig
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         from jaxengine.models.quant_formats import QUANTIZATION_METHODS
 
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

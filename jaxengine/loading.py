@@ -91,7 +91,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
         graphdef, state = load_params(ckpt, model_config, dtype, put=put, quantization=quant)
     attention = select_attention_backend(config.attention_backend, model_config, dtype, config.block_size,
-                                         plan.mesh if plan is not None else None)
+                                         plan.mesh if plan is not None else None, config.kv_cache_dtype)
     blocks = num_kv_blocks(config, model_config, dtype, graphdef, state, attention, plan)
     config = dataclasses.replace(config, num_kv_blocks=blocks)
     eos = tuple(model_config.eos_token_id)
@@ -144,7 +144,8 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graph
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     # per device: the KV heads are split over the tensor-parallel devices
-    per_block = kv_bytes_per_block(mc, config.block_size, dtype, attention.kv_head_dim(mc.head_dim)) // config.tensor_parallel_size
+    per_block = kv_bytes_per_block(mc, config.block_size, attention.kv_dtype(dtype),
+                                   attention.kv_head_dim(mc.head_dim)) // config.tensor_parallel_size
     most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:

@@ -1,9 +1,10 @@
 """The engine with quantized weights: `LLM(quantization=...)` and `--quantization`, a GPTQ
-checkpoint generating the same greedy tokens as its dequantized float twin, fp8 at load time
-running end to end, and unsupported methods refused at configuration time."""
+checkpoint generating the same greedy tokens as its dequantized float twin, fp8 at load time with
+an fp8 KV cache running end to end, and unsupported methods refused at configuration time."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import pytest
 from safetensors.numpy import load_file
 
@@ -31,9 +32,12 @@ def test_gptq_engine_matches_dequantized(tiny_model_factory, xla_cache_dir, tmp_
     assert quantized == _greedy(LLM(refpath, compilation_cache_dir=xla_cache_dir, **_ENGINE))
 
 
-def test_fp8_at_load_time_generates(tiny_model_factory, xla_cache_dir):
-    llm = LLM(tiny_model_factory("llama"), quantization="fp8", compilation_cache_dir=xla_cache_dir, **_ENGINE)
+def test_fp8_weights_and_fp8_kv_cache_generate(tiny_model_factory, xla_cache_dir):
+    llm = LLM(tiny_model_factory("llama"), quantization="fp8", kv_cache_dtype="fp8",
+              compilation_cache_dir=xla_cache_dir, **_ENGINE)
     assert all(len(t) == 8 for t in _greedy(llm))
+    k_cache = llm.llm_engine.runner.kv_caches[0][0]
+    assert k_cache.dtype == jnp.float8_e4m3fn
 
 
 def test_quantization_flag_and_refusals():
