@@ -76,8 +76,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
                         plan.kv_head_replicas)
         model_config = plan.model_config(model_config)  # KV heads repeated, projections split
         logger.info("tensor parallel over %d devices (mesh %s)", plan.tp, dict(plan.mesh.shape))
+    from jaxengine.models.gguf_reader import GGUFCheckpoint
+
     quant = resolve_quantization(config.quantization, ckpt.hf_config if ckpt is not None else None,
-                                 dummy=ckpt is None or config.load_format == "dummy")
+                                 dummy=ckpt is None or config.load_format == "dummy",
+                                 gguf=isinstance(ckpt, GGUFCheckpoint))
     if quant is not None:
         check_model(quant, model_config.architecture, config.tensor_parallel_size)
         if quant.act_order:  # each projection has its own input permutation: no fused q/k/v, gate/up

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 # Methods a checkpoint's quantization_config may name, and vLLM's aliases a user may pass.
 CHECKPOINT_METHODS = ("compressed-tensors", "fp8", "gptq", "awq")
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin")
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "gguf")
 _ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # value j of an AWQ word holds column AWQ_ORDER[j] of its 8
 
@@ -69,14 +69,19 @@ class QuantScheme:
         return f"{self.method} {self.bits}-bit weight-only, group {self.group_size}"
 
 
-def resolve_quantization(requested: str | None, hf_config: Mapping | None, *, dummy: bool = False
-                         ) -> QuantScheme | None:
+def resolve_quantization(requested: str | None, hf_config: Mapping | None, *, dummy: bool = False,
+                         gguf: bool = False) -> QuantScheme | None:
     """The scheme from config.json's quantization_config and the user's `quantization` (vLLM's
     names); ValueError when they disagree or the method is not supported. `dummy`
     (load_format="dummy"): a weight-only method with no quantization_config gives random 4-bit
-    weights in groups of 128."""
+    weights in groups of 128. `gguf`: the checkpoint is a GGUF file, where "gguf" keeps Q8_0
+    linear weights as 8-bit weight-only (groups of 32) and every other type loads dequantized."""
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization {requested!r} is not supported; supported: {', '.join(QUANTIZATION_METHODS)}")
+    if gguf and requested == "gguf" and not dummy:
+        return QuantScheme("gguf", "weight_only", True, 8, 32)
+    if requested == "gguf" and not dummy:
+        raise ValueError("quantization='gguf' needs a .gguf checkpoint")
     qc = (hf_config or {}).get("quantization_config")
     if not qc:
         if requested is None:
@@ -172,6 +177,23 @@ def check_model(scheme: QuantScheme, architecture: str, tensor_parallel_size: in
 
 # -- the checkpoint view ------------------------------------------------------------------------
 _MODULE = re.compile(r"^(.*\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj))\.(\w+)$")
+_GGUF_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def gguf_q8_0_linears(ckpt) -> set[str]:
+    """The linear weights of a GGUF file that load as Q8_0 blocks: every linear stored as Q8_0,
+    except where a projection the model fuses with it (q/k/v, gate/up) is stored otherwise."""
+    names = {n for n in ckpt.tensor_names() if _MODULE.match(n) and n.endswith(".weight")}
+    q8 = {n for n in names if ckpt.gguf_type(n) == "Q8_0"}
+    for n in list(q8):
+        module = n.rsplit(".", 2)[-2]
+        for group in _GGUF_FUSED:
+            siblings = {n.replace(f".{module}.", f".{m}.") for m in group} if module in group else set()
+            if siblings & names - q8:
+                q8.discard(n)
+    return q8
+
+
 # Each format's tensors of one linear layer (the first marks a quantized layer), by "fp8" or method.
 _FIELDS = {
     "fp8": ("weight_scale", "weight", "input_scale"),
@@ -199,9 +221,13 @@ class QuantizedCheckpoint:
         self.hf_config = ckpt.hf_config
         names = ckpt.tensor_names()
         present = set(names)
+        self._quantized: dict[str, str] = {}  # "<module>.weight" -> module prefix
+        if scheme.method == "gguf":
+            self._quantized = {n: n[: -len(".weight")] for n in sorted(gguf_q8_0_linears(ckpt))}
+            self._names = names
+            return
         fields = _FIELDS["fp8" if scheme.kind == "fp8" else scheme.method]
         marker = fields[0]
-        self._quantized: dict[str, str] = {}  # "<module>.weight" -> module prefix
         hidden: set[str] = set()
         for name in names:
             m = _MODULE.match(name)
@@ -223,8 +249,8 @@ class QuantizedCheckpoint:
         out, inp = linear_out_in(prefix.rsplit(".", 1)[1], self.cfg)
         if self.scheme.kind == "fp8":
             return self._fp8(prefix, out, inp)
-        return {"compressed-tensors": self._ct_packed, "gptq": self._gptq, "awq": self._awq}[self.scheme.method](
-            prefix, out, inp)
+        return {"compressed-tensors": self._ct_packed, "gptq": self._gptq, "awq": self._awq,
+                "gguf": self._gguf_q8_0}[self.scheme.method](prefix, out, inp)
 
     # each reader returns a host weight with flat shape (inputs, outputs)
     def _read(self, name: str, shapes: list[tuple[int, ...]], dtypes: tuple[np.dtype, ...] | None = None,
@@ -296,6 +322,15 @@ class QuantizedCheckpoint:
                              "after adding 1 (a gptq_v2 checkpoint? set checkpoint_format)")
         return packed_from_groups(unpack_rows_np(qweight, bits), scales.astype(np.float32), zeros.astype(np.uint8),
                                   bits, group, g_idx if self.scheme.act_order else None)
+
+    def _gguf_q8_0(self, prefix: str, out: int, inp: int) -> PackedWeight:
+        name = prefix + ".weight"
+        found = tuple(self._ckpt.tensor_shape(name))
+        if found != (out, inp) or inp % 32:
+            raise ValueError(f"{self.scheme.label}: tensor {name} has shape {found}, expected {(out, inp)}")
+        values, scales = self._ckpt.q8_0_blocks(name)
+        unsigned = (values.astype(np.int16) + 128).astype(np.uint8).T  # [K, N], zero point 128
+        return packed_from_groups(unsigned, scales.T.copy(), np.full((inp // 32, out), 128, np.uint8), 8, 32)
 
     def _awq(self, prefix: str, out: int, inp: int) -> PackedWeight:
         group, g = self._groups(inp, prefix)

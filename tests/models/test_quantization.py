@@ -299,3 +299,46 @@ def test_method_disagreeing_with_checkpoint_refused():
     assert resolve_quantization("awq_marlin", {"quantization_config": {"quant_method": "awq"}}).method == "awq"
     with pytest.raises(ValueError, match="needs a checkpoint quantized with it"):
         resolve_quantization("gptq", {})
+
+
+# -- GGUF Q8_0 kept packed ------------------------------------------------------------------------
+def test_gguf_q8_0_kept_as_8_bit_weight_only(tmp_path):
+    """quantization="gguf": Q8_0 linears load as 8-bit weight-only in groups of 32 (q/k with the
+    rotary order undone), a fused pair with a part of another type loads dequantized, and the
+    logits equal the fully dequantized model's."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.models.test_gguf_reader import FFN, HEADS, HIDDEN, KV_HEADS, _permute, _write_tiny
+
+    rng = np.random.default_rng(0)
+    kv = KV_HEADS * (HIDDEN // HEADS)
+    shapes = {"token_embd": (32, HIDDEN), "blk.0.attn_q": (HIDDEN, HIDDEN), "blk.0.attn_k": (kv, HIDDEN),
+              "blk.0.attn_v": (kv, HIDDEN), "blk.0.attn_output": (HIDDEN, HIDDEN), "blk.0.ffn_gate": (FFN, HIDDEN),
+              "blk.0.ffn_up": (FFN, HIDDEN), "blk.0.ffn_down": (HIDDEN, FFN)}
+    types = {"token_embd": Q.F32, "blk.0.ffn_gate": Q.Q4_1}  # gate: not Q8_0, so gate/up stay float
+    tensors = {}
+    for name, shape in shapes.items():
+        w = (0.2 * rng.standard_normal(shape)).astype(np.float32)
+        w = _permute(w, HEADS) if name == "blk.0.attn_q" else _permute(w, KV_HEADS) if name == "blk.0.attn_k" else w
+        tensors[name + ".weight"] = (w, types.get(name, Q.Q8_0))
+    for name in ("blk.0.attn_norm", "blk.0.ffn_norm", "output_norm"):
+        tensors[name + ".weight"] = (np.ones(HIDDEN, np.float32), Q.F32)
+    path = tmp_path / "q8.gguf"
+    _write_tiny(path, "llama", tensors)
+    ckpt = open_checkpoint(path)
+    cfg = ModelConfig.from_hf_dict(ckpt.hf_config)
+    scheme = resolve_quantization("gguf", ckpt.hf_config, gguf=True)
+    graphdef, state = load_params(ckpt, cfg, jnp.float32, quantization=scheme)
+    layer = state["model"]["layers"][0]
+    kinds = {name: type(v.get_value()).__name__ for part in ("self_attn", "mlp") for name, v in layer[part].items()
+             if not hasattr(v, "keys")}
+    assert kinds == {"qkv_proj": "PackedWeight", "o_proj": "PackedWeight", "gate_up_proj": "ArrayImpl",
+                     "down_proj": "PackedWeight"}, kinds
+    assert layer["mlp"]["down_proj"].get_value().group_size == 32
+    g2, s2 = load_params(open_checkpoint(path), cfg, jnp.float32)
+    toks = [3, 9, 27, 1, 30, 4, 4, 12]
+    got = PagedRunner(graphdef, state, cfg).step([(0, toks, 0)])[0]
+    want = PagedRunner(g2, s2, cfg).step([(0, toks, 0)])[0]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="needs a .gguf checkpoint"):
+        resolve_quantization("gguf", {})
