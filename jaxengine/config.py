@@ -18,6 +18,8 @@ RUNNERS = ("auto", "generate", "pooling")
 TASKS = ("auto", "generate", "embed", "classify", "score", "encode", "reward")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas-mosaic", "reference")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8: e4m3 with scale 1.0
+# vLLM's method names (the *_marlin ones are aliases here): models/quant_formats.py
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "gguf")
 
 
 def default_cache_dir() -> str:
@@ -109,8 +111,6 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        from jaxengine.models.quant_formats import QUANTIZATION_METHODS
-
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
                              f"{', '.join(QUANTIZATION_METHODS)}")

@@ -141,7 +141,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                 arr = with_model_shape(concat_outputs([got[p][1] for p in parts]), str(path[-1]), want, dtype)
             else:
                 arr = np.concatenate([got[p][1] for p in parts], axis)
-        except (AttributeError, ValueError):
+        except ValueError:
             arr = None
         if arr is None or tuple(arr.shape) != want:
             shapes = ", ".join(f"{got[p][0]} {tuple(got[p][1].shape)}" for p in parts)

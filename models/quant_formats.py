@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxengine.config import QUANTIZATION_METHODS
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.quantization import (LINEAR_IN_NDIM, Fp8Weight, PackedWeight, packed_from_groups,
                                            quantize_fp8, unpack_cols, unpack_rows_np)
@@ -43,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 # Methods a checkpoint's quantization_config may name, and vLLM's aliases a user may pass.
 CHECKPOINT_METHODS = ("compressed-tensors", "fp8", "gptq", "awq")
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "gguf")
 _ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # value j of an AWQ word holds column AWQ_ORDER[j] of its 8
 

@@ -274,14 +274,21 @@ def test_fp8_at_load_time_close_to_float(base):
 
 
 # -- errors ---------------------------------------------------------------------------------------
-def test_bad_packed_shape_names_scheme_tensor_and_shapes(base, tmp_path):
-    qpath, _ = _make("gptq", base, tmp_path)
+@pytest.mark.parametrize("fmt,tensor,cut,message", [
+    ("gptq", "model.layers.1.mlp.down_proj.qweight", 0,
+     r"gptq 4-bit.*model\.layers\.1\.mlp\.down_proj\.qweight has shape \(15, 64\), expected \(16, 64\)"),
+    ("ct", "model.layers.0.self_attn.k_proj.weight_scale", 1,
+     r"compressed-tensors 4-bit.*k_proj\.weight_scale has shape \(32, 1\), expected \(32, 2\)"),
+    ("awq", "model.layers.0.mlp.up_proj.qzeros", 1,
+     r"awq 4-bit.*up_proj\.qzeros has shape \(2, 15\), expected \(2, 16\)"),
+])
+def test_bad_packed_shape_names_scheme_tensor_and_shapes(base, tmp_path, fmt, tensor, cut, message):
+    qpath, _ = _make(fmt, base, tmp_path)
     f = os.path.join(qpath, "model.safetensors")
     t = load_file(f)
-    t["model.layers.1.mlp.down_proj.qweight"] = t["model.layers.1.mlp.down_proj.qweight"][:-1]
+    t[tensor] = np.ascontiguousarray(t[tensor][:-1] if cut == 0 else t[tensor][:, :-1])
     save_file(t, f, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"gptq 4-bit.*model\.layers\.1\.mlp\.down_proj\.qweight has shape "
-                                         r"\(15, 64\), expected \(16, 64\)"):
+    with pytest.raises(ValueError, match=message):
         _load(qpath)
 
 
