@@ -17,15 +17,15 @@ from tests.model_harness import PagedRunner
 from tests.models.test_model import _load
 from tests.tiny_checkpoints import make_checkpoint
 
-# Relative root-mean-square logit error of the fp8 cache against the float32 one; measured 0.027 on
+# Relative root-mean-square logit error of the fp8 cache against the float32 one; measured 0.019 on
 # this tiny model (its keys and values keep 3 mantissa bits).
 KV_FP8_RTOL = 0.1
 
 
 def test_fp8_cache_logits_close_to_float_cache(tmp_path):
-    cfg, graphdef, state = _load(make_checkpoint("llama", str(tmp_path / "m"), vocab_size=512))
+    cfg, graphdef, state = _load(make_checkpoint("llama", str(tmp_path / "m"), vocab_size=512, num_layers=1))
     toks = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, size=35)]
-    for name in ("reference", "auto"):  # the jnp reference and, on CPU, the CPU path
+    for name in ("reference",):  # the engine test runs the CPU path ("auto") with an fp8 cache
         fp8 = select_attention_backend(name, cfg, jnp.float32, 16, kv_cache_dtype="fp8")
         assert fp8.kv_dtype(jnp.float32) == jnp.float8_e4m3fn
         runner = PagedRunner(graphdef, state, cfg, attention=fp8)

@@ -33,8 +33,8 @@ from tests.model_harness import PagedRunner
 from tests.tiny_checkpoints import make_checkpoint
 
 ATOL = 1e-3
-# Root-mean-square logit error over the logits' root-mean-square; measured on this model: 0.058
-# (fp8 checkpoint against its dequantized weights), 0.093 (fp8 at load time against float32).
+# Root-mean-square logit error over the logits' root-mean-square; measured on this model: 0.042
+# (fp8 checkpoint against its dequantized weights), 0.063 (fp8 at load time against float32).
 FP8_RTOL = 0.15
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 32
@@ -143,7 +143,7 @@ def test_fp8_matmul_close_to_float():
 # -- tiny Llama from hand-made checkpoints --------------------------------------------------------
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    path = make_checkpoint("llama", str(tmp_path_factory.mktemp("qbase")), vocab_size=512)
+    path = make_checkpoint("llama", str(tmp_path_factory.mktemp("qbase")), vocab_size=512, num_layers=1)
     return path, load_file(os.path.join(path, "model.safetensors"))
 
 
@@ -247,9 +247,9 @@ def _leaf_types(path: str) -> set[type]:
 
 
 @pytest.mark.parametrize("fmt,kw", [
-    ("ct", dict(bits=4, sym=True)), ("ct", dict(bits=4, sym=False)), ("ct", dict(bits=8, sym=True)),
-    ("gptq", dict(bits=4, sym=True)), ("gptq", dict(bits=4, sym=False, act_order=True)), ("awq", dict(sym=False)),
-], ids=["ct-w4a16", "ct-w4a16-asym", "ct-w8a16", "gptq", "gptq-act-order", "awq"])
+    ("ct", dict(bits=4, sym=True)), ("ct", dict(bits=4, sym=False)), ("gptq", dict(bits=8, sym=True)),
+    ("gptq", dict(bits=4, sym=False, act_order=True)), ("awq", dict(sym=False)),
+], ids=["ct-w4a16", "ct-w4a16-asym", "gptq-8bit", "gptq-4bit-act-order", "awq"])
 def test_weight_only_checkpoint_matches_dequantized(base, tmp_path, fmt, kw):
     qpath, refpath = _make(fmt, base, tmp_path, **kw)
     assert PackedWeight in _leaf_types(qpath)
@@ -275,8 +275,8 @@ def test_fp8_at_load_time_close_to_float(base):
 
 # -- errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,tensor,cut,message", [
-    ("gptq", "model.layers.1.mlp.down_proj.qweight", 0,
-     r"gptq 4-bit.*model\.layers\.1\.mlp\.down_proj\.qweight has shape \(15, 64\), expected \(16, 64\)"),
+    ("gptq", "model.layers.0.mlp.down_proj.qweight", 0,
+     r"gptq 4-bit.*model\.layers\.0\.mlp\.down_proj\.qweight has shape \(15, 64\), expected \(16, 64\)"),
     ("ct", "model.layers.0.self_attn.k_proj.weight_scale", 1,
      r"compressed-tensors 4-bit.*k_proj\.weight_scale has shape \(32, 1\), expected \(32, 2\)"),
     ("awq", "model.layers.0.mlp.up_proj.qzeros", 1,
