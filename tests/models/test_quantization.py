@@ -140,6 +140,23 @@ def test_fp8_matmul_close_to_float():
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
 
 
+def test_fp8_static_input_scale_and_fused_parts():
+    """A checkpoint's static input_scale quantizes the activations instead of per-token scales; a
+    fused weight takes its parts' largest static scale."""
+    from jaxengine.models.quantization import concat_outputs
+
+    rng = np.random.default_rng(4)
+    q = rng.normal(size=(32, 64)).astype(ml_dtypes.float8_e4m3fn)  # [N, K]
+    scale = np.full(32, 0.01, np.float32)
+    parts = [Fp8Weight(q, scale, np.float32(s), (64, 32), 1, True) for s in (0.02, 0.05)]
+    fused = concat_outputs(parts)
+    assert fused.shape == (64, 64) and float(fused.input_scale) == pytest.approx(0.05)
+    x = rng.normal(size=(3, 64)).astype(np.float32)
+    got = np.asarray(jax.tree.map(jnp.asarray, parts[1]).matmul(jnp.asarray(x)))
+    xq = np.clip(x / 0.05, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * 0.05
+    np.testing.assert_allclose(got, xq @ (q.astype(np.float32) * 0.01).T, rtol=1e-5, atol=1e-5)
+
+
 # -- tiny Llama from hand-made checkpoints --------------------------------------------------------
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
