@@ -366,3 +366,14 @@ def test_gguf_q8_0_kept_as_8_bit_weight_only(tmp_path):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="needs a .gguf checkpoint"):
         resolve_quantization("gguf", {})
+
+
+def test_quantization_scope_checked():
+    from jaxengine.models.quant_formats import check_model
+
+    scheme = resolve_quantization("fp8", {})
+    check_model(scheme, "Qwen2ForCausalLM", 1)
+    with pytest.raises(ValueError, match="supported for Llama, Mistral, Qwen2 and Qwen3 models, not GPT2LMHeadModel"):
+        check_model(scheme, "GPT2LMHeadModel", 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
+        check_model(scheme, "LlamaForCausalLM", 2)
