@@ -10,8 +10,9 @@ model's structure does not change:
 - `PackedWeight`: weight-only 4- or 8-bit integers packed into int32 along the input axis
   (`[K / (32 / bits), N]`, value j of word i is input row i * (32 / bits) + j, lowest bits first),
   per-group scales and unsigned zero points `[K / group, N]`; dequantized inside the compiled step
-  by `weight_only_matmul` (the reference), or on GPU by the Pallas kernel with the same signature
-  (`weight_only_linear` picks per call site).
+  by `weight_only_matmul` (the reference, kept beside the kernel in
+  pallas_kernels/weight_only_matmul_gpu.py), or on GPU by the Pallas kernel with the same
+  signature (`weight_only_linear` picks per call site).
 
 Every checkpoint format (models/quant_formats.py) is converted to these layouts at load time, so
 the forward has one path per kind. K is the flattened input features, N the flattened outputs:
@@ -29,6 +30,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxengine.pallas_kernels import weight_only_matmul_gpu as kernel
+from jaxengine.pallas_kernels.weight_only_matmul_gpu import dequantize_packed, unpack_rows  # noqa: F401
+# the reference path: unpack, dequantize in float32, float matmul (it lives beside the kernel)
+from jaxengine.pallas_kernels.weight_only_matmul_gpu import weight_only_matmul_reference as weight_only_matmul
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8 = jnp.float8_e4m3fn
@@ -138,47 +144,13 @@ def fp8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: 
     return (y * xs * scale[None, :]).astype(x.dtype)
 
 
-def unpack_rows(packed: jax.Array, bits: int) -> jax.Array:
-    """[K / (32 / bits), N] int32 -> [K, N] int32 unsigned values (lowest bits = first row)."""
-    per = 32 // bits
-    shifts = (jnp.arange(per, dtype=jnp.int32) * bits)[None, :, None]
-    vals = (packed[:, None, :] >> shifts) & ((1 << bits) - 1)  # the mask drops the sign extension
-    return vals.reshape(packed.shape[0] * per, packed.shape[1])
-
-
-def dequantize_packed(packed: jax.Array, scales: jax.Array, zeros: jax.Array, bits: int, group_size: int,
-                      dtype: jnp.dtype) -> jax.Array:
-    """The weight [K, N] in `dtype`: (value - zero) * scale, groups of `group_size` rows."""
-    vals = unpack_rows(packed, bits)
-    k, n = vals.shape
-    g = k // group_size
-    w = (vals.reshape(g, group_size, n).astype(jnp.float32) - zeros.astype(jnp.float32)[:, None, :]) \
-        * scales.astype(jnp.float32)[:, None, :]
-    return w.reshape(k, n).astype(dtype)
-
-
-def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
-                       bits: int, group_size: int) -> jax.Array:
-    """x [T, K] @ dequant(packed [K / (32 / bits), N]) -> [T, N] in x's dtype.
-
-    Reference path: unpack with shifts and masks, subtract the zero points and multiply by the
-    group scales in float32, cast to x's dtype and run a plain matmul accumulating in float32.
-    A fused GPU kernel takes this exact signature (contiguous groups along K, x already permuted
-    for act-order)."""
-    w = dequantize_packed(packed, scales, zeros, bits, group_size, x.dtype)
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
 def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
                        bits: int, group_size: int) -> jax.Array:
     """One call site's weight-only matmul: on GPU the Pallas kernel
     (pallas_kernels/weight_only_matmul_gpu.py) where it takes the shape (K and the group size
     multiples of 128, N of 128), else `weight_only_matmul`."""
-    if jax.default_backend() == "gpu":
-        from jaxengine.pallas_kernels import weight_only_matmul_gpu as kernel
-
-        if kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
-            return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size)
+    if jax.default_backend() == "gpu" and kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
+        return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size)
     return weight_only_matmul(x, packed, scales, zeros, bits, group_size)
 
 

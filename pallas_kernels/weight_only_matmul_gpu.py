@@ -1,7 +1,7 @@
 """Weight-only quantized matmul on GPU: one Triton-lowered Pallas kernel that dequantizes the
 packed weight tile by tile inside the matmul, so the weight is read from memory packed.
 
-Same contract as `weight_only_matmul_reference` (models/quantization.weight_only_matmul):
+Same contract as `weight_only_matmul_reference` (below; the model's reference path):
 x [T, K] (bf16 / f16 / f32) times the weight held as `packed` [K / per, N] int32 (per = 32 / bits
 values per word, packed along K, value j of word i is input row i * per + j), `scales` [G, N] and
 unsigned `zeros` [G, N] uint8 in groups of `group_size` rows: weight = (value - zero) * scale.
@@ -24,10 +24,39 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxengine.models.quantization import weight_only_matmul as weight_only_matmul_reference
-
 BLOCK_K = 128  # rows of K per step; group sizes must be multiples of it
 _pl_dot = getattr(plgpu, "dot", None) or pl.dot
+
+
+def unpack_rows(packed: jax.Array, bits: int) -> jax.Array:
+    """[K / (32 / bits), N] int32 -> [K, N] int32 unsigned values (lowest bits = first row)."""
+    per = 32 // bits
+    shifts = (jnp.arange(per, dtype=jnp.int32) * bits)[None, :, None]
+    vals = (packed[:, None, :] >> shifts) & ((1 << bits) - 1)  # the mask drops the sign extension
+    return vals.reshape(packed.shape[0] * per, packed.shape[1])
+
+
+def dequantize_packed(packed: jax.Array, scales: jax.Array, zeros: jax.Array, bits: int, group_size: int,
+                      dtype: jnp.dtype) -> jax.Array:
+    """The weight [K, N] in `dtype`: (value - zero) * scale, groups of `group_size` rows."""
+    vals = unpack_rows(packed, bits)
+    k, n = vals.shape
+    g = k // group_size
+    w = (vals.reshape(g, group_size, n).astype(jnp.float32) - zeros.astype(jnp.float32)[:, None, :]) \
+        * scales.astype(jnp.float32)[:, None, :]
+    return w.reshape(k, n).astype(dtype)
+
+
+def weight_only_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
+                       bits: int, group_size: int) -> jax.Array:
+    """x [T, K] @ dequant(packed [K / (32 / bits), N]) -> [T, N] in x's dtype.
+
+    Reference path: unpack with shifts and masks, subtract the zero points and multiply by the
+    group scales in float32, cast to x's dtype and run a plain matmul accumulating in float32.
+    A fused GPU kernel takes this exact signature (contiguous groups along K, x already permuted
+    for act-order)."""
+    w = dequantize_packed(packed, scales, zeros, bits, group_size, x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def supported(t: int, k: int, n: int, bits: int, group_size: int, block_n: int = 128) -> bool:
@@ -104,4 +133,4 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     return out[:t]
 
 
-__all__ = ["weight_only_matmul", "weight_only_matmul_reference", "supported"]
+__all__ = ["dequantize_packed", "supported", "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference"]
