@@ -6,7 +6,8 @@ x [T, K] (bf16 / f16 / f32) times the weight held as `packed` [K / per, N] int32
 values per word, packed along K, value j of word i is input row i * per + j), `scales` [G, N] and
 unsigned `zeros` [G, N] uint8 in groups of `group_size` rows: weight = (value - zero) * scale.
 
-Grid (T / block_m, N / block_n). A program walks K in blocks of 128 rows (inside one group): it
+Grid (T / block_m, N / block_n, K splits). A program walks its share of K in blocks of 128 rows
+(inside one group), and the splits' float32 partial sums are added after the call: it
 loads the block's 128 / per packed rows of its columns once and, for each of the `per` values of
 a word, dequantizes a [128 / per, block_n] slice and multiplies it with the matching columns of x.
 Those columns are rows i * per + j of the block, a strided set; the wrapper permutes x's columns
@@ -25,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 BLOCK_K = 128  # rows of K per step; group sizes must be multiples of it
+TARGET_PROGRAMS = 264  # about two programs per SM of an H100 (132 SMs)
 _pl_dot = getattr(plgpu, "dot", None) or pl.dot
 
 
@@ -73,11 +75,13 @@ def _permute_columns(x: jax.Array, per: int) -> jax.Array:
     return x.reshape(t, k // BLOCK_K, BLOCK_K // per, per).swapaxes(2, 3).reshape(t, k)
 
 
-def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, k: int):
+def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int):
+    """One (row tile, column tile, K split): `steps` blocks of 128 rows from split * steps on."""
     per = 32 // bits
     rows = BLOCK_K // per
     mask = (1 << bits) - 1
-    block_m, block_n = o_ref.shape
+    _, block_m, block_n = o_ref.shape
+    first = pl.program_id(2) * steps
 
     def body(kb, acc):
         words = p_ref[pl.ds(kb * rows, rows), :]  # [rows, block_n] int32
@@ -92,17 +96,27 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, k:
             acc += _pl_dot(xj, w, precision=prec)
         return acc
 
-    acc = lax.fori_loop(0, k // BLOCK_K, body, jnp.zeros((block_m, block_n), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    acc = lax.fori_loop(first, first + steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    o_ref[...] = acc[None]
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n", "num_warps",
+def pick_splits(programs: int, k_steps: int, target_programs: int = TARGET_PROGRAMS) -> int:
+    """K splits so that programs x splits reaches about `target_programs`: the largest divisor of
+    the K steps not above target / programs (at least 1)."""
+    want = max(1, -(-target_programs // programs))
+    return max(d for d in range(1, min(want, k_steps) + 1) if k_steps % d == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n", "splits", "num_warps",
                                              "num_stages", "interpret"))
 def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, bits: int,
-                       group_size: int, block_m: int = 16, block_n: int = 128, num_warps: int = 4,
-                       num_stages: int = 2, interpret: bool = False) -> jax.Array:
+                       group_size: int, block_m: int = 16, block_n: int = 128, splits: int | None = None,
+                       num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """x [T, K] @ dequant(packed) -> [T, N] in x's dtype; shapes as in the module docstring.
-    T is padded to a multiple of `block_m` (at least 16, Triton's smallest dot)."""
+    T is padded to a multiple of `block_m` (at least 16, Triton's smallest dot). `splits`: K is
+    split over that many programs per output tile (default `pick_splits`: a narrow output at a
+    small batch, o_proj or down_proj in decode, would otherwise occupy a fraction of the SMs);
+    their float32 partial sums are added after the kernel."""
     t, k = x.shape
     n = packed.shape[1]
     per = 32 // bits
@@ -116,21 +130,25 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     tp = -(-t // block_m) * block_m
     xp = _permute_columns(jnp.pad(x, ((0, tp - t), (0, 0))), per)
     g = k // group_size
+    k_steps = k // BLOCK_K
+    splits = splits or pick_splits((tp // block_m) * (n // block_n), k_steps)
+    if k_steps % splits:
+        raise ValueError(f"weight_only_matmul kernel: {splits} splits do not divide {k_steps} steps of {BLOCK_K} rows")
     kwargs = {}
     if not interpret:
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    out = pl.pallas_call(
-        functools.partial(_kernel, bits=bits, group_size=group_size, k=k),
-        grid=(tp // block_m, n // block_n),
-        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
-                  pl.BlockSpec((k // per, block_n), lambda i, j: (0, j)),
-                  pl.BlockSpec((g, block_n), lambda i, j: (0, j)),
-                  pl.BlockSpec((g, block_n), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((tp, n), x.dtype),
+    sums = pl.pallas_call(
+        functools.partial(_kernel, bits=bits, group_size=group_size, steps=k_steps // splits),
+        grid=(tp // block_m, n // block_n, splits),
+        in_specs=[pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
+                  pl.BlockSpec((k // per, block_n), lambda i, j, s: (0, j)),
+                  pl.BlockSpec((g, block_n), lambda i, j, s: (0, j)),
+                  pl.BlockSpec((g, block_n), lambda i, j, s: (0, j))],
+        out_specs=pl.BlockSpec((1, block_m, block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, tp, n), jnp.float32),
         interpret=interpret, name="weight_only_matmul", **kwargs,
     )(xp, packed, scales, zeros)
-    return out[:t]
+    return sums.sum(0)[:t].astype(x.dtype)
 
 
-__all__ = ["dequantize_packed", "supported", "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference"]
+__all__ = ["dequantize_packed", "pick_splits", "supported", "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference"]

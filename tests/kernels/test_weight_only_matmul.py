@@ -1,5 +1,6 @@
 """The weight-only matmul kernel (Pallas, Triton lowering) in interpret mode against the jnp
-reference: 4- and 8-bit, group 128 and per channel, ragged row counts, fresh random inputs."""
+reference: 4- and 8-bit, groups of 128 and 256, ragged row counts, K split or not, fresh random
+inputs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxengine.pallas_kernels.weight_only_matmul_gpu import supported, weight_only_matmul, weight_only_matmul_reference
+from jaxengine.pallas_kernels.weight_only_matmul_gpu import (pick_splits, supported, weight_only_matmul,
+                                                             weight_only_matmul_reference)
 
 
 def _inputs(t: int, k: int, n: int, bits: int, group: int, seed: int, dtype):
@@ -21,13 +23,13 @@ def _inputs(t: int, k: int, n: int, bits: int, group: int, seed: int, dtype):
     return (jnp.asarray(x, dtype), jnp.asarray(packed), jnp.asarray(scales, dtype), jnp.asarray(zeros))
 
 
-@pytest.mark.parametrize("t,k,n,bits,group", [
-    (1, 256, 128, 4, 128), (5, 256, 256, 4, 256), (17, 384, 128, 8, 128),
+@pytest.mark.parametrize("t,k,n,bits,group,splits", [
+    (1, 256, 128, 4, 128, 1), (5, 512, 256, 4, 256, 4), (17, 384, 128, 8, 128, None),
 ])
-def test_kernel_matches_reference_float32(t, k, n, bits, group):
+def test_kernel_matches_reference_float32(t, k, n, bits, group, splits):
     x, packed, scales, zeros = _inputs(t, k, n, bits, group, seed=t + k + bits, dtype=jnp.float32)
     want = weight_only_matmul_reference(x, packed, scales, zeros, bits, group)
-    got = weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group, interpret=True)
+    got = weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group, splits=splits, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
 
 
@@ -36,6 +38,11 @@ def test_kernel_bfloat16_close_to_reference():
     want = weight_only_matmul_reference(x, packed, scales, zeros, 4, 128).astype(jnp.float32)
     got = weight_only_matmul(x, packed, scales, zeros, bits=4, group_size=128, interpret=True).astype(jnp.float32)
     assert float(jnp.max(jnp.abs(got - want))) <= 0.02 * float(jnp.max(jnp.abs(want)))
+
+
+def test_splits_fill_the_gpu():
+    assert pick_splits(32, 112) == 8  # Llama-3-8B down_proj at batch 1: 32 column tiles, 112 K steps
+    assert pick_splits(224, 32) == 2 and pick_splits(300, 32) == 1 and pick_splits(1, 3) == 3
 
 
 def test_unsupported_shapes_refused():
