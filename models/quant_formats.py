@@ -194,6 +194,9 @@ def gguf_q8_0_linears(ckpt) -> set[str]:
     return q8
 
 
+_KV_SCALES = re.compile(r"\.(k_scale|v_scale|q_scale|prob_scale|kv_scale)$|_proj\.output_scale$")
+
+
 # Each format's tensors of one linear layer (the first marks a quantized layer), by "fp8" or method.
 _FIELDS = {
     "fp8": ("weight_scale", "weight", "input_scale"),
@@ -234,6 +237,13 @@ class QuantizedCheckpoint:
             if m and m.group(3) == marker:
                 self._quantized[m.group(1) + ".weight"] = m.group(1)
                 hidden |= {f"{m.group(1)}.{f}" for f in fields} & present
+                bias = m.group(1) + ".bias"
+                if bias in present and not np.any(np.asarray(ckpt.get_tensor(bias))):
+                    hidden.add(bias)  # GPTQ exporters store zero biases for layers that have none
+        scales = sorted(n for n in present - hidden if _KV_SCALES.search(n))
+        if scales:  # the KV cache runs at scale 1.0 (kv_cache_dtype); these are not read
+            logger.warning("%s: ignoring %d KV-cache / output scale tensors (e.g. %s)", self.path, len(scales), scales[0])
+        hidden |= set(scales)
         self._names = [n for n in names if n not in hidden] + list(self._quantized)
         if not self._quantized:
             raise ValueError(f"checkpoint {self.path} says {scheme.label} but holds no quantized linear layers "

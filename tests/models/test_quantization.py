@@ -196,6 +196,8 @@ def _make(fmt: str, base, tmp_path, **kw) -> tuple[str, str]:
             scale = np.abs(w).max(1, keepdims=True) / 448.0
             q = (w / scale).astype(ml_dtypes.float8_e4m3fn)
             quant[prefix + ".weight"], quant[prefix + ".weight_scale"] = q, scale.astype(np.float32)
+            if name.endswith("k_proj.weight"):  # a KV-cache scale, not read (the cache runs at scale 1.0)
+                quant[prefix.replace("k_proj", "k_scale")] = np.ones((), np.float32)
             deq[name] = q.astype(np.float32) * scale
             continue
         g_idx = None
@@ -212,6 +214,7 @@ def _make(fmt: str, base, tmp_path, **kw) -> tuple[str, str]:
             deq[name] = ((vals - zeros[:, np.arange(inp) // GROUP]) *
                          scales.astype(np.float16).astype(np.float32)[:, np.arange(inp) // GROUP]).astype(np.float32)
         elif fmt == "gptq":
+            quant[prefix + ".bias"] = np.zeros(out, np.float32)  # as GPTQ exporters write for bias-free layers
             quant[prefix + ".qweight"] = ref_pack(vals.T, bits, 0)
             quant[prefix + ".qzeros"] = ref_pack(zeros.T - 1, bits, 1)  # GPTQ's stored zero - 1
             quant[prefix + ".scales"] = scales.T.astype(np.float32)
