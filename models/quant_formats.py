@@ -316,8 +316,8 @@ class QuantizedCheckpoint:
         else:
             zp = self._read(prefix + ".weight_zero_point", [(self._per(out, prefix), g)], (np.dtype(np.int32),))
             zeros = unpack_rows_np(zp, bits).T.copy()  # [G, N], stored with the same offset
-        g_idx = self._read(prefix + ".weight_g_idx", [(inp,)], optional=True) if self.scheme.act_order else None
-        return packed_from_groups(vals, scale.T.astype(np.float32), zeros, bits, group, g_idx)
+        g_idx = self._read(prefix + ".weight_g_idx", [(inp,)], optional=True)
+        return self._checked(prefix, packed_from_groups(vals, scale.T.astype(np.float32), zeros, bits, group, g_idx))
 
     def _gptq(self, prefix: str, out: int, inp: int) -> PackedWeight:
         bits = self.scheme.bits
@@ -330,8 +330,16 @@ class QuantizedCheckpoint:
         if zeros.max() >= 1 << bits:
             raise ValueError(f"{self.scheme.label}: {prefix}.qzeros holds zero points above {(1 << bits) - 1} "
                              "after adding 1 (a gptq_v2 checkpoint? set checkpoint_format)")
-        return packed_from_groups(unpack_rows_np(qweight, bits), scales.astype(np.float32), zeros.astype(np.uint8),
-                                  bits, group, g_idx if self.scheme.act_order else None)
+        return self._checked(prefix, packed_from_groups(unpack_rows_np(qweight, bits), scales.astype(np.float32),
+                                                        zeros.astype(np.uint8), bits, group, g_idx))
+
+    def _checked(self, prefix: str, w: PackedWeight) -> PackedWeight:
+        """An act-order g_idx in a checkpoint whose config does not declare act-order (desc_act,
+        actorder): the model was built with fused projections that cannot hold it."""
+        if w.act_order and not self.scheme.act_order:
+            raise ValueError(f"{self.scheme.label}: {prefix} has an act-order g_idx but quantization_config does "
+                             "not declare act-order (desc_act / actorder)")
+        return w
 
     def _gguf_q8_0(self, prefix: str, out: int, inp: int) -> PackedWeight:
         name = prefix + ".weight"
