@@ -424,8 +424,9 @@ def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
     eng = llm.llm_engine
     wbytes = weight_bytes(llm)
     read_bytes = decode_weight_bytes(llm)  # the input embedding table is gathered, not read
-    kv_tok = kv_bytes_per_block(eng.model_config, eng.config.block_size, eng.runner.dtype,
-                                     eng.runner.attention.kv_head_dim(eng.model_config.head_dim)) / eng.config.block_size
+    kv_tok = kv_bytes_per_block(eng.model_config, eng.config.block_size,
+                                eng.runner.attention.kv_dtype(eng.runner.dtype),
+                                eng.runner.attention.kv_head_dim(eng.model_config.head_dim)) / eng.config.block_size
     res["llama"] = r8 = {"model": spec.label, "startup_s": time.perf_counter() - t0, "compile_s": eng.runner.compile_seconds,
                          "num_kv_blocks": eng.config.num_kv_blocks, "block_size": eng.config.block_size,
                          "attention_impl": eng.runner.attention_impl, "token_buckets": list(eng.runner.token_buckets),

@@ -74,7 +74,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
     eng = llm.llm_engine
     wbytes = weight_bytes(llm)
     read_bytes = decode_weight_bytes(llm)  # the input embedding table is gathered, not read
-    kv_per_token = kv_bytes_per_block(eng.model_config, eng.config.block_size, eng.runner.dtype,
+    kv_per_token = kv_bytes_per_block(eng.model_config, eng.config.block_size,
+                                     eng.runner.attention.kv_dtype(eng.runner.dtype),
                                      eng.runner.attention.kv_head_dim(eng.model_config.head_dim)) / eng.config.block_size
     rows = []
     for bs, il, ol in itertools.product(args.batch_size, args.input_len, args.output_len):

@@ -7,7 +7,8 @@ import dataclasses
 import types
 import typing
 
-from jaxengine.config import ATTENTION_BACKENDS, DTYPE_ALIASES, DTYPES, LOAD_FORMATS, RUNNERS, EngineConfig
+from jaxengine.config import (ATTENTION_BACKENDS, DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, RUNNERS,
+                              EngineConfig)
 
 _SKIP = {"model"}  # positional / given by each command
 
@@ -48,6 +49,11 @@ _ENGINE_HELP = {
     "max_loras": "LoRA adapters on the device at once (distinct adapters in one step)",
     "max_lora_rank": "largest LoRA rank served (a power of two up to 512); every device slot is this wide",
     "max_cpu_loras": "LoRA adapters kept loaded on the host, >= max-loras (default: max-loras)",
+    "quantization": "quantization method (vLLM's names): fp8 quantizes a float checkpoint's linear weights at load "
+                    "time; compressed-tensors, gptq, awq (and the *_marlin aliases) name a quantized checkpoint's "
+                    "method (default: the checkpoint's quantization_config, if any)",
+    "kv_cache_dtype": "KV cache element type: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, scale 1.0; "
+                      "the jnp reference and CPU attention only)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}, or a '
                           'draft model: {"model": PATH, "num_speculative_tokens": 3}',
@@ -58,6 +64,7 @@ _ENGINE_CHOICES = {
     "dtype": DTYPES + tuple(DTYPE_ALIASES),
     "load_format": LOAD_FORMATS,
     "attention_backend": ATTENTION_BACKENDS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 
 

@@ -77,10 +77,17 @@ class AttentionBackend:
     # power of two, its q/k/v zero-padded on the way in and the output cut back: zero columns add
     # nothing to q.k and their output columns are dropped. None: the model's own head size.
     cache_head_dim: int | None = None
+    # Element type of the KV cache (kv_cache_dtype="fp8": float8_e4m3fn, scale 1.0, written
+    # saturated and read upcast by the jnp attention paths); None: the model's dtype.
+    cache_dtype: jnp.dtype | None = None
 
     def kv_head_dim(self, head_dim: int) -> int:
         """Head size of the KV cache for a model of head size `head_dim`."""
         return self.cache_head_dim or head_dim
+
+    def kv_dtype(self, dtype: jnp.dtype) -> jnp.dtype:
+        """Element type of the KV cache for a model running in `dtype`."""
+        return jnp.dtype(self.cache_dtype) if self.cache_dtype is not None else jnp.dtype(dtype)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
@@ -115,15 +122,28 @@ class AttentionBackend:
 
 
 def select_attention_backend(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: int,
-                             mesh: Mesh | None = None) -> AttentionBackend:
+                             mesh: Mesh | None = None, kv_cache_dtype: str = "auto") -> AttentionBackend:
     """The backend `name` (config.ATTENTION_BACKENDS) runs on this machine for this model.
 
     `model_config`, `dtype` and `block_size` decide whether the Mosaic prefill kernel applies to
     the model at all (its head size, group size, any layer's window or soft cap): where it does
     not, the Triton kernels run every call. `mesh`: the tensor-parallel mesh, or None on one device.
+    `kv_cache_dtype` (config.KV_CACHE_DTYPES): "fp8" keeps the cache in float8_e4m3fn, which only
+    the jnp attention paths read for now: with a Pallas GPU kernel it is refused.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    backend = _select(name, model_config, dtype, block_size, mesh)
+    if kv_cache_dtype == "auto":
+        return backend
+    if backend.fn not in (ragged_paged_attention_reference, ragged_paged_attention_cpu):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the Pallas GPU attention kernels "
+                         f"({backend.description}) yet; use attention_backend='reference', or kv_cache_dtype='auto'")
+    return dataclasses.replace(backend, cache_dtype=jnp.dtype(jnp.float8_e4m3fn))
+
+
+def _select(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: int,
+            mesh: Mesh | None) -> AttentionBackend:
     platform = jax.default_backend()
     if name in ("pallas", "pallas-mosaic") or (name == "auto" and platform == "gpu"):
         kernel = gpu_backend.get_kernel(mosaic_prefill=name in ("auto", "pallas-mosaic"))

@@ -17,6 +17,9 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 RUNNERS = ("auto", "generate", "pooling")
 TASKS = ("auto", "generate", "embed", "classify", "score", "encode", "reward")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas-mosaic", "reference")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8: e4m3 with scale 1.0
+# vLLM's method names (the *_marlin ones are aliases here): models/quant_formats.py
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "gguf")
 
 
 def default_cache_dir() -> str:
@@ -68,6 +71,10 @@ class EngineConfig:
     # Speculative decoding (vLLM's `speculative_config`: a dict, or its JSON text on the command
     # line), normalised to a jaxengine.spec_decode.SpeculativeConfig; None: off.
     speculative_config: object = None
+    # Quantization (vLLM's name and method names): None reads the checkpoint's quantization_config;
+    # "fp8" also quantizes a float checkpoint's linear weights at load time (models/quant_formats.py).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; auto: the model's dtype
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -105,6 +112,11 @@ class EngineConfig:
         from jaxengine.spec_decode import SpeculativeConfig
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 <= self.max_logprobs <= 20:

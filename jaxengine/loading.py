@@ -26,6 +26,7 @@ from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
 from jaxengine.models.presets import PRESETS
+from jaxengine.models.quant_formats import check_model, resolve_quantization
 from jaxengine.sharding import ShardingPlan, make_plan
 
 logger = logging.getLogger(__name__)
@@ -82,14 +83,25 @@ def load_model(config: EngineConfig) -> LoadedModel:
         model_config = plan.model_config(model_config)  # KV heads repeated, projections split
         logger.info("tensor parallel over %d devices (mesh %s)%s", plan.tp, dict(plan.mesh.shape),
                     ", experts split over them" if plan.expert_parallel else "")
+    from jaxengine.models.gguf_reader import GGUFCheckpoint
+
+    quant = resolve_quantization(config.quantization, ckpt.hf_config if ckpt is not None else None,
+                                 dummy=ckpt is None or config.load_format == "dummy",
+                                 gguf=isinstance(ckpt, GGUFCheckpoint))
+    if quant is not None:
+        check_model(quant, model_config.architecture, config.tensor_parallel_size)
+        if quant.act_order:  # each projection has its own input permutation: no fused q/k/v, gate/up
+            model_config = model_config.with_split_projections()
+        logger.info("quantization: %s", quant.label)
     if ckpt is None or config.load_format == "dummy":
         graphdef, state = dummy_params(model_config, dtype, seed=config.seed,
-                                       sharding_of=plan.param_sharding if plan is not None else None)
+                                       sharding_of=plan.param_sharding if plan is not None else None,
+                                       quantization=quant)
     else:
         put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
-        graphdef, state = load_params(ckpt, model_config, dtype, put=put)
+        graphdef, state = load_params(ckpt, model_config, dtype, put=put, quantization=quant)
     attention = select_attention_backend(config.attention_backend, model_config, dtype, config.block_size,
-                                         plan.mesh if plan is not None else None)
+                                         plan.mesh if plan is not None else None, config.kv_cache_dtype)
     spec = config.speculative_config
     draft = load_draft(config, model_config, dtype) if spec is not None and spec.method == "draft_model" else None
     draft_bytes = 0 if draft is None else kv_bytes_per_block(
@@ -183,7 +195,7 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graph
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     # per device: the KV heads are split over the tensor-parallel devices
-    per_block = (kv_bytes_per_block(mc, config.block_size, dtype, attention.kv_head_dim(mc.head_dim))
+    per_block = (kv_bytes_per_block(mc, config.block_size, attention.kv_dtype(dtype), attention.kv_head_dim(mc.head_dim))
                  // config.tensor_parallel_size + draft_bytes_per_block)
     most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
     stats = jax.local_devices()[0].memory_stats() or {}

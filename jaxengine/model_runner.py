@@ -146,7 +146,8 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     r = min(t, config.max_num_seqs)
     c = model_config
     rep = plan.replicated() if plan is not None else None
-    kv = jax.ShapeDtypeStruct((2, c.num_kv_heads, config.block_size, attention.kv_head_dim(c.head_dim)), dtype,
+    kv = jax.ShapeDtypeStruct((2, c.num_kv_heads, config.block_size, attention.kv_head_dim(c.head_dim)),
+                              attention.kv_dtype(dtype),
                               sharding=plan.kv_sharding() if plan is not None else None)
 
     layout = Layout.of(abstract_inputs(t, r, config.max_blocks_per_seq))
@@ -287,7 +288,7 @@ class ModelRunner:
     def _allocate_kv(self) -> list[tuple[jax.Array, jax.Array]]:
         c = self.model_config
         shape = (self.num_blocks, c.num_kv_heads, self.config.block_size, self.attention.kv_head_dim(c.head_dim))
-        make = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.kv_sharding)
+        make = jax.jit(lambda: jnp.zeros(shape, self.attention.kv_dtype(self.dtype)), out_shardings=self.kv_sharding)
         return [(make(), make()) for _ in range(c.num_layers)]
 
     def _compile_forward(self, t: int, lora: bool = False) -> jax.stages.Compiled:

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import RMSNorm, RotaryEmbedding
 from jaxengine.models.lora import LoRALayer
+from jaxengine.models.quantization import QuantizedWeight, is_quantized, qeinsum
 
 if TYPE_CHECKING:
     from jaxengine.attention_backend import AttentionBackend
@@ -67,12 +68,12 @@ def init_qkv(layer: nnx.Module, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rn
 def qkv(layer: nnx.Module, x: jax.Array, lora: LoRALayer | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [T, D] -> q [T, N, H], k [T, K, H], v [T, K, H] (biases added; LoRA deltas with `lora`)."""
     if layer.fused_qkv:
-        fused = jnp.einsum("TD,DJH->TJH", x, layer.qkv_proj[...])  # J = N + 2K
+        fused = qeinsum("TD,DJH->TJH", x, layer.qkv_proj[...])  # J = N + 2K
         q, k, v = jnp.split(fused, layer.qkv_split, axis=1)
     else:
-        q = jnp.einsum("TD,DNH->TNH", x, layer.q_proj[...])
-        k = jnp.einsum("TD,DKH->TKH", x, layer.k_proj[...])
-        v = jnp.einsum("TD,DKH->TKH", x, layer.v_proj[...])
+        q = qeinsum("TD,DNH->TNH", x, layer.q_proj[...])
+        k = qeinsum("TD,DKH->TKH", x, layer.k_proj[...])
+        v = qeinsum("TD,DKH->TKH", x, layer.v_proj[...])
     if layer.use_bias:
         q, k, v = q + layer.q_bias[...], k + layer.k_bias[...], v + layer.v_bias[...]
     if lora is not None:
@@ -81,13 +82,13 @@ def qkv(layer: nnx.Module, x: jax.Array, lora: LoRALayer | None = None) -> tuple
     return q, k, v
 
 
-def out_proj(o: jax.Array, w: jax.Array, lora: LoRALayer | None = None) -> jax.Array:
+def out_proj(o: jax.Array, w: jax.Array | QuantizedWeight, lora: LoRALayer | None = None) -> jax.Array:
     """o [T, N, H] @ o_proj [N, H, D] -> [T, D], as one [T, N*H] @ [N*H, D] matmul on row-major views
     (bitcasts): written as an einsum over (N, H), XLA on CPU transposed the weight and the
-    activations to [H, N, ...] every step. `lora`: the o_proj adapters' delta is added."""
+    activations to [H, N, ...] every step. A quantized o_proj runs its own matmul on the same view. `lora`: the o_proj adapters' delta is added."""
     t_, n, h = o.shape
     flat = o.reshape(t_, n * h)
-    out = flat @ w.reshape(n * h, w.shape[-1])
+    out = w.matmul(flat) if is_quantized(w) else flat @ w.reshape(n * h, w.shape[-1])
     return out if lora is None else out + lora.o(flat)
 
 

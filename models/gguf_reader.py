@@ -120,6 +120,19 @@ class GGUFCheckpoint(Checkpoint):
             # Kept under their GGUF names so the weight loader reports them as unexpected.
             logger.warning("GGUF file %s: tensors with no HF counterpart: %s", self.path, extra)
         self.hf_config = self._build_hf_config()
+        self._log_dequantized_types()
+
+    def _log_dequantized_types(self) -> None:
+        """One line naming the quantized GGUF types that load as float weights: the engine's
+        quantized paths (models/quantization.py) do not read GGUF blocks yet."""
+        counts: dict[str, int] = {}
+        for t in self._reader.tensors:
+            if t.tensor_type.name not in ("F32", "F16", "BF16"):
+                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        if counts:
+            kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(counts.items()))
+            logger.info("GGUF file %s: %s dequantized to float at load, except Q8_0 linear weights with "
+                        "quantization='gguf' (kept as 8-bit weight-only)", self.path, kinds)
 
     # ---- metadata -------------------------------------------------------------------------
 
@@ -261,13 +274,30 @@ class GGUFCheckpoint(Checkpoint):
 
     def get_tensor(self, name: str) -> np.ndarray:
         self._tensor(name)
-        w = self._dequantized(name)  # HF layout, float32
-        if _ARCHITECTURES[self._arch][2] and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
-            key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
-            w = unpermute_rotary(w, self.hf_config[key])
+        w = self._unpermuted(name, self._dequantized(name))  # HF layout, float32
         if self._arch == "gemma3" and name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + weight) norm scales
         return np.ascontiguousarray(w)
+
+    def _unpermuted(self, name: str, w: np.ndarray) -> np.ndarray:
+        """Rows of a llama-architecture q/k projection back in HF's rotary order (any array whose
+        rows are the projection's outputs: weights, Q8_0 values or their block scales)."""
+        if _ARCHITECTURES[self._arch][2] and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
+            w = unpermute_rotary(w, self.hf_config[key])
+        return w
+
+    def q8_0_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """A Q8_0 tensor without dequantizing: (values [out, in] int8, scales [out, in / 32]
+        float32), weight = value * scale per block of 32 inputs, in HF layout and row order."""
+        t = self._tensor(name)
+        if t.tensor_type.name != "Q8_0":
+            raise ValueError(f"GGUF tensor {t.name} is {t.tensor_type.name}, not Q8_0")
+        out, inp = (int(d) for d in reversed(t.shape.tolist()))
+        blocks = np.asarray(t.data, np.uint8).reshape(out, inp // 32, 34)
+        scales = blocks[..., :2].copy().view(np.float16).reshape(out, inp // 32).astype(np.float32)
+        values = blocks[..., 2:].copy().view(np.int8).reshape(out, inp)
+        return self._unpermuted(name, values), self._unpermuted(name, scales)
 
     # ---- tokenizer and generation defaults -------------------------------------------------
 

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxengine.models.config import ModelConfig, RopeScaling
 from jaxengine.models.lora import LoRALayer
+from jaxengine.models.quantization import qeinsum
 
 
 class RMSNorm(nnx.Module):
@@ -168,7 +169,7 @@ class RotaryEmbedding(nnx.Module):
 
 class MLP(nnx.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)); SwiGLU with SiLU (Llama), GeGLU with the
-    tanh GELU (Gemma): cfg.hidden_act."""
+    tanh GELU (Gemma): cfg.hidden_act. The projections may hold quantized weights (qeinsum)."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         """cfg.fused_projections: gate and up as one [D, 2F] parameter (gate columns first), one
@@ -187,15 +188,15 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, lora: LoRALayer | None = None) -> jax.Array:
         """x [T, D] -> [T, D]; `lora`: the gate / up / down adapters' deltas are added."""
         if self.fused:
-            gate, up = jnp.split(jnp.einsum("TD,DF->TF", x, self.gate_up_proj[...]), 2, axis=-1)
+            gate, up = jnp.split(qeinsum("TD,DF->TF", x, self.gate_up_proj[...]), 2, axis=-1)
         else:
-            gate = jnp.einsum("TD,DF->TF", x, self.gate_proj[...])
-            up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
+            gate = qeinsum("TD,DF->TF", x, self.gate_proj[...])
+            up = qeinsum("TD,DF->TF", x, self.up_proj[...])
         if lora is not None:
             dg, du = lora.gate_up(x)
             gate, up = gate + dg, up + du
         h = self.act(gate) * up
-        out = jnp.einsum("TF,FD->TD", h, self.down_proj[...])
+        out = qeinsum("TF,FD->TD", h, self.down_proj[...])
         return out if lora is None else out + lora.down(h)
 
 

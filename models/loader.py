@@ -18,6 +18,8 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.quant_formats import QuantizedCheckpoint, QuantScheme, dummy_quantized, quantize_on_device
+from jaxengine.models.quantization import concat_outputs, is_quantized, with_model_shape
 from jaxengine.models.registry import Family, get_family, get_model_class
 from jaxengine.models.weights import FUSED, Path, Transform, flatten_paths, set_path
 
@@ -112,16 +114,27 @@ def abstract_model(cfg: ModelConfig, dtype: jnp.dtype):
 
 
 def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
-                put: Callable[[Path, np.ndarray], jax.Array] | None = None):
+                put: Callable[[Path, np.ndarray], jax.Array] | None = None,
+                quantization: QuantScheme | None = None):
     """Reads every tensor of `checkpoint` into a new state; returns (graphdef, state).
 
     `put(path, array)` places one parameter on device(s) (default: `jax.device_put`), so a
-    sharded placement can load each tensor straight into its shards.
+    sharded placement can load each tensor straight into its shards. `quantization`: the linear
+    weights are read from the scheme's tensors (a quantized checkpoint) or quantized once placed
+    (fp8 at load time); see models/quant_formats.py.
     """
     graphdef, abs_state = abstract_model(cfg, dtype)
     pure = nnx.to_pure_dict(abs_state)
     expected = flatten_paths(pure)
-    put = put or (lambda path, arr: jax.device_put(arr))
+    plain_put = put or (lambda path, arr: jax.device_put(arr))
+
+    def put(path: Path, arr):
+        if is_quantized(arr):
+            return jax.tree.map(lambda a: plain_put(path, a), arr)
+        return quantize_on_device(path, plain_put(path, arr), quantization)
+
+    if quantization is not None and quantization.from_checkpoint:
+        checkpoint = QuantizedCheckpoint(checkpoint, quantization, cfg)
     unexpected, bad_shapes, seen = [], [], set()
     parts_read: dict[Path, dict[str, tuple[str, np.ndarray]]] = {}  # fused path -> part -> (name, array)
     family = get_family(cfg.architecture)
@@ -138,10 +151,11 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                 continue  # some tied checkpoints still store the head
             unexpected.append(name)
             continue
-        raw = np.asarray(checkpoint.get_tensor(name))
+        raw = checkpoint.get_tensor(name)
+        raw = raw if is_quantized(raw) else np.asarray(raw)
         for path, fn, fused in hits:
             try:
-                arr = fn(raw, cfg)
+                arr = raw if is_quantized(raw) else fn(raw, cfg)  # quantized: flat (K, N), no layout change
             except ValueError:
                 arr = None
             if experts[path] is not None:
@@ -154,10 +168,16 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                 parts_read.setdefault(fused, {})[str(path[-1])] = (name, arr)  # shape checked once whole
                 continue
             want = tuple(expected[fused or path].shape)
-            if arr is None or tuple(arr.shape) != want:
+            if is_quantized(arr):
+                try:
+                    arr = with_model_shape(arr, str(path[-1]), want, dtype)
+                except (KeyError, ValueError) as e:
+                    bad_shapes.append(f"{name}: {e}")
+                    continue
+            elif arr is None or tuple(arr.shape) != want:
                 bad_shapes.append(f"{name}: checkpoint shape {tuple(raw.shape)} does not fit parameter {want}")
                 continue
-            set_path(pure, path, put(path, np.asarray(arr).astype(dtype)))
+            set_path(pure, path, put(path, arr if is_quantized(arr) else np.asarray(arr).astype(dtype)))
             seen.add(path)
     missing_parts = []
     for path in [p for p in expected if str(p[-1]) in FUSED and p not in stacks.targets]:
@@ -170,7 +190,10 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             continue
         want = tuple(expected[path].shape)
         try:
-            arr = np.concatenate([got[p][1] for p in parts], axis)
+            if any(is_quantized(got[p][1]) for p in parts):
+                arr = with_model_shape(concat_outputs([got[p][1] for p in parts]), str(path[-1]), want, dtype)
+            else:
+                arr = np.concatenate([got[p][1] for p in parts], axis)
         except ValueError:
             arr = None
         if arr is None or tuple(arr.shape) != want:
@@ -178,7 +201,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             bad_shapes.append(f"{shapes}: do not fit fused parameter {want}")
             seen.add(path)
             continue
-        set_path(pure, path, put(path, arr.astype(dtype)))
+        set_path(pure, path, put(path, arr if is_quantized(arr) else arr.astype(dtype)))
         seen.add(path)
     for path, arr in stacks.finished.items():
         set_path(pure, path, arr)
@@ -198,19 +221,22 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
 
 
 def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, *, seed: int = 0,
-                 sharding_of: Callable[[tuple], jax.sharding.Sharding] | None = None):
-    """Random weights of the right shapes, made on device (for benchmarks of big shapes).
+                 sharding_of: Callable[[tuple], jax.sharding.Sharding] | None = None,
+                 quantization: QuantScheme | None = None):
+    """Random weights of the right shapes, made on device (for benchmarks of big shapes);
+    `quantization`: linear weights in the scheme's form (models/quant_formats.dummy_quantized).
 
     `sharding_of(path)` places each parameter: it is generated in place, each device computing
     only its shard (the values do not depend on the placement), never whole on one device first,
     which with one process per GPU would have to reach the other processes' devices."""
     graphdef, abs_state = abstract_model(cfg, dtype)
     pure = nnx.to_pure_dict(abs_state)
-    key = jax.random.key(seed)
+    key, qkey = jax.random.key(seed), jax.random.key(seed + 1)
     for i, (path, sds) in enumerate(flatten_paths(pure).items()):
         shape, sharding = tuple(sds.shape), sharding_of(path) if sharding_of is not None else None
         fill = "ones" if path[-1] == "weight" else "normal"  # norms are ones
-        set_path(pure, path, _dummy_fn(shape, jnp.dtype(dtype), fill, sharding)(jax.random.fold_in(key, i)))
+        value = _dummy_fn(shape, jnp.dtype(dtype), fill, sharding)(jax.random.fold_in(key, i))
+        set_path(pure, path, dummy_quantized(path, value, quantization, jax.random.fold_in(qkey, i)))
     nnx.replace_by_pure_dict(abs_state, pure)
     return graphdef, abs_state
 

@@ -47,9 +47,18 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     p = k_cache.shape[2]
     blk = slot_mapping // p
     off = slot_mapping % p
-    k_cache = k_cache.at[blk, :, off].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[blk, :, off].set(v.astype(v_cache.dtype))
+    k_cache = k_cache.at[blk, :, off].set(_to_cache(k, k_cache.dtype))
+    v_cache = v_cache.at[blk, :, off].set(_to_cache(v, v_cache.dtype))
     return k_cache, v_cache
+
+
+def _to_cache(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """x in the cache's dtype; an fp8 cache (scale 1.0) saturates at its largest finite value
+    instead of overflowing to NaN."""
+    if jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)
 
 
 def token_positions(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,

@@ -24,7 +24,8 @@ class PagedRunner:
         shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         dtype = self.model.model.embed_tokens[...].dtype
         attention = attention or select_attention_backend("reference", cfg, dtype, block_size)
-        self.kv = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+        kv_dtype = attention.kv_dtype(dtype)
+        self.kv = [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(cfg.num_layers)]
         self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         self.blocks: dict[int, list[int]] = {}
         self.m = -(-max_len // block_size)

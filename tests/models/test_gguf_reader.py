@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -208,8 +209,9 @@ def test_qwen2_biases_not_permuted_and_qwen3_qk_norm(tmp_path: Path) -> None:
     assert "blk.0.ffn_gate_exps.weight" in ckpt.tensor_names()
 
 
-def test_k_quants_dequantize_to_hf_shapes(tmp_path: Path) -> None:
-    """gguf-py cannot quantize to K-quants, so write random blocks (finite f16 scales)."""
+def test_k_quants_dequantize_to_hf_shapes(tmp_path: Path, caplog, monkeypatch) -> None:
+    """gguf-py cannot quantize to K-quants, so write random blocks (finite f16 scales). Opening
+    the file logs which quantized types load dequantized."""
     rng = np.random.default_rng(3)
     rows, cols = 8, 512
     tensors = {}
@@ -232,7 +234,10 @@ def test_k_quants_dequantize_to_hf_shapes(tmp_path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    ckpt = open_checkpoint(path)
+    monkeypatch.setattr(logging.getLogger("jaxengine"), "propagate", True)  # the package logs to stderr itself
+    with caplog.at_level("INFO", logger="jaxengine.models.gguf_reader"):
+        ckpt = open_checkpoint(path)
+    assert "Q4_K (1 tensors), Q6_K (1 tensors) dequantized to float" in caplog.text
     for hf_name, (raw, qtype) in zip(("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"),
                                      tensors.values()):
         got = ckpt.get_tensor(hf_name)

@@ -1,0 +1,271 @@
+"""Quantized linear weights: the device-side pytrees, their matmuls, and host-side packing.
+
+A linear parameter of the model (attention q/k/v/o, MLP gate/up/down) is either a plain array in
+the model's layout, or one of the two pytrees below, stored under the same `nnx.Param` so the
+model's structure does not change:
+
+- `Fp8Weight`: float8_e4m3fn weights `[N, K]` (output-major, the layout the FP8 GEMM wants) with a
+  float32 scale per output channel; activations are quantized per token (or with a static scale
+  from the checkpoint) and the matmul is an e4m3 x e4m3 `dot_general` accumulating in float32.
+- `PackedWeight`: weight-only 4- or 8-bit integers packed into int32 along the input axis
+  (`[K / (32 / bits), N]`, value j of word i is input row i * (32 / bits) + j, lowest bits first),
+  per-group scales and unsigned zero points `[K / group, N]`; dequantized inside the compiled step
+  by `weight_only_matmul` (the reference, kept beside the kernel in
+  pallas_kernels/weight_only_matmul_gpu.py), or on GPU by the Pallas kernel with the same
+  signature (`weight_only_linear` picks per call site).
+
+Every checkpoint format (models/quant_formats.py) is converted to these layouts at load time, so
+the forward has one path per kind. K is the flattened input features, N the flattened outputs:
+the parameter's model shape (`shape`) is `shape[:in_ndim]` inputs then outputs (o_proj: [N, H] in,
+[D] out), and a fused q/k/v or gate/up weight is the concatenation of its parts along N.
+
+Legend: T tokens, K input features, N output features, G groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.pallas_kernels import weight_only_matmul_gpu as kernel
+from jaxengine.pallas_kernels.weight_only_matmul_gpu import dequantize_packed, unpack_rows  # noqa: F401
+# the reference path: unpack, dequantize in float32, float matmul (it lives beside the kernel)
+from jaxengine.pallas_kernels.weight_only_matmul_gpu import weight_only_matmul_reference as weight_only_matmul
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8 = jnp.float8_e4m3fn
+
+# Linear parameters (by name) and how many leading axes of their model shape are inputs.
+LINEAR_IN_NDIM: dict[str, int] = {
+    "q_proj": 1, "k_proj": 1, "v_proj": 1, "qkv_proj": 1, "o_proj": 2,
+    "gate_proj": 1, "up_proj": 1, "gate_up_proj": 1, "down_proj": 1,
+}
+
+
+def _static(default=dataclasses.MISSING):
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+class _QuantizedBase:
+    """What the model's call sites see: a `shape` like the plain parameter's, and `matmul`."""
+
+    shape: tuple[int, ...]
+    in_ndim: int
+
+    def __getitem__(self, index):
+        # `param[...]` on an nnx.Param holding this pytree returns the pytree itself.
+        if index is not Ellipsis:
+            raise TypeError(f"{type(self).__name__} supports only [...] indexing")
+        return self
+
+    @property
+    def in_features(self) -> int:
+        return math.prod(self.shape[:self.in_ndim])
+
+    @property
+    def out_features(self) -> int:
+        return math.prod(self.shape[self.in_ndim:])
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight(_QuantizedBase):
+    qweight: jax.Array  # [N, K] float8_e4m3fn
+    scale: jax.Array  # [N] float32: weight = qweight * scale
+    input_scale: jax.Array  # [] float32: the checkpoint's static activation scale (1.0 when dynamic)
+    shape: tuple[int, ...] = _static()  # the plain parameter's model shape
+    in_ndim: int = _static(1)
+    static_input: bool = _static(False)  # True: activations use input_scale, else per-token absmax
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        """x [T, K] -> [T, N] in x's dtype."""
+        return fp8_matmul(x, self.qweight, self.scale, self.input_scale if self.static_input else None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight(_QuantizedBase):
+    packed: jax.Array  # [K / (32 / bits), N] int32
+    scales: jax.Array  # [G, N] in the activations' dtype
+    zeros: jax.Array  # [G, N] uint8 unsigned zero points: weight = (value - zero) * scale
+    perm: jax.Array  # [K] int32: input rows sorted by group (act-order); arange(K) otherwise
+    shape: tuple[int, ...] = _static()
+    in_ndim: int = _static(1)
+    bits: int = _static(4)
+    group_size: int = _static(128)
+    act_order: bool = _static(False)  # True: x's columns are gathered by `perm` first
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        """x [T, K] -> [T, N] in x's dtype."""
+        if self.act_order:
+            x = jnp.take(x, self.perm, axis=1)
+        return weight_only_linear(x, self.packed, self.scales, self.zeros, self.bits, self.group_size)
+
+
+QuantizedWeight = Fp8Weight | PackedWeight
+
+
+def is_quantized(w: object) -> bool:
+    return isinstance(w, _QuantizedBase)
+
+
+# -- the forward's entry points -----------------------------------------------------------------
+def qeinsum(spec: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` for a plain weight; for a quantized one, the same contraction
+    (x [T, K...] against the weight's input axes) through its matmul, reshaped to [T, outputs]."""
+    if not is_quantized(w):
+        return jnp.einsum(spec, x, w)
+    t = x.shape[0]
+    y = w.matmul(x.reshape(t, w.in_features))
+    return y.reshape((t,) + tuple(w.shape[w.in_ndim:]))
+
+
+def fp8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: jax.Array | None) -> jax.Array:
+    """x [T, K] (any float) @ dequant(qweight [N, K] e4m3, scale [N]).T -> [T, N] in x's dtype.
+
+    Activations are quantized to e4m3 per row (absmax / 448), or with the static `input_scale`;
+    the product of two e4m3 operands accumulates in float32 (on Hopper XLA emits cuBLASLt's FP8
+    GEMM; on CPU it converts the operands and runs a float32 dot), then both scales are applied.
+    """
+    xf = x.astype(jnp.float32)
+    if input_scale is None:
+        xs = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True) / FP8_MAX, 1e-12)  # [T, 1]
+    else:
+        xs = jnp.broadcast_to(input_scale.astype(jnp.float32), (1, 1))
+    xq = jnp.clip(xf / xs, -FP8_MAX, FP8_MAX).astype(FP8)
+    y = jax.lax.dot_general(xq, qweight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * xs * scale[None, :]).astype(x.dtype)
+
+
+def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
+                       bits: int, group_size: int) -> jax.Array:
+    """One call site's weight-only matmul: on GPU the Pallas kernel
+    (pallas_kernels/weight_only_matmul_gpu.py) where it takes the shape (K and the group size
+    multiples of 128, N of 128), else `weight_only_matmul`."""
+    if jax.default_backend() == "gpu" and kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
+        return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size)
+    return weight_only_matmul(x, packed, scales, zeros, bits, group_size)
+
+
+# -- building weights ---------------------------------------------------------------------------
+def quantize_fp8(w: jax.Array | np.ndarray, in_ndim: int) -> Fp8Weight:
+    """A plain weight in the model's layout (inputs first) -> Fp8Weight with per-output-channel
+    scales (absmax / 448). Runs on device for jax arrays, on the host for numpy arrays."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    shape = tuple(w.shape)
+    k = math.prod(shape[:in_ndim])
+    w2 = xp.asarray(w, dtype=xp.float32).reshape(k, -1).T  # [N, K]
+    scale = xp.maximum(xp.max(xp.abs(w2), axis=1) / FP8_MAX, 1e-12)
+    q = xp.clip(w2 / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8)
+    return Fp8Weight(q, scale.astype(xp.float32), xp.ones((), xp.float32), shape, in_ndim, False)
+
+
+def with_model_shape(w: QuantizedWeight, name: str, shape: tuple[int, ...], dtype: jnp.dtype) -> QuantizedWeight:
+    """A host-side quantized weight (K and N flat) given the parameter's model shape; ValueError
+    when the sizes disagree. Scales of packed weights take the activations' dtype."""
+    in_ndim = LINEAR_IN_NDIM[name]
+    k, n = math.prod(shape[:in_ndim]), math.prod(shape[in_ndim:])
+    if (w.in_features, w.out_features) != (k, n):
+        raise ValueError(f"quantized {name}: {w.out_features} outputs x {w.in_features} inputs do not fit "
+                         f"parameter {tuple(shape)}")
+    if isinstance(w, PackedWeight):
+        w = dataclasses.replace(w, scales=np.asarray(w.scales).astype(dtype))
+    return dataclasses.replace(w, shape=tuple(shape), in_ndim=in_ndim)
+
+
+def concat_outputs(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Fused q/k/v or gate/up: the parts (host side, flat K x N) concatenated along N."""
+    first = parts[0]
+    if any(type(p) is not type(first) for p in parts):
+        raise ValueError("fused projection parts are quantized differently")
+    k = first.in_features
+    n = sum(p.out_features for p in parts)
+    if isinstance(first, Fp8Weight):
+        if len({p.static_input for p in parts}) > 1:
+            raise ValueError("fused projection parts mix static and dynamic activation scales")
+        # One static activation scale for the fused matmul: the largest part's (vLLM does the same).
+        return Fp8Weight(np.concatenate([p.qweight for p in parts], 0), np.concatenate([p.scale for p in parts]),
+                         np.max(np.stack([np.asarray(p.input_scale) for p in parts])).astype(np.float32),
+                         (k, n), 1, first.static_input)
+    if len({(p.bits, p.group_size, p.act_order) for p in parts}) > 1:
+        raise ValueError("fused projection parts use different bits, group sizes or act-order")
+    if first.act_order and any(not np.array_equal(p.perm, first.perm) for p in parts[1:]):
+        raise ValueError("fused projection parts have different act-order permutations")
+    cat = lambda f: np.concatenate([getattr(p, f) for p in parts], 1)  # noqa: E731
+    return PackedWeight(cat("packed"), cat("scales"), cat("zeros"), first.perm, (k, n), 1,
+                        first.bits, first.group_size, first.act_order)
+
+
+# -- host-side packing (numpy; used by the checkpoint converters and the tests) ----------------
+def pack_rows(vals: np.ndarray, bits: int) -> np.ndarray:
+    """[K, N] unsigned values < 2**bits -> [K / (32 / bits), N] int32, packed along K."""
+    per = 32 // bits
+    k, n = vals.shape
+    if k % per:
+        raise ValueError(f"{k} rows do not pack into int32 words of {per} {bits}-bit values")
+    v = vals.astype(np.uint32).reshape(k // per, per, n)
+    out = np.zeros((k // per, n), np.uint32)
+    for j in range(per):
+        out |= v[:, j, :] << np.uint32(bits * j)
+    return out.view(np.int32)
+
+
+def unpack_rows_np(packed: np.ndarray, bits: int) -> np.ndarray:
+    """numpy twin of `unpack_rows`: [K / per, N] int32 -> [K, N] uint8 (bits <= 8)."""
+    per = 32 // bits
+    p = packed.view(np.uint32)
+    vals = np.stack([(p >> np.uint32(bits * j)) & np.uint32((1 << bits) - 1) for j in range(per)], 1)
+    return vals.reshape(p.shape[0] * per, p.shape[1]).astype(np.uint8)
+
+
+def pack_cols(vals: np.ndarray, bits: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """[R, C] unsigned values -> [R, C / per] int32 packed along the columns; value j of a word
+    holds column `order[j]` of its run of `per` columns (default: j)."""
+    return pack_rows(_reorder_cols(vals, 32 // bits, order).T, bits).T.copy()
+
+
+def unpack_cols(packed: np.ndarray, bits: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """Inverse of `pack_cols`: [R, C / per] int32 -> [R, C] uint8."""
+    per = 32 // bits
+    vals = unpack_rows_np(np.ascontiguousarray(packed.T), bits).T  # word-position order
+    if order is None:
+        return np.ascontiguousarray(vals)
+    r, c = vals.shape
+    out = np.empty_like(vals).reshape(r, c // per, per)
+    out[:, :, list(order)] = vals.reshape(r, c // per, per)
+    return out.reshape(r, c)
+
+
+def _reorder_cols(vals: np.ndarray, per: int, order: tuple[int, ...] | None) -> np.ndarray:
+    if order is None:
+        return vals
+    r, c = vals.shape
+    return vals.reshape(r, c // per, per)[:, :, list(order)].reshape(r, c)
+
+
+def packed_from_groups(vals: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int, group_size: int,
+                       g_idx: np.ndarray | None = None) -> PackedWeight:
+    """Host PackedWeight (flat K x N) from unsigned values [K, N], per-group scales and zero points
+    [G, N], and optionally each input row's group `g_idx` [K] (act-order): rows are then sorted
+    by group so groups are contiguous, and the permutation is kept to gather x's columns."""
+    k, n = vals.shape
+    g = scales.shape[0]
+    perm = np.arange(k, dtype=np.int32)
+    act_order = False
+    if g_idx is not None:
+        g_idx = np.asarray(g_idx).astype(np.int64)
+        if not np.array_equal(g_idx, np.arange(k) // group_size):
+            if g_idx.min() < 0 or g_idx.max() >= g or np.any(np.bincount(g_idx, minlength=g) != group_size):
+                raise ValueError(f"g_idx does not assign {group_size} input rows to each of {g} groups")
+            perm = np.argsort(g_idx, kind="stable").astype(np.int32)
+            vals = vals[perm]
+            act_order = True
+    return PackedWeight(pack_rows(vals, bits), np.asarray(scales, np.float32), np.asarray(zeros).astype(np.uint8),
+                        perm, (k, n), 1, bits, group_size, act_order)

@@ -1,0 +1,154 @@
+"""Weight-only quantized matmul on GPU: one Triton-lowered Pallas kernel that dequantizes the
+packed weight tile by tile inside the matmul, so the weight is read from memory packed.
+
+Same contract as `weight_only_matmul_reference` (below; the model's reference path):
+x [T, K] (bf16 / f16 / f32) times the weight held as `packed` [K / per, N] int32 (per = 32 / bits
+values per word, packed along K, value j of word i is input row i * per + j), `scales` [G, N] and
+unsigned `zeros` [G, N] uint8 in groups of `group_size` rows: weight = (value - zero) * scale.
+
+Grid (T / block_m, N / block_n, K splits). A program walks its share of K in blocks of 128 rows
+(inside one group), and the splits' float32 partial sums are added after the call: it
+loads the block's 128 / per packed rows of its columns once and, for each of the `per` values of
+a word, dequantizes a [128 / per, block_n] slice and multiplies it with the matching columns of x.
+Those columns are rows i * per + j of the block, a strided set; the wrapper permutes x's columns
+once per call (a small XLA transpose of the activations) so that each of them is a contiguous
+slice: within every 128-row block, column j * (128 / per) + i of the permuted x is row i * per + j.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+BLOCK_K = 128  # rows of K per step; group sizes must be multiples of it
+TARGET_PROGRAMS = 264  # about two programs per SM of an H100 (132 SMs)
+_pl_dot = getattr(plgpu, "dot", None) or pl.dot
+
+
+def unpack_rows(packed: jax.Array, bits: int) -> jax.Array:
+    """[K / (32 / bits), N] int32 -> [K, N] int32 unsigned values (lowest bits = first row)."""
+    per = 32 // bits
+    shifts = (jnp.arange(per, dtype=jnp.int32) * bits)[None, :, None]
+    vals = (packed[:, None, :] >> shifts) & ((1 << bits) - 1)  # the mask drops the sign extension
+    return vals.reshape(packed.shape[0] * per, packed.shape[1])
+
+
+def dequantize_packed(packed: jax.Array, scales: jax.Array, zeros: jax.Array, bits: int, group_size: int,
+                      dtype: jnp.dtype) -> jax.Array:
+    """The weight [K, N] in `dtype`: (value - zero) * scale, groups of `group_size` rows."""
+    vals = unpack_rows(packed, bits)
+    k, n = vals.shape
+    g = k // group_size
+    w = (vals.reshape(g, group_size, n).astype(jnp.float32) - zeros.astype(jnp.float32)[:, None, :]) \
+        * scales.astype(jnp.float32)[:, None, :]
+    return w.reshape(k, n).astype(dtype)
+
+
+def weight_only_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
+                       bits: int, group_size: int) -> jax.Array:
+    """x [T, K] @ dequant(packed [K / (32 / bits), N]) -> [T, N] in x's dtype.
+
+    Reference path: unpack with shifts and masks, subtract the zero points and multiply by the
+    group scales in float32, cast to x's dtype and run a plain matmul accumulating in float32.
+    A fused GPU kernel takes this exact signature (contiguous groups along K, x already permuted
+    for act-order)."""
+    w = dequantize_packed(packed, scales, zeros, bits, group_size, x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def supported(t: int, k: int, n: int, bits: int, group_size: int, block_n: int = 128) -> bool:
+    """Whether the kernel takes this shape (else callers use the reference)."""
+    del t
+    return bits in (4, 8) and k % BLOCK_K == 0 and group_size % BLOCK_K == 0 and k % group_size == 0 \
+        and n % block_n == 0
+
+
+def _permute_columns(x: jax.Array, per: int) -> jax.Array:
+    """x [T, K] -> x with each 128-row block's columns reordered value-major: new column
+    j * (128 / per) + i of a block is old column i * per + j."""
+    t, k = x.shape
+    return x.reshape(t, k // BLOCK_K, BLOCK_K // per, per).swapaxes(2, 3).reshape(t, k)
+
+
+def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int):
+    """One (row tile, column tile, K split): `steps` blocks of 128 rows from split * steps on."""
+    per = 32 // bits
+    rows = BLOCK_K // per
+    mask = (1 << bits) - 1
+    _, block_m, block_n = o_ref.shape
+    first = pl.program_id(2) * steps
+
+    def body(kb, acc):
+        words = p_ref[pl.ds(kb * rows, rows), :]  # [rows, block_n] int32
+        g = (kb * BLOCK_K) // group_size
+        scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, block_n]
+        zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
+        for j in range(per):
+            vals = ((words >> (bits * j)) & mask).astype(jnp.float32)
+            w = ((vals - zero) * scale).astype(x_ref.dtype)  # [rows, block_n]
+            xj = x_ref[:, pl.ds(kb * BLOCK_K + j * rows, rows)]  # [block_m, rows]
+            prec = lax.Precision.HIGHEST if xj.dtype == jnp.float32 else None
+            acc += _pl_dot(xj, w, precision=prec)
+        return acc
+
+    acc = lax.fori_loop(first, first + steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    o_ref[...] = acc[None]
+
+
+def pick_splits(programs: int, k_steps: int, target_programs: int = TARGET_PROGRAMS) -> int:
+    """K splits so that programs x splits reaches about `target_programs`: the largest divisor of
+    the K steps not above target / programs (at least 1)."""
+    want = max(1, -(-target_programs // programs))
+    return max(d for d in range(1, min(want, k_steps) + 1) if k_steps % d == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n", "splits", "num_warps",
+                                             "num_stages", "interpret"))
+def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, bits: int,
+                       group_size: int, block_m: int = 16, block_n: int = 128, splits: int | None = None,
+                       num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
+    """x [T, K] @ dequant(packed) -> [T, N] in x's dtype; shapes as in the module docstring.
+    T is padded to a multiple of `block_m` (at least 16, Triton's smallest dot). `splits`: K is
+    split over that many programs per output tile (default `pick_splits`: a narrow output at a
+    small batch, o_proj or down_proj in decode, would otherwise occupy a fraction of the SMs);
+    their float32 partial sums are added after the kernel."""
+    t, k = x.shape
+    n = packed.shape[1]
+    per = 32 // bits
+    if not supported(t, k, n, bits, group_size, block_n):
+        raise ValueError(f"weight_only_matmul kernel: unsupported shape T={t} K={k} N={n} bits={bits} "
+                         f"group_size={group_size} (K and the group size must be multiples of {BLOCK_K}, "
+                         f"N of {block_n})")
+    if packed.shape != (k // per, n) or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
+        raise ValueError(f"weight_only_matmul kernel: packed {packed.shape}, scales {scales.shape}, zeros "
+                         f"{zeros.shape} do not fit K={k}, N={n}, {bits} bits, groups of {group_size}")
+    tp = -(-t // block_m) * block_m
+    xp = _permute_columns(jnp.pad(x, ((0, tp - t), (0, 0))), per)
+    g = k // group_size
+    k_steps = k // BLOCK_K
+    splits = splits or pick_splits((tp // block_m) * (n // block_n), k_steps)
+    if k_steps % splits:
+        raise ValueError(f"weight_only_matmul kernel: {splits} splits do not divide {k_steps} steps of {BLOCK_K} rows")
+    kwargs = {}
+    if not interpret:
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    sums = pl.pallas_call(
+        functools.partial(_kernel, bits=bits, group_size=group_size, steps=k_steps // splits),
+        grid=(tp // block_m, n // block_n, splits),
+        in_specs=[pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
+                  pl.BlockSpec((k // per, block_n), lambda i, j, s: (0, j)),
+                  pl.BlockSpec((g, block_n), lambda i, j, s: (0, j)),
+                  pl.BlockSpec((g, block_n), lambda i, j, s: (0, j))],
+        out_specs=pl.BlockSpec((1, block_m, block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, tp, n), jnp.float32),
+        interpret=interpret, name="weight_only_matmul", **kwargs,
+    )(xp, packed, scales, zeros)
+    return sums.sum(0)[:t].astype(x.dtype)
+
+
+__all__ = ["dequantize_packed", "pick_splits", "supported", "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference"]
