@@ -48,6 +48,8 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--tp-len", type=int, default=256, help="input and output length of the throughput run")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", help="float32: logits without near-ties broken by rounding, so "
+                                                          "recorded tokens verify as recorded (oracle, rate profiles)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -64,9 +66,9 @@ def main() -> int:
     rates = [f"rate{float(x)}" for x in args.rates.split(",") if x]
     k = args.k
     res: dict = {"commit": args.commit, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-                 "target": f"{args.model} (dummy bf16)", "draft": f"{args.draft} (dummy bf16)", "k": k,
+                 "target": f"{args.model} (dummy {args.dtype})", "draft": f"{args.draft} (dummy {args.dtype})", "k": k,
                  "output_len": args.output_len, "batches": batches}
-    path = os.path.join(args.out, "draft_model.json")
+    path = os.path.join(args.out, f"draft_model_{args.dtype}.json")
 
     def save() -> None:
         with open(path, "w") as fh:
@@ -88,7 +90,7 @@ def main() -> int:
         del plain_llm
         gc.collect()
     t0 = time.perf_counter()
-    llm = LLM(args.model, load_format="dummy", tokenizer=tok,
+    llm = LLM(args.model, load_format="dummy", tokenizer=tok, dtype=args.dtype,
               speculative_config={"model": args.draft, "num_speculative_tokens": k,
                                   "disable_by_batch_size": max(batches)})
     eng = llm.llm_engine
@@ -112,8 +114,12 @@ def main() -> int:
     profile = {"name": "draft"}
     real_propose = draft.propose
 
+    propose_s: list[float] = []
+
     def propose(rows):
-        out = real_propose(rows)  # the draft's programs run as they would
+        t0 = time.perf_counter()
+        out = real_propose(rows)  # the draft's programs run as they would (and are waited for)
+        propose_s.append(time.perf_counter() - t0)
         if profile["name"] == "draft":
             return out
         new = []
@@ -171,9 +177,11 @@ def main() -> int:
             profile["name"] = name
             st = core.spec_stats
             before = (st.num_drafts, st.num_accepted_tokens)
+            propose_s.clear()
             x = run(prompts)
             drafts = st.num_drafts - before[0]
             row[name] = {k_: v for k_, v in x.items() if k_ != "outs"}
+            row[name]["propose_ms_median"] = 1e3 * statistics.median(propose_s) if propose_s else None
             row[name].update(speedup=x["tok_s"] / plain["tok_s"],
                              outputs_equal_plain=all(x["outs"][p] == plain["outs"][p] for p in plain["outs"]),
                              mean_accepted_length=1 + (st.num_accepted_tokens - before[1]) / max(drafts, 1))
@@ -182,7 +190,8 @@ def main() -> int:
         save()
         print(f"batch {b}: plain {plain['tok_s']:.0f} tok/s ({plain['step_ms_median']:.2f} ms/step); "
               + "; ".join(f"{n} {row[n]['speedup']:.2f}x (L {row[n]['mean_accepted_length']:.2f}, "
-                          f"{row[n]['step_ms_median']:.2f} ms/step, equal {row[n]['outputs_equal_plain']})"
+                          f"{row[n]['step_ms_median']:.2f} ms/step, propose {row[n]['propose_ms_median']:.2f} ms, "
+                          f"equal {row[n]['outputs_equal_plain']})"
                           for n in names), flush=True)
     draft.propose = real_propose
 
