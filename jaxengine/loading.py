@@ -25,7 +25,9 @@ from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
 from jaxengine.models.presets import PRESETS
+from jaxengine.program_bundle import ProgramBundle, open_bundle
 from jaxengine.sharding import ShardingPlan, make_plan
+from jaxengine.startup import StartupTimings
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +45,23 @@ class LoadedModel:
     plan: ShardingPlan | None  # None on one device
     tokenizer: object | None  # a transformers tokenizer; None with skip_tokenizer_init or none found
     eos_token_ids: tuple[int, ...]
+    bundle: ProgramBundle | None = None  # serialized executables of earlier starts (None: cache off)
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, timings: StartupTimings | None = None) -> LoadedModel:
+    """`timings`: the start's record (jaxengine.startup); its phases are filled in here."""
+    timings = timings if timings is not None else StartupTimings.begin(config.compilation_cache_dir)
     if config.trust_remote_code:
         logger.info("trust_remote_code: accepted, but no code from a checkpoint is ever run; "
                     "jaxengine implements the architectures it serves")
     if config.enforce_eager:
-        logger.info("enforce_eager: accepted; the engine still runs compiled programs, one per token "
-                    "bucket (XLA has no eager step; nothing is captured that eager mode would skip)")
+        logger.info("enforce_eager: the engine still runs compiled programs, one per token bucket (XLA has no "
+                    "eager step); each is compiled on its first use, none ahead")
     enable_compilation_cache(config.compilation_cache_dir)
-    model_config, ckpt, tokenizer = _open_model(config)
+    with timings.phase("device_init"):
+        config = config.resolve_warmup(jax.default_backend())
+    with timings.phase("weight_load"):
+        model_config, ckpt, tokenizer = _open_model(config)
     from jaxengine.models.registry import CLASSIFIER_ARCHITECTURES
     if model_config.architecture in CLASSIFIER_ARCHITECTURES and not config.is_pooling:
         raise ValueError(f"{model_config.architecture} is a classifier, not a text generator: load it with "
@@ -75,20 +83,31 @@ def load_model(config: EngineConfig) -> LoadedModel:
                         plan.kv_head_replicas)
         model_config = plan.model_config(model_config)  # KV heads repeated, projections split
         logger.info("tensor parallel over %d devices (mesh %s)", plan.tp, dict(plan.mesh.shape))
-    if ckpt is None or config.load_format == "dummy":
-        graphdef, state = dummy_params(model_config, dtype, seed=config.seed,
-                                       sharding_of=plan.param_sharding if plan is not None else None)
-    else:
-        put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
-        graphdef, state = load_params(ckpt, model_config, dtype, put=put)
+    with timings.phase("weight_load"):
+        if ckpt is None or config.load_format == "dummy":
+            graphdef, state = dummy_params(model_config, dtype, seed=config.seed,
+                                           sharding_of=plan.param_sharding if plan is not None else None)
+        else:
+            put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
+            graphdef, state = load_params(ckpt, model_config, dtype, put=put)
+    timings.weights_loaded()
     attention = select_attention_backend(config.attention_backend, model_config, dtype, config.block_size,
                                          plan.mesh if plan is not None else None)
-    blocks = num_kv_blocks(config, model_config, dtype, graphdef, state, attention, plan)
+    with timings.phase("kv_sizing"):
+        bundle = open_bundle(config, model_config, dtype, attention, plan, state)
+        blocks = bundle.stored_num_kv_blocks() if bundle is not None and config.num_kv_blocks is None else None
+        timings.kv_blocks_from_bundle = blocks is not None
+        if blocks is None:
+            blocks = num_kv_blocks(config, model_config, dtype, graphdef, state, attention, plan)
+            if bundle is not None and config.num_kv_blocks is None:
+                bundle.store_num_kv_blocks(blocks)
+        if bundle is not None:
+            bundle.bind(blocks)
     config = dataclasses.replace(config, num_kv_blocks=blocks)
     eos = tuple(model_config.eos_token_id)
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
-    return LoadedModel(config, model_config, dtype, graphdef, state, attention, plan, tokenizer, eos)
+    return LoadedModel(config, model_config, dtype, graphdef, state, attention, plan, tokenizer, eos, bundle)
 
 
 def enable_compilation_cache(path: str | None) -> None:
