@@ -15,6 +15,7 @@ constrained rows while the forward runs.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -455,7 +456,8 @@ class ModelRunner:
         name = f"{kind}:{key!r}"
         fn = self.bundle.load(name) if self.bundle is not None else None
         if fn is None:
-            fn = compile_fn(*key) if isinstance(key, tuple) else compile_fn(key)
+            with self.bundle.fresh_compile() if self.bundle is not None else contextlib.nullcontext():
+                fn = compile_fn(*key) if isinstance(key, tuple) else compile_fn(key)
             if self.bundle is not None:
                 self.bundle.save(name, fn)
         return fn

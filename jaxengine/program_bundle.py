@@ -23,6 +23,7 @@ the directory must be writable only by the user.
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import functools
 import hashlib
 import json
@@ -186,6 +187,18 @@ class ProgramBundle:
         self.loaded += 1
         self.load_s += time.perf_counter() - t0
         return compiled
+
+    @staticmethod
+    def fresh_compile() -> contextlib.AbstractContextManager:
+        """JAX's persistent compilation cache off for this thread while a program bound for the
+        bundle compiles: an executable read from that cache does not serialize whole (on CPU a
+        reloaded copy fails with "Function wrapped_compare.2 not found": its sort comparators are
+        missing), so the bundle's programs are compiled afresh, and the bundle takes the cache's
+        place for them."""
+        from jax._src import config as jax_config
+
+        state = getattr(jax_config, "enable_compilation_cache", None)
+        return state(False) if state is not None else contextlib.nullcontext()
 
     def save(self, name: str, compiled: jax.stages.Compiled) -> None:
         """Adds a compiled program; a program that cannot be serialized is only logged (the
