@@ -176,7 +176,9 @@ class ProgramBundle:
             if hashlib.sha256(payload).hexdigest() != record.get("sha256"):
                 raise ValueError("checksum mismatch")
             serialized, in_tree, out_tree = pickle.loads(payload)
-            compiled = deserialize_and_load(serialized, in_tree, out_tree)
+            by_id = {d.id: d for d in jax.devices()}
+            devices = [by_id[i] for i in record.get("devices", ())] or None
+            compiled = deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - any unreadable bundle means: compile again
@@ -209,13 +211,24 @@ class ProgramBundle:
         try:
             payload = pickle.dumps(serialize(compiled))
             record = {"format": BUNDLE_FORMAT, "key": self.key, "name": name, "payload": payload,
-                      "sha256": hashlib.sha256(payload).hexdigest()}
+                      "sha256": hashlib.sha256(payload).hexdigest(), "devices": _device_ids(compiled)}
             os.makedirs(self.dir, exist_ok=True)
             _write_atomic(self._path(name), pickle.dumps(record))
         except Exception as e:  # noqa: BLE001 - the bundle is an optimisation, never a failure
             logger.warning("program bundle: could not save %s (%s: %s)", name, type(e).__name__, e)
             return
         self.saved += 1
+
+
+def _device_ids(compiled: jax.stages.Compiled) -> list[int]:
+    """The ids of the devices the program runs on, in its device assignment's order (its widest
+    argument or result placement): where a reloaded copy is loaded."""
+    best: tuple = ()
+    for s in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings)):
+        assignment = tuple(getattr(s, "_device_assignment", ()) or ())
+        if len(assignment) > len(best):
+            best = assignment
+    return [d.id for d in best]
 
 
 def open_bundle(config, model_config, dtype, attention, plan, state) -> ProgramBundle | None:
