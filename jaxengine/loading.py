@@ -9,6 +9,7 @@ its runner, scheduler and output processor from the result.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -90,6 +91,7 @@ def load_model(config: EngineConfig, timings: StartupTimings | None = None) -> L
         else:
             put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
             graphdef, state = load_params(ckpt, model_config, dtype, put=put)
+        tokenizer = _resolve(tokenizer)
     timings.weights_loaded()
     attention = select_attention_backend(config.attention_backend, model_config, dtype, config.block_size,
                                          plan.mesh if plan is not None else None)
@@ -120,7 +122,8 @@ def enable_compilation_cache(path: str | None) -> None:
 
 
 def _open_model(config: EngineConfig):
-    """(model config, checkpoint or None, tokenizer or None) for the configured model."""
+    """(model config, checkpoint or None, tokenizer or None) for the configured model; the
+    tokenizer of a checkpoint comes as a Future (`_resolve` waits for it)."""
     from jaxengine.models.checkpoint import load_hf_tokenizer, open_checkpoint  # heavy imports only here
 
     model = config.model or default_model_path()
@@ -128,8 +131,19 @@ def _open_model(config: EngineConfig):
         tok = load_hf_tokenizer(config.tokenizer) if config.tokenizer and not config.skip_tokenizer_init else None
         return ModelConfig.from_hf_dict(PRESETS[model]), None, tok
     ckpt = open_checkpoint(model, revision=config.revision, tokenizer=config.tokenizer)
-    tokenizer = None if config.skip_tokenizer_init else ckpt.load_tokenizer()
+    tokenizer = None
+    if not config.skip_tokenizer_init:
+        # The tokenizer (mostly transformers' imports, in Python) loads beside the weights (mostly
+        # numpy and device copies): on a small machine the two overlap.
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tokenizer = pool.submit(ckpt.load_tokenizer)
+        pool.shutdown(wait=False)
     return ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, tokenizer
+
+
+def _resolve(tokenizer):
+    """The tokenizer, once its loading thread is done (its errors are raised here)."""
+    return tokenizer.result() if isinstance(tokenizer, concurrent.futures.Future) else tokenizer
 
 
 def derive_config(config: EngineConfig, mc: ModelConfig) -> EngineConfig:
