@@ -31,8 +31,9 @@ def _child(spec: dict) -> int:
     llm = LLM(model=spec["model"], **spec["engine"])
     engine = llm.llm_engine
     ready = engine.startup.as_dict()
+    prompt = spec["prompt"] if engine.tokenizer is not None else {"prompt_token_ids": list(range(1, 17))}
     t0 = time.perf_counter()
-    out = llm.generate(spec["prompt"], SamplingParams(max_tokens=spec["max_tokens"], temperature=0), use_tqdm=False)
+    out = llm.generate(prompt, SamplingParams(max_tokens=spec["max_tokens"], temperature=0), use_tqdm=False)
     first = time.perf_counter() - t0
     engine.startup.update_compiles(engine.runner.bundle)  # now with the lazy compiles of the request
     result = {"startup": ready, "first_output_s": first, "after_request": engine.startup.as_dict(),
@@ -133,7 +134,8 @@ def add_parser(sub) -> None:
                                    "a new temporary folder), then warm runs reusing it.")
     p.add_argument("--model", default=None, help="HF folder, GGUF file, hub id, or a preset with --load-format dummy "
                                                 "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", default="Hello", help="the one prompt each run generates for")
+    p.add_argument("--prompt", default="Hello", help="the one prompt each run generates for (a model without a "
+                                                   "tokenizer, such as a dummy preset, gets token ids 1..16)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens each run generates (greedy)")
     p.add_argument("--cold-runs", type=int, default=1, help="runs from an empty cache dir")
     p.add_argument("--warm-runs", type=int, default=2, help="runs reusing the cache dir")
