@@ -6,8 +6,8 @@ structured-output bitmask, each with and without top-k / top-p truncation; with 
 processors (penalties, logit_bias, allowed_token_ids, bad_words) and the bitmask). With warm-up on,
 all of them are compiled ahead of time at start-up and running a shape that was not compiled is a
 bug and raises; with it off, each is compiled on its first use. Either way a program of an earlier
-start with the same key is loaded from the program bundle instead (jaxengine.program_bundle). The host waits once per step, for the
-sampler's output. A step is enqueued in one go (`dispatch`), or as its forward first and its
+start with the same key is loaded from the program bundle instead (jaxengine.program_bundle).
+The host waits once per step, for the sampler's output. A step is enqueued in one go (`dispatch`), or as its forward first and its
 sampler later (`dispatch_forward` then `dispatch_sampler`): the engine computes the bitmask of
 constrained rows while the forward runs.
 """
@@ -415,8 +415,8 @@ class ModelRunner:
         return self.config.max_model_len if processors else 1
 
     def warmup(self) -> None:
-        """Compiles every bucket (forward and prompt logprobs per token bucket, samplers per row
-        count), several at a time: XLA compiles outside the GIL."""
+        """Compiles (or loads from the program bundle) every bucket: forward and prompt logprobs
+        per token bucket, samplers per row count, several at a time: XLA compiles outside the GIL."""
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
         jobs: list[tuple[str, object]] = (
             [("forward", t) for t in reversed(self.token_buckets)]
@@ -442,8 +442,10 @@ class ModelRunner:
         if self.lora_layers is not None:
             self._lora_write = self._build("lora_write", 0, lambda _: self._compile_lora_write())
         self.compile_seconds = time.perf_counter() - t0
-        logger.info("compiled %d programs in %.1f s (token buckets %s, row buckets %s)",
-                    len(jobs), self.compile_seconds, list(self.token_buckets), rows)
+        loaded = self.bundle.loaded if self.bundle is not None else 0
+        logger.info("compiled %d programs and loaded %d from the program bundle in %.1f s (token buckets %s, "
+                    "row buckets %s)", len(jobs) - loaded, loaded, self.compile_seconds, list(self.token_buckets),
+                    rows)
 
     def _program_tables(self) -> dict[str, dict]:
         """Kind -> the table of its compiled programs (the kind names them in the program bundle)."""
