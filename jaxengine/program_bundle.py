@@ -233,8 +233,9 @@ def _device_ids(compiled: jax.stages.Compiled) -> list[int]:
 
 def open_bundle(config, model_config, dtype, attention, plan, state) -> ProgramBundle | None:
     """The bundle of this start's key under `config.compilation_cache_dir`; None when the
-    cache is off (compilation_cache_dir None)."""
-    if not config.compilation_cache_dir:
+    cache is off (compilation_cache_dir None) or the job spans several processes (each would
+    reload programs whose devices belong partly to other processes: not done yet)."""
+    if not config.compilation_cache_dir or jax.process_count() > 1:
         return None
     return ProgramBundle(config.compilation_cache_dir,
                          bundle_key_fields(config, model_config, dtype, attention, plan, state))
