@@ -2,10 +2,11 @@
 nor compiles.
 
 A start computes a key from everything that shapes its programs: jax and jaxlib versions, the
-backend, device kind and count, XLA_FLAGS, a hash of the engine's own source (jaxengine, its
-models and kernels), the derived engine config (buckets follow from it: max_num_batched_tokens,
-max_num_seqs, max_model_len, block_size, ...), the model config, the dtype, the parameter tree
-(paths, shapes, dtypes, placement), the tensor-parallel mesh and the attention backend. Under
+backend, device kind and count, XLA_FLAGS and every other JAX_ / XLA_ variable, x64 and matmul
+precision, a hash of the engine's own source (jaxengine, its models and kernels), the derived
+engine config (buckets follow from it: max_num_batched_tokens, max_num_seqs, max_model_len,
+block_size, ...), the model config, the dtype, the parameter tree (paths, shapes, dtypes,
+placement), the tensor-parallel mesh and the attention backend. Under
 `<compilation_cache_dir>/bundles/`:
 
 - `sizing-<key>.json` keeps the KV-cache size that start chose, so a later start skips the
@@ -84,6 +85,9 @@ def bundle_key_fields(config, model_config, dtype, attention, plan, state) -> di
         "backend": jax.default_backend(), "platform_version": getattr(dev.client, "platform_version", ""),
         "device_kind": dev.device_kind, "device_count": jax.device_count(), "process_count": jax.process_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_hash(),
+        # JAX's settings that change what a trace produces (also when set from the environment)
+        "jax_env": sorted((k, v) for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_"))),
+        "x64": bool(jax.config.jax_enable_x64), "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "engine": {k: repr(v) for k, v in sorted(engine.items())}, "model": repr(model_config),
         "dtype": jnp.dtype(dtype).name, "attention": f"{attention.name}: {attention.description}",
         "mesh": None if plan is None else repr(dict(plan.mesh.shape)), "params": str(treedef),
