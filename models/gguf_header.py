@@ -114,3 +114,19 @@ class GGUFHeader:
             else:  # quantized: rows of bytes, as gguf's reader gives them
                 data = view.reshape(tuple(reversed(dims[1:])) + (dims[0] * type_size // block,))
             self.tensors.append(Tensor(name, qtype, np.array(dims, np.uint64), data))
+
+
+def dequantize_q4_1(data: np.ndarray) -> np.ndarray:
+    """Q4_1 blocks (32 weights: float16 scale d, float16 minimum m, 16 bytes of 4-bit q; low
+    nibbles are weights 0-15, high nibbles 16-31) -> float32 [blocks * 32], w = q * d + m. The
+    same values as gguf.quants.dequantize, in whole-array numpy operations (the embedded
+    SmolLM2's tensors are Q4_1)."""
+    b = np.asarray(data).reshape(-1, 20)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    q = b[:, 4:]
+    out = np.empty((b.shape[0], 32), np.float32)
+    np.multiply(q & 0x0F, d, out=out[:, :16], casting="unsafe")
+    np.multiply(q >> 4, d, out=out[:, 16:], casting="unsafe")
+    out += m
+    return out.reshape(-1)

@@ -248,9 +248,11 @@ class GGUFCheckpoint(Checkpoint):
     def _dequantized(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
 
+        from jaxengine.models.gguf_header import dequantize_q4_1
+
         t = self._tensors[name]
         try:
-            w = dequantize(t.data, t.tensor_type)
+            w = dequantize_q4_1(t.data) if t.tensor_type.name == "Q4_1" else dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
             raise ValueError(f"GGUF file {self.path}: tensor {t.name} has type "
                              f"{t.tensor_type.name}, which cannot be dequantized: {e}") from e

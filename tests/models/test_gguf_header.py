@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxengine.models.gguf_header import GGUFHeader
+from jaxengine.models.gguf_header import GGUFHeader, dequantize_q4_1
 
 
 def test_header_matches_the_gguf_reader(tmp_path):
@@ -48,3 +48,12 @@ def test_not_gguf_raises(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"NOPE" + bytes(32))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFHeader(str(tmp_path / "x.gguf"))
+
+
+def test_q4_1_matches_gguf():
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((6, 64)) * rng.uniform(0.01, 3, (6, 1))).astype(np.float32)
+    q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    want = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_1).reshape(-1)
+    np.testing.assert_array_equal(dequantize_q4_1(q), want)
+    assert np.abs(want - w.reshape(-1)).max() < 0.5
