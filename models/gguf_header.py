@@ -130,3 +130,17 @@ def dequantize_q4_1(data: np.ndarray) -> np.ndarray:
     np.multiply(q >> 4, d, out=out[:, 16:], casting="unsafe")
     out += m
     return out.reshape(-1)
+
+
+def dequantize_q8_0(data: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks (32 weights: float16 scale d, 32 int8 q) -> float32 [blocks * 32], w = q * d,
+    as gguf.quants.dequantize, in whole-array numpy operations."""
+    b = np.asarray(data).reshape(-1, 34)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    out = b[:, 2:].view(np.int8).astype(np.float32)
+    out *= d
+    return out.reshape(-1)
+
+
+# GGML types with a whole-array dequantizer here (the embedded SmolLM2's); others use gguf's.
+FAST_DEQUANTIZE = {"Q4_1": dequantize_q4_1, "Q8_0": dequantize_q8_0}

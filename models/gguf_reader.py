@@ -248,11 +248,12 @@ class GGUFCheckpoint(Checkpoint):
     def _dequantized(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
 
-        from jaxengine.models.gguf_header import dequantize_q4_1
+        from jaxengine.models.gguf_header import FAST_DEQUANTIZE
 
         t = self._tensors[name]
         try:
-            w = dequantize_q4_1(t.data) if t.tensor_type.name == "Q4_1" else dequantize(t.data, t.tensor_type)
+            fast = FAST_DEQUANTIZE.get(t.tensor_type.name)
+            w = fast(t.data) if fast is not None else dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
             raise ValueError(f"GGUF file {self.path}: tensor {t.name} has type "
                              f"{t.tensor_type.name}, which cannot be dequantized: {e}") from e

@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxengine.models.gguf_header import GGUFHeader, dequantize_q4_1
+from jaxengine.models.gguf_header import FAST_DEQUANTIZE, GGUFHeader
 
 
 def test_header_matches_the_gguf_reader(tmp_path):
@@ -50,10 +50,12 @@ def test_not_gguf_raises(tmp_path):
         GGUFHeader(str(tmp_path / "x.gguf"))
 
 
-def test_q4_1_matches_gguf():
+@pytest.mark.parametrize("name", sorted(FAST_DEQUANTIZE))
+def test_fast_dequantize_matches_gguf(name):
+    qtype = gguf.GGMLQuantizationType[name]
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((6, 64)) * rng.uniform(0.01, 3, (6, 1))).astype(np.float32)
-    q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
-    want = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_1).reshape(-1)
-    np.testing.assert_array_equal(dequantize_q4_1(q), want)
+    q = gguf.quants.quantize(w, qtype)
+    want = gguf.quants.dequantize(q, qtype).reshape(-1)
+    np.testing.assert_array_equal(FAST_DEQUANTIZE[name](q), want)
     assert np.abs(want - w.reshape(-1)).max() < 0.5
