@@ -165,11 +165,15 @@ def default_out(args: argparse.Namespace, kind: str) -> str:
 
 
 def make_llm(args: argparse.Namespace, **overrides):
-    """An `LLM` from the engine flags (`--load-format dummy` with a preset for real shapes)."""
+    """An `LLM` from the engine flags (`--load-format dummy` with a preset for real shapes).
+    Every bucket is compiled at start-up unless --no-warmup is given, on CPU too: a compile inside
+    the timed part would be measured as serving time."""
     from jaxengine.arg_utils import engine_kwargs
     from jaxengine.llm import LLM
 
     kw = engine_kwargs(args)
+    if kw.get("warmup") is None and not kw.get("enforce_eager"):
+        kw["warmup"] = True
     kw.update(overrides)
     return LLM(model=args.model, **kw)
 

@@ -766,7 +766,7 @@ def part_peer(args, st, out_dir) -> tuple[dict, list[str]]:
 
 
 # -- startup --------------------------------------------------------------------------------------------
-_COMPILED = re.compile(r"compiled (\d+) programs in ([0-9.]+) s")
+_COMPILED = re.compile(r"compiled (\d+) programs(?: and loaded \d+ from the program bundle)? in ([0-9.]+) s")
 _READY = re.compile(r"ready in ([0-9.]+) s")
 
 

@@ -37,13 +37,15 @@ _ENGINE_HELP = {
     "compilation_cache_dir": "persistent XLA compilation cache (default: $XDG_CACHE_HOME/jaxengine/xla or "
                              "~/.cache/jaxengine/xla)",
     "max_logprobs": "most logprobs a request may ask for (0..20)",
-    "warmup": "compile every bucket at start-up (no compile pauses while serving)",
+    "warmup": "compile every bucket at start-up (no compile pauses while serving); --no-warmup compiles each "
+              "program on its first use (default: ahead on accelerators, on first use on CPU)",
     "skip_tokenizer_init": "load no tokenizer: prompts are token ids and outputs carry no text",
     "trust_remote_code": "accepted for vLLM's command lines; no checkpoint code is ever run",
     "runner": f"vLLM's runner: {', '.join(RUNNERS)} (pooling: embedding, classification and cross-encoder "
               "models; auto picks pooling for an encoder folder)",
     "task": f"vLLM's older name for the runner: {', '.join(RUNNERS)}",
-    "enforce_eager": "accepted for vLLM's command lines; XLA always runs compiled programs",
+    "enforce_eager": "vLLM's eager mode; XLA always runs compiled programs, so here it means its nearest "
+                     "equivalent: each program is compiled on its first use, none ahead",
     "enable_chunked_prefill": "accepted for vLLM's command lines; chunked prefill is always on",
     "enable_lora": "serve LoRA adapters (Llama, Mistral, Qwen2 and Qwen3 models; one device)",
     "max_loras": "LoRA adapters on the device at once (distinct adapters in one step)",

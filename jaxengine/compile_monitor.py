@@ -1,23 +1,51 @@
-"""Counts XLA compilations (through `jax.monitoring`), so a compile after warm-up can be seen.
+"""Counts JAX traces and XLA compilations (through `jax.monitoring`), so a compile after warm-up
+can be seen and start-up can say where its time went.
 
-Every program the engine runs is compiled at start-up; a later compile means a shape escaped the
-buckets (or stray device work on the host path) and is logged as a warning by the engine.
+A compile after warm-up means a shape escaped the buckets (or stray device work on the host
+path) and is logged as a warning by the engine. `snapshot()` feeds the start-up breakdown
+(jaxengine.startup): traces, lowerings and backend compiles with their summed durations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import jax
 
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_TRACE = "/jax/core/compile/jaxpr_trace_duration"
+_LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # also spans a persistent-cache read
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileStats:
+    """Counts since the process started; durations are summed over threads (compiles run in parallel)."""
+
+    traces: int = 0  # Python functions traced to a jaxpr
+    trace_s: float = 0.0
+    lower_s: float = 0.0  # jaxpr -> StableHLO
+    backend_compiles: int = 0  # executables produced by XLA or read from the persistent cache
+    backend_s: float = 0.0
+    cache_hits: int = 0  # of backend_compiles, those read from the persistent compilation cache
+
+    def __sub__(self, other: CompileStats) -> CompileStats:
+        return CompileStats(*(getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)))
+
+    @property
+    def xla_compiles(self) -> int:
+        """Executables XLA compiled (persistent-cache reads excluded)."""
+        return self.backend_compiles - self.cache_hits
 
 
 class _Counter:
     def __init__(self) -> None:
         self.compiles = 0  # programs lowered to an executable (backend compile or persistent-cache hit)
         self.backend_compiles = 0
+        self.traces = 0
+        self.cache_hits = 0
+        self.seconds = {_TRACE: 0.0, _LOWER: 0.0, _BACKEND_COMPILE: 0.0}
         self._lock = threading.Lock()
         self._installed = False
 
@@ -30,15 +58,21 @@ class _Counter:
             self._installed = True
 
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
-        if event == _BACKEND_COMPILE:
-            with self._lock:
+        if event not in self.seconds:
+            return
+        with self._lock:
+            self.seconds[event] += duration
+            if event == _BACKEND_COMPILE:
                 self.compiles += 1
                 self.backend_compiles += 1
+            elif event == _TRACE:
+                self.traces += 1
 
     def _on_event(self, event: str, **kwargs) -> None:
         if event == _CACHE_HIT:
             with self._lock:
                 self.compiles += 1
+                self.cache_hits += 1
 
 
 COMPILES = _Counter()
@@ -48,3 +82,12 @@ def compile_count() -> int:
     """Executables produced so far in this process (compiled, or loaded from the persistent cache)."""
     COMPILES.install()
     return COMPILES.compiles
+
+
+def snapshot() -> CompileStats:
+    """Traces and compiles so far in this process (counting starts at the first call)."""
+    COMPILES.install()
+    c = COMPILES
+    with c._lock:
+        return CompileStats(c.traces, c.seconds[_TRACE], c.seconds[_LOWER], c.backend_compiles,
+                            c.seconds[_BACKEND_COMPILE], c.cache_hits)

@@ -50,14 +50,17 @@ class EngineConfig:
     attention_backend: str = "auto"
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_cache_dir)
     max_logprobs: int = 20
-    warmup: bool = True  # compile every bucket at start-up
+    # Compile every bucket at start-up (True), or each program on its first use (False). None: ahead
+    # on accelerators, lazily on the CPU backend (a short run there needs a few of the programs).
+    warmup: bool | None = None
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
     # vLLM's flag, accepted for its users' commands: this engine implements each architecture it
     # serves itself and never runs code that comes with a checkpoint, whatever the value.
     trust_remote_code: bool = False
     # vLLM's arguments, accepted with their meaning here: the runner / task (pooling runs encoder
     # models: jaxengine.pooling), eager mode (XLA always compiles the bucketed programs: nothing is captured that eager
-    # mode would skip), chunked prefill (always on: one token budget serves prefill and decode).
+    # mode would skip; its nearest meaning here is lazy compilation: no bucket is compiled ahead),
+    # chunked prefill (always on: one token budget serves prefill and decode).
     runner: str = "auto"
     task: str = "auto"
     enforce_eager: bool = False
@@ -93,6 +96,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.runner == "generate" and self.task not in ("auto", "generate"):
             raise ValueError(f"runner='generate' and task={self.task!r} disagree")
+        if self.warmup is not None and not isinstance(self.warmup, bool):
+            raise ValueError(f"warmup must be True, False or None (auto), got {self.warmup!r}")
+        if self.warmup is True and self.enforce_eager:
+            raise ValueError("warmup=True compiles every bucket at start-up; enforce_eager=True compiles each "
+                             "program on its first use: pass one of them")
         if not self.enable_chunked_prefill:
             raise ValueError("enable_chunked_prefill=False: chunked prefill is always on in jaxengine (prefill "
                              "and decode share one token budget per step)")
@@ -121,6 +129,13 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+
+    def resolve_warmup(self, backend: str) -> EngineConfig:
+        """The config with `warmup` decided: as given; False under enforce_eager; else ahead of
+        time on accelerators (no compile after start-up) and lazily on the CPU backend."""
+        if self.warmup is not None:
+            return self
+        return dataclasses.replace(self, warmup=not self.enforce_eager and backend != "cpu")
 
     @property
     def is_pooling(self) -> bool:

@@ -2,7 +2,10 @@
 
 Construction opens the model (HF folder, GGUF file, hub id or a dummy preset), places its
 weights (sharded over the mesh under tensor parallelism), sizes the KV cache from free device
-memory and compiles every bucket. Then one request's life:
+memory (or takes the size an earlier start kept in its program bundle) and compiles every bucket,
+or on the CPU backend each program on its first use; programs of an earlier start with the same
+key are loaded instead (jaxengine.program_bundle). `startup` records where that time went
+(jaxengine.startup). Then one request's life:
 
 1. `add_request` tokenizes the prompt (or takes token ids), validates it against the model and
    the sampling parameters (`ValueError` for bad input), draws a seed for unseeded sampling and
@@ -34,6 +37,7 @@ from jaxengine.outputs import RequestOutput
 from jaxengine.request import Request
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.scheduler import Scheduler, SchedulerConfig
+from jaxengine.startup import StartupTimings
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +48,21 @@ LORA_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
-        m = load_model(config)
+        self.startup = StartupTimings.begin(config.compilation_cache_dir)  # where the start's time went
+        m = load_model(config, self.startup)
         self.config, self.model_config, self.tokenizer, self.eos_token_ids = (
             m.config, m.model_config, m.tokenizer, m.eos_token_ids)
         self.lora_manager = self._lora_manager(m.config, m.model_config)
-        self.runner = ModelRunner(m.config, m.model_config, m.graphdef, m.state, m.dtype, m.attention, m.plan,
-                                  m.eos_token_ids, self.lora_manager)
-        if m.draft is not None:
-            from jaxengine.draft_model import DraftModel
-            self.runner.draft = DraftModel(m.config, m.draft, m.dtype)
+        with self.startup.phase("runner_init"):
+            self.runner = ModelRunner(m.config, m.model_config, m.graphdef, m.state, m.dtype, m.attention, m.plan,
+                                      m.eos_token_ids, self.lora_manager, bundle=m.bundle)
+            if m.draft is not None:
+                from jaxengine.draft_model import DraftModel
+                self.runner.draft = DraftModel(m.config, m.draft, m.dtype)
+        self.startup.ahead_of_time = bool(m.config.warmup)
         if m.config.warmup:
-            self.runner.warmup()
+            with self.startup.phase("warmup"):
+                self.runner.warmup()
         config = m.config
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -73,6 +81,8 @@ class LLMEngine:
                     "max_model_len %d; ready in %.1f s", config.model or "default SmolLM2-135M-Instruct",
                     m.model_config.architecture, jnp.dtype(m.dtype).name, config.num_kv_blocks, config.block_size,
                     cap, config.max_model_len, time.perf_counter() - t0)
+        self.startup.finish(m.bundle)
+        logger.info("%s", self.startup.summary())
 
     @staticmethod
     def _lora_manager(config: EngineConfig, mc):

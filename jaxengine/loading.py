@@ -9,6 +9,7 @@ its runner, scheduler and output processor from the result.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -27,7 +28,9 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
 from jaxengine.models.presets import PRESETS
 from jaxengine.models.quant_formats import check_model, resolve_quantization
+from jaxengine.program_bundle import ProgramBundle, open_bundle
 from jaxengine.sharding import ShardingPlan, make_plan
+from jaxengine.startup import StartupTimings
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +49,23 @@ class LoadedModel:
     tokenizer: object | None  # a transformers tokenizer; None with skip_tokenizer_init or none found
     eos_token_ids: tuple[int, ...]
     draft: LoadedDraft | None = None  # speculative decoding's draft model
+    bundle: ProgramBundle | None = None  # serialized executables of earlier starts (None: cache off)
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, timings: StartupTimings | None = None) -> LoadedModel:
+    """`timings`: the start's record (jaxengine.startup); its phases are filled in here."""
+    timings = timings if timings is not None else StartupTimings.begin(config.compilation_cache_dir)
     if config.trust_remote_code:
         logger.info("trust_remote_code: accepted, but no code from a checkpoint is ever run; "
                     "jaxengine implements the architectures it serves")
     if config.enforce_eager:
-        logger.info("enforce_eager: accepted; the engine still runs compiled programs, one per token "
-                    "bucket (XLA has no eager step; nothing is captured that eager mode would skip)")
+        logger.info("enforce_eager: the engine still runs compiled programs, one per token bucket (XLA has no "
+                    "eager step); each is compiled on its first use, none ahead")
     enable_compilation_cache(config.compilation_cache_dir)
-    model_config, ckpt, tokenizer = _open_model(config)
+    with timings.phase("device_init"):
+        config = config.resolve_warmup(jax.default_backend())
+    with timings.phase("weight_load"):
+        model_config, ckpt, tokenizer = _open_model(config)
     from jaxengine.models.registry import CLASSIFIER_ARCHITECTURES
     if model_config.architecture in CLASSIFIER_ARCHITECTURES and not config.is_pooling:
         raise ValueError(f"{model_config.architecture} is a classifier, not a text generator: load it with "
@@ -93,25 +102,37 @@ def load_model(config: EngineConfig) -> LoadedModel:
         if quant.act_order:  # each projection has its own input permutation: no fused q/k/v, gate/up
             model_config = model_config.with_split_projections()
         logger.info("quantization: %s", quant.label)
-    if ckpt is None or config.load_format == "dummy":
-        graphdef, state = dummy_params(model_config, dtype, seed=config.seed,
-                                       sharding_of=plan.param_sharding if plan is not None else None,
-                                       quantization=quant)
-    else:
-        put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
-        graphdef, state = load_params(ckpt, model_config, dtype, put=put, quantization=quant)
+    with timings.phase("weight_load"):
+        if ckpt is None or config.load_format == "dummy":
+            graphdef, state = dummy_params(model_config, dtype, seed=config.seed,
+                                           sharding_of=plan.param_sharding if plan is not None else None,
+                                           quantization=quant)
+        else:
+            put = (lambda path, arr: jax.device_put(arr, plan.param_sharding(path))) if plan is not None else None
+            graphdef, state = load_params(ckpt, model_config, dtype, put=put, quantization=quant)
+        tokenizer = _resolve(tokenizer)
+        spec = config.speculative_config
+        draft = load_draft(config, model_config, dtype) if spec is not None and spec.method == "draft_model" else None
+    timings.weights_loaded()
     attention = select_attention_backend(config.attention_backend, model_config, dtype, config.block_size,
                                          plan.mesh if plan is not None else None, config.kv_cache_dtype)
-    spec = config.speculative_config
-    draft = load_draft(config, model_config, dtype) if spec is not None and spec.method == "draft_model" else None
     draft_bytes = 0 if draft is None else kv_bytes_per_block(
         draft.model_config, config.block_size, dtype, draft.attention.kv_head_dim(draft.model_config.head_dim))
-    blocks = num_kv_blocks(config, model_config, dtype, graphdef, state, attention, plan, draft_bytes)
+    with timings.phase("kv_sizing"):
+        bundle = open_bundle(config, model_config, dtype, attention, plan, state)
+        blocks = bundle.stored_num_kv_blocks() if bundle is not None and config.num_kv_blocks is None else None
+        timings.kv_blocks_from_bundle = blocks is not None
+        if blocks is None:
+            blocks = num_kv_blocks(config, model_config, dtype, graphdef, state, attention, plan, draft_bytes)
+            if bundle is not None and config.num_kv_blocks is None:
+                bundle.store_num_kv_blocks(blocks)
+        if bundle is not None:
+            bundle.bind(blocks)
     config = dataclasses.replace(config, num_kv_blocks=blocks)
     eos = tuple(model_config.eos_token_id)
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
-    return LoadedModel(config, model_config, dtype, graphdef, state, attention, plan, tokenizer, eos, draft)
+    return LoadedModel(config, model_config, dtype, graphdef, state, attention, plan, tokenizer, eos, draft, bundle)
 
 
 def load_draft(config: EngineConfig, target: ModelConfig, dtype: jnp.dtype) -> LoadedDraft:
@@ -160,7 +181,8 @@ def enable_compilation_cache(path: str | None) -> None:
 
 
 def _open_model(config: EngineConfig):
-    """(model config, checkpoint or None, tokenizer or None) for the configured model."""
+    """(model config, checkpoint or None, tokenizer or None) for the configured model; the
+    tokenizer of a checkpoint comes as a Future (`_resolve` waits for it)."""
     from jaxengine.models.checkpoint import load_hf_tokenizer, open_checkpoint  # heavy imports only here
 
     model = config.model or default_model_path()
@@ -168,8 +190,19 @@ def _open_model(config: EngineConfig):
         tok = load_hf_tokenizer(config.tokenizer) if config.tokenizer and not config.skip_tokenizer_init else None
         return ModelConfig.from_hf_dict(PRESETS[model]), None, tok
     ckpt = open_checkpoint(model, revision=config.revision, tokenizer=config.tokenizer)
-    tokenizer = None if config.skip_tokenizer_init else ckpt.load_tokenizer()
+    tokenizer = None
+    if not config.skip_tokenizer_init:
+        # The tokenizer (mostly transformers' imports, in Python) loads beside the weights (mostly
+        # numpy and device copies): on a small machine the two overlap.
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tokenizer = pool.submit(ckpt.load_tokenizer)
+        pool.shutdown(wait=False)
     return ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, tokenizer
+
+
+def _resolve(tokenizer):
+    """The tokenizer, once its loading thread is done (its errors are raised here)."""
+    return tokenizer.result() if isinstance(tokenizer, concurrent.futures.Future) else tokenizer
 
 
 def derive_config(config: EngineConfig, mc: ModelConfig) -> EngineConfig:

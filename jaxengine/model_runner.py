@@ -3,9 +3,11 @@
 Per token bucket T one forward program (KV caches donated, logits for R = min(T, max_num_seqs)
 rows); per row count R five small sampler programs (`SAMPLER_VARIANTS`: plain and with the
 structured-output bitmask, each with and without top-k / top-p truncation; with logits
-processors (penalties, logit_bias, allowed_token_ids, bad_words) and the bitmask). All of them are compiled ahead of time at start-up; running a
-shape that was not compiled is a bug and raises. The host waits once per step, for the
-sampler's output. A step is enqueued in one go (`dispatch`), or as its forward first and its
+processors (penalties, logit_bias, allowed_token_ids, bad_words) and the bitmask). With warm-up on,
+all of them are compiled ahead of time at start-up and running a shape that was not compiled is a
+bug and raises; with it off, each is compiled on its first use. Either way a program of an earlier
+start with the same key is loaded from the program bundle instead (jaxengine.program_bundle).
+The host waits once per step, for the sampler's output. A step is enqueued in one go (`dispatch`), or as its forward first and its
 sampler later (`dispatch_forward` then `dispatch_sampler`): the engine computes the bitmask of
 constrained rows while the forward runs.
 """
@@ -13,6 +15,7 @@ constrained rows while the forward runs.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -235,12 +238,16 @@ class ModelRunner:
     """Runs steps of the scheduler's output on the device; reads nothing else of the engine."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype,
-                 attention: AttentionBackend, plan=None, eos_token_ids: tuple[int, ...] = (), lora_manager=None):
+                 attention: AttentionBackend, plan=None, eos_token_ids: tuple[int, ...] = (), lora_manager=None,
+                 bundle=None):
         """`attention`: the backend every forward program traces (chosen once, at start-up).
         `plan` (a jaxengine.sharding.ShardingPlan) places the KV cache over the mesh and keeps
         step inputs and outputs replicated; None runs on the default device. `eos_token_ids`:
-        the model's, banned with each row's stop ids until its min_tokens are out."""
+        the model's, banned with each row's stop ids until its min_tokens are out. `bundle` (a
+        jaxengine.program_bundle.ProgramBundle, bound to this KV-cache size): programs are read
+        from it before compiling and written to it after; None: always compiled."""
         self.config = config
+        self.bundle = bundle
         self.eos_token_ids = tuple(eos_token_ids)
         self.model_config = model_config
         self.graphdef = graphdef
@@ -288,7 +295,9 @@ class ModelRunner:
     def _allocate_kv(self) -> list[tuple[jax.Array, jax.Array]]:
         c = self.model_config
         shape = (self.num_blocks, c.num_kv_heads, self.config.block_size, self.attention.kv_head_dim(c.head_dim))
-        make = jax.jit(lambda: jnp.zeros(shape, self.attention.kv_dtype(self.dtype)), out_shardings=self.kv_sharding)
+        kv_dtype = self.attention.kv_dtype(self.dtype)
+        make = self._build("kv_zeros", shape, lambda *_: jax.jit(lambda: jnp.zeros(shape, kv_dtype),
+                                                                   out_shardings=self.kv_sharding).lower().compile())
         return [(make(), make()) for _ in range(c.num_layers)]
 
     def _compile_forward(self, t: int, lora: bool = False) -> jax.stages.Compiled:
@@ -345,7 +354,7 @@ class ModelRunner:
         if self._lora_write is None:
             if self.config.warmup:
                 raise RuntimeError("the LoRA slot writer was not compiled at start-up")
-            self._lora_write = self._compile_lora_write()
+            self._lora_write = self._build("lora_write", 0, lambda _: self._compile_lora_write())
         self.lora_layers = self._lora_write(self.lora_layers, adapter, np.int32(slot))
 
     def _lora_slots(self, seqs) -> list[int] | None:
@@ -409,8 +418,8 @@ class ModelRunner:
         return self.config.max_model_len if processors else 1
 
     def warmup(self) -> None:
-        """Compiles every bucket (forward and prompt logprobs per token bucket, samplers per row
-        count), several at a time: XLA compiles outside the GIL."""
+        """Compiles (or loads from the program bundle) every bucket: forward and prompt logprobs
+        per token bucket, samplers per row count, several at a time: XLA compiles outside the GIL."""
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
         jobs: list[tuple[str, object]] = (
             [("forward", t) for t in reversed(self.token_buckets)]
@@ -420,20 +429,19 @@ class ModelRunner:
             + ([("forward_lora", t) for t in reversed(self.token_buckets)] if self.lora_layers is not None else [])
             + ([("verify", (t, tr)) for t in self.token_buckets for tr in (False, True)] if self.spec else []))
         build = {"forward": self._compile_forward, "prompt_logprobs": self._compile_prompt_logprobs,
-                 "sampler": lambda key: self._compile_sampler(*key), "pool": self._compile_pool,
+                 "sampler": self._compile_sampler, "pool": self._compile_pool,
                  "forward_lora": lambda t: self._compile_forward(t, lora=True),
-                 "verify": lambda key: self._compile_verify(*key)}
-        tables = {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns,
-                  "pool": self._pool_fns, "forward_lora": self._forward_lora_fns, "verify": self._verify_fns}
+                 "verify": self._compile_verify}
+        tables = self._program_tables()
         if self.draft is not None:  # the draft model's catch-up per token bucket and its propose program
             draft_jobs = {(name, key): fn for name, key, fn in self.draft.compile_jobs()}
             jobs += [("draft", nk) for nk in draft_jobs]
-            build["draft"] = lambda nk: draft_jobs[nk]()
+            build["draft"] = lambda name, key: draft_jobs[(name, key)]()
         t0 = time.perf_counter()
         workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool, \
                 tqdm(total=len(jobs), desc="Compiling buckets", unit="program") as bar:
-            futures = {pool.submit(build[kind], key): (kind, key) for kind, key in jobs}
+            futures = {pool.submit(self._build, kind, key, build[kind]): (kind, key) for kind, key in jobs}
             for fut in concurrent.futures.as_completed(futures):
                 kind, key = futures[fut]
                 if kind == "draft":
@@ -442,18 +450,39 @@ class ModelRunner:
                     tables[kind][key] = fut.result()
                 bar.update(1)
         if self.lora_layers is not None:
-            self._lora_write = self._compile_lora_write()
+            self._lora_write = self._build("lora_write", 0, lambda _: self._compile_lora_write())
         self.compile_seconds = time.perf_counter() - t0
-        logger.info("compiled %d programs in %.1f s (token buckets %s, row buckets %s)",
-                    len(jobs), self.compile_seconds, list(self.token_buckets), rows)
+        loaded = self.bundle.loaded if self.bundle is not None else 0
+        logger.info("compiled %d programs and loaded %d from the program bundle in %.1f s (token buckets %s, "
+                    "row buckets %s)", len(jobs) - loaded, loaded, self.compile_seconds, list(self.token_buckets),
+                    rows)
+
+    def _program_tables(self) -> dict[str, dict]:
+        """Kind -> the table of its compiled programs (the kind names them in the program bundle)."""
+        return {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns,
+                "pool": self._pool_fns, "forward_lora": self._forward_lora_fns, "verify": self._verify_fns}
+
+    def _build(self, kind: str, key, compile_fn) -> jax.stages.Compiled:
+        """Program `kind` of `key`: read from the bundle of an earlier start, else compiled
+        (`compile_fn(*key)` for a tuple key, else `compile_fn(key)`) and added to the bundle."""
+        name = f"{kind}:{key!r}"
+        fn = self.bundle.load(name) if self.bundle is not None else None
+        if fn is None:
+            with self.bundle.fresh_compile() if self.bundle is not None else contextlib.nullcontext():
+                fn = compile_fn(*key) if isinstance(key, tuple) else compile_fn(key)
+            if self.bundle is not None:
+                self.bundle.save(name, fn)
+        return fn
 
     def _get(self, table: dict, key, compile_fn, what: str) -> jax.stages.Compiled:
-        """A program compiled at start-up; compiling one later is a bug when warm-up was on."""
+        """A program compiled (or loaded) at start-up; compiling one later is a bug when warm-up
+        was on. Without warm-up, each program is built on its first use."""
         fn = table.get(key)
         if fn is None:
             if self.config.warmup:
                 raise RuntimeError(f"{what} {key} was not compiled at start-up")
-            fn = table[key] = compile_fn(*key) if isinstance(key, tuple) else compile_fn(key)
+            kind = next(k for k, t in self._program_tables().items() if t is table)
+            fn = table[key] = self._build(kind, key, compile_fn)
         return fn
 
     def _get_forward(self, t: int) -> jax.stages.Compiled:

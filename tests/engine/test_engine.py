@@ -22,8 +22,9 @@ PROMPTS = [
     "def add(a, b):\n    return",
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
 ]
+# warmup=True: every bucket compiled at start-up (test_no_compile_after_warmup checks none compiles later)
 ENGINE_KW = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=128,
-                 block_size=16)
+                 block_size=16, warmup=True)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
 
 

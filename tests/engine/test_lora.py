@@ -70,7 +70,8 @@ def setup(tiny_model_factory, tmp_path_factory, xla_cache_dir):
                                                                               ("gate_proj", "down_proj"), 3)),
     }
     llm = LLM(path, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128, max_num_seqs=8,
-              max_num_batched_tokens=64, num_kv_blocks=64, compilation_cache_dir=xla_cache_dir)
+              max_num_batched_tokens=64, num_kv_blocks=64, compilation_cache_dir=xla_cache_dir,
+              warmup=True)  # every program at start-up: test_swapping_adapters_never_recompiles checks none later
     return path, llm, adapters
 
 

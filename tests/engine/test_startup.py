@@ -1,0 +1,107 @@
+"""Start-up on a tiny random Llama: the breakdown record, lazy compilation as the CPU default, the
+program bundle (a fresh process with the same config traces and compiles nothing; a changed config
+or a corrupt bundle is refused and rebuilt, with the same tokens) and `jaxengine bench startup`."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.cli import main
+from jaxengine.config import EngineConfig, token_buckets
+from jaxengine.model_runner import SAMPLER_VARIANTS
+
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=32, dtype="float32")
+FLAGS = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-kv-blocks", "32",
+         "--dtype", "float32"]
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+PROMPT = "Hello, my name is"
+
+
+def _tokens(llm: LLM) -> list[int]:
+    return list(llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def _num_programs(llm: LLM) -> int:
+    return sum(len(t) for t in llm.llm_engine.runner._program_tables().values())
+
+
+def test_warmup_default_is_lazy_on_cpu_and_ahead_when_asked(tiny_model_factory, tmp_path):
+    path = tiny_model_factory("llama")
+    lazy = LLM(path, compilation_cache_dir=str(tmp_path / "lazy"), **ENGINE)
+    assert lazy.llm_engine.config.warmup is False and not lazy.llm_engine.startup.ahead_of_time
+    assert _num_programs(lazy) == 0
+    want = _tokens(lazy)
+    every = len(token_buckets(32)) * 2 + len({min(t, 4) for t in token_buckets(32)}) * len(SAMPLER_VARIANTS)
+    assert 0 < _num_programs(lazy) < every  # a short run compiles the buckets it used, not all
+    ahead = LLM(path, compilation_cache_dir=None, warmup=True, **{**ENGINE, "max_num_batched_tokens": 16})
+    every = 2 + len(SAMPLER_VARIANTS)  # one token bucket: its forward and prompt-logprob programs, the samplers
+    assert _num_programs(ahead) == every and ahead.llm_engine.startup.warmup_s > 0
+    assert _tokens(ahead) == want
+    with pytest.raises(RuntimeError, match="was not compiled at start-up"):
+        ahead.llm_engine.runner._get_forward(1 << 20)
+
+
+def test_warmup_and_enforce_eager():
+    assert EngineConfig(enforce_eager=True).resolve_warmup("gpu").warmup is False
+    assert EngineConfig().resolve_warmup("gpu").warmup is True
+    assert EngineConfig().resolve_warmup("cpu").warmup is False
+    assert EngineConfig(warmup=True).resolve_warmup("cpu").warmup is True
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(warmup=True, enforce_eager=True)
+
+
+def test_bundle_hit_in_a_fresh_process(tiny_model_factory, tmp_path, capsys):
+    """`jaxengine bench startup`: the warm run loads every program from the bundle of the cold run."""
+    out = tmp_path / "startup.json"
+    rc = main(["bench", "startup", "--model", tiny_model_factory("llama"), "--prompt", PROMPT, "--max-tokens", "6",
+               "--cold-runs", "1", "--warm-runs", "1", "--compilation-cache-dir", str(tmp_path / "cache"),
+               "--output-json", str(out), *FLAGS])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    cold, warm = data["results"]["runs"]
+    assert data["results"]["same_tokens"] and data["results"]["cache_dir"] == str(tmp_path / "cache")
+    assert cold["after_request"]["xla_compiles"] > 0 and cold["after_request"]["programs_saved"] > 0
+    w = warm["after_request"]
+    assert (w["traces"], w["xla_compiles"], w["cache_hits"], w["programs_refused"]) == (0, 0, 0, 0)
+    assert w["programs_loaded"] == cold["after_request"]["programs_saved"]
+    assert "warm 1" in capsys.readouterr().out
+
+
+def test_bench_startup_help_and_foreign_cache_dir(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "startup", "--help"])
+    assert e.value.code == 0
+    assert "--cold-runs" in capsys.readouterr().out
+    (tmp_path / "precious").write_text("x")  # a folder this command did not make is never emptied
+    assert main(["bench", "startup", "--compilation-cache-dir", str(tmp_path)]) == 2
+    assert (tmp_path / "precious").exists()
+
+
+def test_changed_config_and_corrupt_bundle_are_rebuilt(tiny_model_factory, tmp_path):
+    path, cache = tiny_model_factory("llama"), str(tmp_path / "cache")
+    first = LLM(path, compilation_cache_dir=cache, **ENGINE)
+    want = _tokens(first)
+    saved = first.llm_engine.runner.bundle.saved
+    assert saved > 0
+    other = LLM(path, compilation_cache_dir=cache, **{**ENGINE, "max_num_seqs": 2})  # another key: a new bundle
+    assert _tokens(other) == want
+    b = other.llm_engine.runner.bundle
+    assert b.loaded == 0 and b.saved > 0 and b.dir != first.llm_engine.runner.bundle.dir
+    # Tamper with the first bundle: one file truncated, one replaced by a program of the other bundle.
+    files = sorted(glob.glob(os.path.join(first.llm_engine.runner.bundle.dir, "*.xla")))
+    with open(files[0], "r+b") as f:
+        f.truncate(os.path.getsize(files[0]) // 2)
+    shutil.copy(sorted(glob.glob(os.path.join(b.dir, "*.xla")))[0], files[1])
+    again = LLM(path, compilation_cache_dir=cache, **ENGINE)
+    assert _tokens(again) == want
+    b2 = again.llm_engine.runner.bundle
+    assert b2.refused == 2 and b2.saved == 2 and b2.loaded == saved - 2
+    healed = LLM(path, compilation_cache_dir=cache, **ENGINE)  # the rebuilt files are whole again
+    assert _tokens(healed) == want
+    assert (healed.llm_engine.runner.bundle.loaded, healed.llm_engine.runner.bundle.refused) == (saved, 0)
