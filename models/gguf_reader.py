@@ -170,7 +170,7 @@ class GGUFCheckpoint(Checkpoint):
         if "model.embed_tokens.weight" in self._tensors:
             vocab = self.tensor_shape("model.embed_tokens.weight")[0]
         elif tokens is not None:
-            vocab = len(tokens.data)
+            vocab = len(tokens.contents())
         else:
             vocab = self._required("vocab_size")
         cfg: dict = {
