@@ -7,11 +7,8 @@ tensors are reported together by name.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import functools
 import logging
-import os
 import re
 from typing import Callable
 
@@ -143,37 +140,24 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
     family = get_family(cfg.architecture)
     ignored = re.compile(family.ignored + r"$")
     stacks = _ExpertStacks(expected, dtype, put)
-
-    def read(name: str):
-        """(name, hits, raw tensor, each hit's array in the model's layout and dtype) or, for a
-        tensor the model has no place for, (name, None, None, None). Runs on reader threads."""
+    for name in checkpoint.tensor_names():
+        if ignored.match(name):
+            continue
         hits = param_paths(name, family)
         experts = {path: expert for path, _, expert in hits}
-        hits = [(path, fn, _fused_path(path, expected), experts[path]) for path, fn, _ in hits]
-        if not hits or any(path not in expected and fused is None for path, _, fused, _ in hits):
-            return name, None, None, None
-        raw = checkpoint.get_tensor(name)
-        raw = raw if is_quantized(raw) else np.asarray(raw)
-        arrays = []
-        for _, fn, _, _ in hits:
-            try:
-                arr = raw if is_quantized(raw) else fn(raw, cfg)  # quantized: flat (K, N), no layout change
-            except ValueError:
-                arr = None
-            if arr is not None and not is_quantized(arr):
-                arr = np.ascontiguousarray(arr, dtype=dtype)  # the transpose and cast, off the main thread
-            arrays.append(arr)
-        return name, hits, raw, arrays
-
-    names = [n for n in checkpoint.tensor_names() if not ignored.match(n)]
-    for name, hits, raw, arrays in _read_ahead(names, read):
-        if hits is None:
+        hits = [(path, fn, _fused_path(path, expected)) for path, fn, _ in hits]
+        if not hits or any(path not in expected and fused is None for path, _, fused in hits):
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # some tied checkpoints still store the head
             unexpected.append(name)
             continue
-        experts = {path: expert for path, _, _, expert in hits}
-        for (path, fn, fused, _), arr in zip(hits, arrays):
+        raw = checkpoint.get_tensor(name)
+        raw = raw if is_quantized(raw) else np.asarray(raw)
+        for path, fn, fused in hits:
+            try:
+                arr = raw if is_quantized(raw) else fn(raw, cfg)  # quantized: flat (K, N), no layout change
+            except ValueError:
+                arr = None
             if experts[path] is not None:
                 error = stacks.add(name, path, experts[path], arr, tuple(raw.shape))
                 if error:
@@ -193,7 +177,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             elif arr is None or tuple(arr.shape) != want:
                 bad_shapes.append(f"{name}: checkpoint shape {tuple(raw.shape)} does not fit parameter {want}")
                 continue
-            set_path(pure, path, put(path, arr))
+            set_path(pure, path, put(path, arr if is_quantized(arr) else np.asarray(arr).astype(dtype)))
             seen.add(path)
     missing_parts = []
     for path in [p for p in expected if str(p[-1]) in FUSED and p not in stacks.targets]:
@@ -217,7 +201,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             bad_shapes.append(f"{shapes}: do not fit fused parameter {want}")
             seen.add(path)
             continue
-        set_path(pure, path, put(path, arr if is_quantized(arr) else arr.astype(dtype, copy=False)))
+        set_path(pure, path, put(path, arr if is_quantized(arr) else arr.astype(dtype)))
         seen.add(path)
     for path, arr in stacks.finished.items():
         set_path(pure, path, arr)
@@ -234,23 +218,6 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                          f"{cfg.architecture}: " + " | ".join(parts))
     nnx.replace_by_pure_dict(abs_state, pure)
     return graphdef, abs_state
-
-
-READ_THREADS = 8  # tensors read, transposed and cast at once while loading
-READ_AHEAD = 2 * READ_THREADS  # tensors in flight at most (bounds the host memory a load holds)
-
-
-def _read_ahead(items: list, fn: Callable):
-    """fn(item) for each item, in order, computed by READ_THREADS threads at most READ_AHEAD items
-    ahead of the consumer: reads and numpy copies release the GIL, so a checkpoint's tensors are
-    read and converted in parallel while the main thread places them."""
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(READ_THREADS, os.cpu_count() or 1))) as pool:
-        pending = collections.deque(pool.submit(fn, x) for x in items[:READ_AHEAD])
-        for x in items[READ_AHEAD:]:
-            yield pending.popleft().result()
-            pending.append(pool.submit(fn, x))
-        while pending:
-            yield pending.popleft().result()
 
 
 def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, *, seed: int = 0,
