@@ -27,7 +27,7 @@ PHI3 = dict(architectures=["Phi3ForCausalLM"], vocab_size=1000, hidden_size=64, 
 LONGROPE = dict(type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8)  # head_dim 16: 8 factors
 
 
-@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "NoSuchForCausalLM"])
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "NoSuchForCausalLM"])
 def test_unsupported_architecture_is_named(arch: str) -> None:
     with pytest.raises(ValueError, match=f"unsupported model architecture '{arch}'; supported: .*LlamaForCausalLM"):
         ModelConfig.from_hf_dict({**LLAMA, "architectures": [arch]})
@@ -83,9 +83,9 @@ def test_an_unsupported_folder_fails_clearly_in_llm(tmp_path) -> None:
     """What a user meets who points LLM at a family this engine does not implement."""
     from jaxengine import LLM
 
-    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["MixtralForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["DeepseekV3ForCausalLM"]}))
     save_file({"model.embed_tokens.weight": np.zeros((4, 4), np.float32)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="unsupported model architecture 'MixtralForCausalLM'"):
+    with pytest.raises(ValueError, match="unsupported model architecture 'DeepseekV3ForCausalLM'"):
         LLM(str(tmp_path), skip_tokenizer_init=True)
 
 
