@@ -35,6 +35,7 @@ from jaxengine.attention_backend import AttentionBackend
 from jaxengine.config import EngineConfig, pick_bucket, token_buckets
 from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs
 from jaxengine.models.attention import AttentionMetadata
+from jaxengine.model_runner import _abstract, _flat
 from jaxengine.models.config import ModelConfig
 from jaxengine.packing import Layout, pack, unpack
 from jaxengine.scheduler import ScheduledSeq
@@ -106,10 +107,6 @@ def _propose(graphdef, state, kv_caches, packed: jax.Array, *, layout: Layout, a
     return kv_caches, drafts
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-
-
 class DraftModel:
     """The draft's weights, KV cache and programs; `propose` is its one entry point."""
 
@@ -142,21 +139,16 @@ class DraftModel:
                     self.source, c.architecture, c.num_layers, self.k, self.attention.description)
 
     # -- programs -----------------------------------------------------------------------------
-    def _flat(self, fn, **static):
-        graphdef, treedef = self.graphdef, self.treedef
-
-        def wrapped(leaves, *args):
-            return fn(graphdef, jax.tree.unflatten(treedef, leaves), *args, **static)
-        return wrapped
-
     def compile_catch_up(self, t: int) -> jax.stages.Compiled:
         layout = Layout.of(abstract_inputs(t, min(t, self.config.max_num_seqs), self.config.max_blocks_per_seq))
-        fn = jax.jit(self._flat(_catch_up, layout=layout, attention=self.attention), donate_argnums=(1,))
+        fn = jax.jit(_flat(_catch_up, self.graphdef, self.treedef, layout=layout, attention=self.attention),
+                     donate_argnums=(1,))
         return fn.lower(_abstract(self.param_leaves), _abstract(self.kv_caches), layout.abstract()).compile()
 
     def compile_propose(self) -> jax.stages.Compiled:
-        fn = jax.jit(self._flat(_propose, layout=self._propose_layout, attention=self.attention, k=self.k,
-                                block_size=self.config.block_size), donate_argnums=(1,))
+        fn = jax.jit(_flat(_propose, self.graphdef, self.treedef, layout=self._propose_layout,
+                           attention=self.attention, k=self.k, block_size=self.config.block_size),
+                     donate_argnums=(1,))
         return fn.lower(_abstract(self.param_leaves), _abstract(self.kv_caches),
                         self._propose_layout.abstract()).compile()
 

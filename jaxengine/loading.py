@@ -139,8 +139,6 @@ def load_draft(config: EngineConfig, target: ModelConfig, dtype: jnp.dtype) -> L
     """Speculative decoding's draft model (speculative_config.model), on the device in the
     target's dtype: a checkpoint as the target's are opened, or with load_format="dummy" a preset
     name. Its vocabulary must be the target's (it proposes the target's token ids)."""
-    from jaxengine.models.checkpoint import open_checkpoint
-
     source = config.speculative_config.model
     if config.tensor_parallel_size > 1:
         raise ValueError("speculative_config: a draft model runs with tensor_parallel_size=1 only; "
@@ -150,12 +148,7 @@ def load_draft(config: EngineConfig, target: ModelConfig, dtype: jnp.dtype) -> L
     if target.kv_window is not None:
         raise ValueError(f"speculative_config: a draft model is not supported for {target.architecture} with a "
                          "sliding window (the target's KV blocks outside the window are freed)")
-    ckpt = None
-    if config.load_format == "dummy" and source in PRESETS:
-        mc = ModelConfig.from_hf_dict(PRESETS[source])
-    else:
-        ckpt = open_checkpoint(source, revision=None)
-        mc = ModelConfig.from_hf_dict(ckpt.hf_config)
+    mc, ckpt = _open_source(source, config, None, None)
     if mc.vocab_size > target.vocab_size:
         raise ValueError(f"speculative_config: the draft model's vocabulary ({mc.vocab_size} tokens) is larger than "
                          f"the target's ({target.vocab_size}); the draft must share the target's tokenizer")
@@ -183,13 +176,12 @@ def enable_compilation_cache(path: str | None) -> None:
 def _open_model(config: EngineConfig):
     """(model config, checkpoint or None, tokenizer or None) for the configured model; the
     tokenizer of a checkpoint comes as a Future (`_resolve` waits for it)."""
-    from jaxengine.models.checkpoint import load_hf_tokenizer, open_checkpoint  # heavy imports only here
+    from jaxengine.models.checkpoint import load_hf_tokenizer  # heavy imports only here
 
-    model = config.model or default_model_path()
-    if config.load_format == "dummy" and model in PRESETS:
+    mc, ckpt = _open_source(config.model or default_model_path(), config, config.revision, config.tokenizer)
+    if ckpt is None:
         tok = load_hf_tokenizer(config.tokenizer) if config.tokenizer and not config.skip_tokenizer_init else None
-        return ModelConfig.from_hf_dict(PRESETS[model]), None, tok
-    ckpt = open_checkpoint(model, revision=config.revision, tokenizer=config.tokenizer)
+        return mc, None, tok
     tokenizer = None
     if not config.skip_tokenizer_init:
         # The tokenizer (mostly transformers' imports, in Python) loads beside the weights (mostly
@@ -197,7 +189,18 @@ def _open_model(config: EngineConfig):
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         tokenizer = pool.submit(ckpt.load_tokenizer)
         pool.shutdown(wait=False)
-    return ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, tokenizer
+    return mc, ckpt, tokenizer
+
+
+def _open_source(source: str, config: EngineConfig, revision: str | None, tokenizer: str | None):
+    """(model config, checkpoint) of a model source: with load_format="dummy", a preset name
+    gives its config and no checkpoint; anything else is opened as a checkpoint."""
+    from jaxengine.models.checkpoint import open_checkpoint
+
+    if config.load_format == "dummy" and source in PRESETS:
+        return ModelConfig.from_hf_dict(PRESETS[source]), None
+    ckpt = open_checkpoint(source, revision=revision, tokenizer=tokenizer)
+    return ModelConfig.from_hf_dict(ckpt.hf_config), ckpt
 
 
 def _resolve(tokenizer):
