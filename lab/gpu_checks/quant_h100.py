@@ -33,22 +33,30 @@ import time
 import numpy as np
 
 ENGINES = {"bf16": None, "fp8": "fp8", "w4a16": "gptq"}
-TIME_LIMIT_S = {"micro": 75, "bf16": 150, "fp8": 150, "w4a16": 95}  # 470 s in all
-K, N, ROWS = 4096, 14336, (1, 16, 256)
+TIME_LIMIT_S = {"micro": 150, "bf16": 130, "fp8": 180, "w4a16": 110}  # 570 s in all
 
 
-def _timed(fn, *args, iters: int = 30) -> float:
-    """Median seconds of one call (after a compile and a warm-up call)."""
+# Llama-3-8B's linear shapes (K inputs, N outputs): fused q/k/v, o, fused gate/up, down
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+# weight-only kernel configurations tried at one row: (block_n, num_stages, num_warps, splits or None)
+INT4_CONFIGS = [(bn, st, w, s) for bn in (64, 128, 256) for st in (2, 3, 4) for w in (4, 8) for s in (None,)] + \
+    [(128, 3, 4, s) for s in (1, 2, 4, 8)]
+
+
+def _per_call(fn, x, ws, repeats: int = 7) -> float:
+    """Median seconds per matmul: `fn(x, w)` over a stack of L different weights in one compiled
+    lax.map (no dispatch between calls, and every call reads its own weight from memory)."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+    run = jax.jit(lambda x, ws: jax.lax.map(lambda w: fn(x, w), ws))
+    jax.block_until_ready(run(x, ws))
+    n = jax.tree.leaves(ws)[0].shape[0]
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(run(x, ws))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.median(times)) / n
 
 
 def micro() -> dict:
@@ -56,45 +64,62 @@ def micro() -> dict:
     import jax.numpy as jnp
 
     from jaxengine.benchmarks import ceilings
-    from jaxengine.models.quantization import fp8_matmul, quantize_fp8, weight_only_matmul
+    from jaxengine.models.quantization import fp8_matmul, weight_only_matmul
     from jaxengine.pallas_kernels import weight_only_matmul_gpu as kernel
 
-    res: dict = {"ceilings": ceilings.measure(), "K": K, "N": N}
+    res: dict = {"ceilings": ceilings.measure(), "shapes": SHAPES, "timing": "median over 7 runs of one compiled "
+                 "lax.map over L distinct weights, divided by L"}
     key = jax.random.key(0)
-    w = (0.02 * jax.random.normal(key, (K, N), jnp.float32)).astype(jnp.bfloat16)
-    q = jax.jit(quantize_fp8, static_argnums=1)(w, 1)
-    packed = jax.lax.bitcast_convert_type(jax.random.bits(key, (K // 8, N), jnp.uint32), jnp.int32)
-    scales = jnp.full((K // 128, N), 0.005, jnp.bfloat16)
-    zeros = jnp.full((K // 128, N), 8, jnp.uint8)
-    fns = {
-        "bf16": (jax.jit(lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)), 2 * K * N),
-        "fp8": (jax.jit(lambda x: fp8_matmul(x, q.qweight, q.scale, None)), K * N),
-        "fp8_dot_only": (jax.jit(lambda xq: jax.lax.dot_general(
-            xq, q.qweight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)), K * N),
-        "int4_reference": (jax.jit(lambda x: weight_only_matmul(x, packed, scales, zeros, 4, 128)), K * N // 2),
-        "int4_kernel": (jax.jit(lambda x: kernel.weight_only_matmul(x, packed, scales, zeros, bits=4, group_size=128)),
-                        K * N // 2),
-    }
-    for rows in ROWS:
-        x = jax.random.normal(jax.random.fold_in(key, rows), (rows, K), jnp.float32).astype(jnp.bfloat16)
-        xq = x.astype(jnp.float8_e4m3fn)
-        out = {}
-        for name, (fn, weight_bytes) in fns.items():
-            arg = xq if name == "fp8_dot_only" else x
-            try:
-                s = _timed(fn, arg)
-                hlo = fn.lower(arg).compile().as_text()
-            except Exception as e:  # a kernel that does not lower here: recorded, the others still run
-                out[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
-                continue
-            out[name] = {"us": 1e6 * s, "weight_GBps": weight_bytes / s / 1e9, "TFLOPs": 2 * rows * K * N / s / 1e12,
-                         "fp8_gemm_in_hlo": "f8" in hlo and "cublas" in hlo.lower()}
-        if "error" not in out["int4_kernel"]:
-            ref = fns["int4_reference"][0](x).astype(jnp.float32)
-            got = fns["int4_kernel"][0](x).astype(jnp.float32)
-            out["int4_kernel"]["max_abs_err_vs_reference"] = float(jnp.max(jnp.abs(got - ref)))
-            out["int4_kernel"]["reference_max_abs"] = float(jnp.max(jnp.abs(ref)))
-        res[f"rows_{rows}"] = out
+    for name, (k, n) in SHAPES.items():
+        layers = max(4, min(16, int(2e9 // (2 * k * n))))  # about 2 GB of bf16 weights per stack
+        kb, kq, kp = jax.random.split(jax.random.fold_in(key, k * n), 3)
+        wb = (0.02 * jax.random.normal(kb, (layers, k, n), jnp.float32)).astype(jnp.bfloat16)
+        qw = jnp.clip(16 * jax.random.normal(kq, (layers, n, k), jnp.float32), -448, 448).astype(jnp.float8_e4m3fn)
+        qs = jnp.full((layers, n), 0.02 / 16, jnp.float32)
+        packed = jax.lax.bitcast_convert_type(jax.random.bits(kp, (layers, k // 8, n), jnp.uint32), jnp.int32)
+        scales = jnp.full((layers, k // 128, n), 0.005, jnp.bfloat16)
+        zeros = jnp.full((layers, k // 128, n), 8, jnp.uint8)
+        int4_bytes = k * n // 2 + (k // 128) * n * 3
+        shape_res: dict = {"K": k, "N": n, "layers_in_stack": layers}
+        for rows in (1, 16, 256):
+            x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.float32).astype(jnp.bfloat16)
+            cells: dict = {}
+
+            def put(label, fn, ws, nbytes):
+                try:
+                    s = _per_call(fn, x, ws)
+                    cells[label] = {"us": 1e6 * s, "weight_GBps": nbytes / s / 1e9}
+                except Exception as e:  # a variant that does not lower here: recorded, the others still run
+                    cells[label] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+
+            put("bf16", lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype), wb, 2 * k * n)
+            put("fp8", lambda x, w: fp8_matmul(x, w[0], w[1], None), (qw, qs), k * n + 4 * n)
+            put("int4_reference", lambda x, w: weight_only_matmul(x, *w, 4, 128), (packed, scales, zeros), int4_bytes)
+            configs = INT4_CONFIGS if rows == 1 else [(128, 2, 4, None), (128, 3, 4, None), (256, 3, 8, None)]
+            for bn, st, nw, sp in configs:
+                put(f"int4_kernel bn{bn} st{st} w{nw} s{sp or 'auto'}",
+                    lambda x, w, bn=bn, st=st, nw=nw, sp=sp: kernel.weight_only_matmul(
+                        x, *w, bits=4, group_size=128, block_n=bn, num_stages=st, num_warps=nw, splits=sp),
+                    (packed, scales, zeros), int4_bytes)
+            ok = {lab: c["us"] for lab, c in cells.items() if lab.startswith("int4_kernel") and "us" in c}
+            if ok:
+                best = min(ok, key=ok.get)
+                cells["int4_kernel_best"] = dict(cells[best], config=best)
+            shape_res[f"rows_{rows}"] = cells
+        hlo = jax.jit(lambda x, w: fp8_matmul(x, w[0], w[1], None)).lower(
+            x[:1], (qw[0], qs[0])).compile().as_text()
+        shape_res["fp8_program_calls_cublaslt_f8"] = "f8" in hlo and "cublas$lt" in hlo.lower()
+        # the kernel's agreement with the reference, default configuration, 16 rows
+        x = jax.random.normal(key, (16, k), jnp.float32).astype(jnp.bfloat16)
+        ref = weight_only_matmul(x, packed[0], scales[0], zeros[0], 4, 128).astype(jnp.float32)
+        try:
+            got = kernel.weight_only_matmul(x, packed[0], scales[0], zeros[0], bits=4, group_size=128)
+            shape_res["int4_kernel_max_abs_err"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)))
+        except Exception as e:
+            shape_res["int4_kernel_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+        shape_res["int4_reference_max_abs"] = float(jnp.max(jnp.abs(ref)))
+        res[name] = shape_res
+        print(f"micro {name} done", flush=True)
     return res
 
 
@@ -112,6 +137,9 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
 
     vocab = PRESETS[model]["vocab_size"]
     copy_gbps = ceilings.measure(matmul_n=4096)["copy_bandwidth_GBps"]
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
     llm = LLM(model, load_format="dummy", dtype="bfloat16", quantization=ENGINES[kind],
               tokenizer=synthetic_tokenizer(tempfile.mkdtemp(), vocab))
@@ -124,6 +152,7 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
     def prompts(i: int) -> list[list[int]]:
         return [q.prompt_token_ids for q in random_requests(1, 128, 256, 0.0, vocab, seed=500 + i)]
 
+    print(f"engine ready after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     run_batch(llm, prompts(100), 256)
     runs = [run_batch(llm, prompts(i), 256) for i in range(3)]
     steps = percentiles([g for r in runs for g in r["decode_steps"]])
@@ -134,6 +163,7 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
     roofline_ms = 1e3 * (decode_weight_bytes(llm) + kv_bytes) / (copy_gbps * 1e9)
     res["decode_b1"] = {"ms_per_token_median": ms, "ms_per_token_p99": 1e3 * steps["p99"],
                         "roofline_ms": roofline_ms, "roofline_fraction": roofline_ms / ms}
+    print(f"decode done after {time.perf_counter() - t0:.1f} s: {ms:.2f} ms/token", file=sys.stderr, flush=True)
     if throughput:
         warm = [SampleRequest(q.prompt_token_ids, 16) for q in random_requests(64, 256, 256, 0.0, vocab, seed=20_000)]
         run_throughput(llm, warm)
@@ -151,8 +181,12 @@ def _child(part: str, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, timeout=TIME_LIMIT_S[part], capture_output=True, text=True)
-    except subprocess.TimeoutExpired:
-        return {"error": f"ran past {TIME_LIMIT_S[part]} s"}
+    except subprocess.TimeoutExpired as e:  # what it printed before the limit says where it was
+        tail = (e.stderr or b"")
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"error": f"ran past {TIME_LIMIT_S[part]} s", "stderr_tail": tail[-3000:]}
+    with open(os.path.join(args.out, f"quant_{part}.log"), "w") as fh:
+        fh.write(proc.stderr)
     if proc.returncode != 0 or not os.path.exists(path):
         return {"error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
     with open(path) as fh:
@@ -166,11 +200,14 @@ def _table(res: dict) -> None:
     if "ceilings" in m:
         c = m["ceilings"]
         print(f"ceilings: copy {c['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
-        print(f"{'linear 4096x14336':<18}" + "".join(f"{f'rows {r}':>22}" for r in ROWS))
-        for name in ("bf16", "fp8", "fp8_dot_only", "int4_reference", "int4_kernel"):
-            cells = [m[f"rows_{r}"][name] for r in ROWS]
-            print(f"{name:<18}" + "".join(f"{'error':>22}" if "error" in c else
-                                          f"{c['us']:>9.1f} us {c['weight_GBps']:>6.0f} GB/s" for c in cells))
+        print(f"{'shape':<9}{'rows':>5}" + "".join(f"{v:>16}" for v in ("bf16 us", "fp8 us", "int4 ref us", "int4 best us"))
+              + "  best int4 config")
+        for name in SHAPES:
+            for rows in (1, 16, 256):
+                cells = m.get(name, {}).get(f"rows_{rows}", {})
+                vals = [cells.get(v, {}).get("us") for v in ("bf16", "fp8", "int4_reference", "int4_kernel_best")]
+                print(f"{name:<9}{rows:>5}" + "".join(f"{v:>16.1f}" if v is not None else f"{'-':>16}" for v in vals)
+                      + "  " + cells.get("int4_kernel_best", {}).get("config", ""))
     print(f"{'engine':<8}{'weights GiB':>12}{'decode ms/tok':>15}{'roofline':>10}{'256/256 tok/s':>15}")
     for kind in ENGINES:
         e = res.get(kind, {})
