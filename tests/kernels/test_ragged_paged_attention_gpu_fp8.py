@@ -130,5 +130,5 @@ def test_lowers_for_cuda_with_the_upcast_in_registers(monkeypatch, dtype, ir):
     assert len(modules) == 2  # decode, prefill
     for text in modules:
         assert "tensor<64x128xf8E4M3FN>" in text or "tensor<128x128xf8E4M3FN>" in text
-        assert f"xf8E4M3FN> -> tensor<" in text and "tt.fp_to_fp" in text
+        assert "xf8E4M3FN> -> tensor<" in text and "tt.fp_to_fp" in text
         assert all(line.rstrip().endswith(f"x{ir}>") for line in text.splitlines() if "tt.fp_to_fp" in line)
