@@ -55,7 +55,7 @@ _ENGINE_HELP = {
                     "time; compressed-tensors, gptq, awq (and the *_marlin aliases) name a quantized checkpoint's "
                     "method (default: the checkpoint's quantization_config, if any)",
     "kv_cache_dtype": "KV cache element type: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, scale 1.0; "
-                      "the jnp reference and CPU attention only)",
+                      "on a GPU the Triton attention kernels, sm_89+)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}, or a '
                           'draft model: {"model": PATH, "num_speculative_tokens": 3}',

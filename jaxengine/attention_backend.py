@@ -16,6 +16,9 @@ What each name runs:
   "pallas-mosaic"  the same GPU kernels as "auto"; the jnp reference off supported GPUs
   "pallas"         the Triton-lowered GPU kernels only; the jnp reference off supported GPUs
   "reference"      the jnp reference everywhere
+With kv_cache_dtype="fp8" (a float8_e4m3fn cache) the GPU names run the Triton kernels for every
+call, on sm_89+ (Ada, Hopper): the Mosaic prefill kernel takes bf16 K/V only; below sm_89 no
+Pallas kernel reads e4m3 and the jnp reference runs.
 
 Under tensor parallelism (a mesh with a "model" axis) the write and the attention run per device
 under `shard_map`: Pallas calls are not auto-partitioned, and each device holds the query heads
@@ -78,7 +81,8 @@ class AttentionBackend:
     # nothing to q.k and their output columns are dropped. None: the model's own head size.
     cache_head_dim: int | None = None
     # Element type of the KV cache (kv_cache_dtype="fp8": float8_e4m3fn, scale 1.0, written
-    # saturated and read upcast by the jnp attention paths); None: the model's dtype.
+    # saturated by write_kv and read upcast by every attention path: the jnp ones and the Triton
+    # GPU kernels); None: the model's dtype.
     cache_dtype: jnp.dtype | None = None
 
     def kv_head_dim(self, head_dim: int) -> int:
@@ -128,25 +132,24 @@ def select_attention_backend(name: str, model_config: ModelConfig, dtype: jnp.dt
     `model_config`, `dtype` and `block_size` decide whether the Mosaic prefill kernel applies to
     the model at all (its head size, group size, any layer's window or soft cap): where it does
     not, the Triton kernels run every call. `mesh`: the tensor-parallel mesh, or None on one device.
-    `kv_cache_dtype` (config.KV_CACHE_DTYPES): "fp8" keeps the cache in float8_e4m3fn, which only
-    the jnp attention paths read for now: with a Pallas GPU kernel it is refused.
+    `kv_cache_dtype` (config.KV_CACHE_DTYPES): "fp8" keeps the cache in float8_e4m3fn (scale 1.0),
+    which every path reads: on a GPU the Triton kernels for every call (the Mosaic prefill kernel
+    takes bf16 K/V only), or the jnp reference where no Pallas kernel converts e4m3 (below sm_89).
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
-    backend = _select(name, model_config, dtype, block_size, mesh)
     if kv_cache_dtype == "auto":
-        return backend
-    if backend.fn not in (ragged_paged_attention_reference, ragged_paged_attention_cpu):
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the Pallas GPU attention kernels "
-                         f"({backend.description}) yet; use attention_backend='reference', or kv_cache_dtype='auto'")
-    return dataclasses.replace(backend, cache_dtype=jnp.dtype(jnp.float8_e4m3fn))
+        return _select(name, model_config, dtype, block_size, mesh)
+    backend = _select(name, model_config, dtype, block_size, mesh, kv_fp8=True)
+    return dataclasses.replace(backend, description=f"{backend.description}, fp8 KV cache",
+                               cache_dtype=jnp.dtype(jnp.float8_e4m3fn))
 
 
 def _select(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: int,
-            mesh: Mesh | None) -> AttentionBackend:
+            mesh: Mesh | None, kv_fp8: bool = False) -> AttentionBackend:
     platform = jax.default_backend()
     if name in ("pallas", "pallas-mosaic") or (name == "auto" and platform == "gpu"):
-        kernel = gpu_backend.get_kernel(mosaic_prefill=name in ("auto", "pallas-mosaic"))
+        kernel = gpu_backend.get_kernel(mosaic_prefill=name in ("auto", "pallas-mosaic"), kv_fp8=kv_fp8)
         h = model_config.head_dim
         if kernel is not None and h > gpu_backend.MAX_HEAD_DIM:
             logger.warning("head size %d is above the Pallas GPU kernels' %d: attention runs the jnp reference",
@@ -157,7 +160,7 @@ def _select(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: 
         if kernel is not None and not _mosaic_applies(kernel, model_config, dtype, block_size):
             # No layer of this model runs the Mosaic prefill kernel, not even the global layers of
             # a model whose windows or soft cap are on some layers only (Gemma 3's 1 in 6).
-            kernel = gpu_backend.get_kernel(mosaic_prefill=False)
+            kernel = gpu_backend.get_kernel(mosaic_prefill=False, kv_fp8=kv_fp8)
             return AttentionBackend(name, f"{_name(kernel)} (the Mosaic prefill kernel does not apply){note}",
                                     kernel, mesh, padded)
         if kernel is not None:

@@ -12,6 +12,9 @@ logger = logging.getLogger(__name__)
 
 # The Triton-lowered kernels use bf16 tensor-core products: Ampere (sm_80) or newer.
 _MIN_COMPUTE_CAPABILITY = (8, 0)
+# An fp8 (float8_e4m3fn) KV cache: Pallas' Triton lowering converts e4m3 from Ada/Hopper (sm_89)
+# on; below, no Pallas kernel reads it.
+FP8_KV_MIN_COMPUTE_CAPABILITY = (8, 9)
 # Largest head size the kernels take (they take powers of two from 16 up to it).
 MAX_HEAD_DIM = 256
 
@@ -36,12 +39,15 @@ MOSAIC_PREFILL_MIN_TOKENS = 512
 
 
 def get_kernel(mosaic_prefill: bool = False,
-               min_tokens: int = MOSAIC_PREFILL_MIN_TOKENS) -> Callable | None:
+               min_tokens: int = MOSAIC_PREFILL_MIN_TOKENS, kv_fp8: bool = False) -> Callable | None:
     """The GPU kernel's public function on an NVIDIA GPU of sm_80+, else None.
 
     mosaic_prefill: on Hopper (sm_90), prefill chunks of calls with at least `min_tokens`
     token rows go to the Mosaic GPU kernel where it applies
-    (ragged_paged_attention_mgpu.supported); elsewhere the flag changes nothing."""
+    (ragged_paged_attention_mgpu.supported); elsewhere the flag changes nothing.
+    kv_fp8: the KV cache is float8_e4m3fn. The Triton kernels read it from sm_89 on (None
+    below); the Mosaic prefill kernel's WGMMAs take bf16 K/V only, so `mosaic_prefill` is
+    dropped (said once, at INFO) and the Triton kernels serve every call."""
     if jax.default_backend() != "gpu":
         return None
     device = jax.devices()[0]
@@ -50,10 +56,18 @@ def get_kernel(mosaic_prefill: bool = False,
         logger.info("no Pallas attention kernel for device %s (compute capability %s)",
                     device.device_kind, cc)
         return None
+    if kv_fp8 and cc < FP8_KV_MIN_COMPUTE_CAPABILITY:
+        logger.warning("no Pallas attention kernel reads an fp8 KV cache on device %s (compute "
+                       "capability %d.%d; e4m3 conversion needs %d.%d+)", device.device_kind, *cc,
+                       *FP8_KV_MIN_COMPUTE_CAPABILITY)
+        return None
     from jaxengine.pallas_kernels import ragged_paged_attention_mgpu as mgpu
     from jaxengine.pallas_kernels.ragged_paged_attention_gpu import (
         MosaicTiling, Tiling, ragged_paged_attention_gpu)
-    if mosaic_prefill and cc[0] == 9:
+    if mosaic_prefill and cc[0] == 9 and kv_fp8:
+        logger.info("fp8 KV cache: the Mosaic GPU prefill kernel (bf16 K/V only) is skipped; "
+                    "the Triton kernels serve every attention call")
+    elif mosaic_prefill and cc[0] == 9:
         # The Mosaic kernel sizes its KV splits and grid by the SM count (132 on an H100 SXM).
         sms = getattr(device, "core_count", None) or MosaicTiling().sm_count
         tiling = Tiling(mosaic=MosaicTiling(sm_count=int(sms)))

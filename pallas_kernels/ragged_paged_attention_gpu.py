@@ -26,6 +26,12 @@ Kernel 2, `_prefill_kernel`, grid (K, NQB), output aliased to kernel 1's output:
 K/V pages are gathered row by row through the block table (masked loads: tokens past the
 sequence's end or before its sliding window are never fetched), so any block size works and a
 tile may span several pages.
+
+The cache is in q's dtype or in float8_e4m3fn (an fp8 KV cache, vLLM's kv_cache_dtype="fp8"):
+fp8 K/V tiles are read as fp8 (half the bytes) and upcast to q's dtype in registers before the
+dots (exact: e4m3 values are bf16 values). The cache holds K / k_scale and V / v_scale, per-tensor
+scales (1.0 today); k_scale is folded into the logit scale and v_scale into the output
+normalisation, so neither costs a multiply per element and a scale of 1.0 changes nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ _pl_dot = getattr(plgpu, "dot", None) or pl.dot
 _LOG2E = math.log2(math.e)
 _MASK = -1e30
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# Cache element types besides q's: e4m3, which Triton converts on sm_89+ (gpu_backend checks).
+FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
 
 
 def _is_pow2(x: int) -> bool:
@@ -194,11 +202,29 @@ def _logits_log2(s: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.A
     return jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * _LOG2E)
 
 
-def _load_kv(ref, rows: jax.Array, valid: jax.Array, h: int) -> jax.Array:
-    """Gathers cache rows [BKV] -> [BKV, H]; rows with valid False are not fetched (zeros)."""
+def _load_kv(ref, rows: jax.Array, valid: jax.Array, h: int, dtype: jnp.dtype) -> jax.Array:
+    """Gathers cache rows [BKV] -> [BKV, H] in `dtype` (q's); rows with valid False are not
+    fetched (zeros)."""
     cols = jnp.arange(h, dtype=jnp.int32)[None, :]
     mask = jnp.broadcast_to(valid[:, None], (rows.shape[0], h))
-    return plgpu.load(ref.at[rows[:, None], cols], mask=mask, other=0)
+    if ref.dtype == dtype:
+        return plgpu.load(ref.at[rows[:, None], cols], mask=mask, other=0)
+    # fp8 cache: no fp8 fill constant (Triton takes none from an int); the rows not fetched are
+    # zeroed after the upcast, so that garbage (an e4m3 NaN) never meets a zero weight in P.V.
+    x = _upcast(plgpu.load(ref.at[rows[:, None], cols], mask=mask), dtype)
+    return jnp.where(mask, x, 0)
+
+
+def _upcast(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """A K/V tile in q's dtype: an fp8 tile converted in registers; anything else as it is."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _normalize(acc: jax.Array, l: jax.Array, v_scale: float) -> jax.Array:
+    """acc [R, H] / l [R], times the cache's static V scale (no multiply at 1.0)."""
+    if v_scale == 1.0:
+        return acc / jnp.maximum(l, 1e-30)[:, None]
+    return acc * (v_scale / jnp.maximum(l, 1e-30))[:, None]
 
 
 def _kv_rows(bt_ref, seq, kpos, kh, dims: _Dims) -> jax.Array:
@@ -370,7 +396,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, cnt_in
                    out_ref, op_ref, mp_ref, lp_ref, cnt_ref, *table_refs, dims: _Dims,
                    tiling: Tiling, sm_scale: float, soft_cap: float | None,
                    window: int | None, interpret: bool, zero_padding: bool,
-                   table: _TableDims | None = None):
+                   table: _TableDims | None = None, v_scale: float = 1.0):
     """Programs (kh, p < NPD): decode rows. With `table` (the Mosaic prefill kernel follows),
     programs (kh, p >= NPD) build its tile table into `table_refs`, beside the decode work
     instead of as XLA ops before it."""
@@ -380,7 +406,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, cnt_in
     decode = functools.partial(
         _decode_program, q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, op_ref,
         mp_ref, lp_ref, cnt_ref, kh=kh, p=p, dims=dims, tiling=tiling, sm_scale=sm_scale,
-        soft_cap=soft_cap, window=window, interpret=interpret, zero_padding=zero_padding)
+        soft_cap=soft_cap, window=window, interpret=interpret, zero_padding=zero_padding,
+        v_scale=v_scale)
     if table is None:
         decode()
         return
@@ -395,7 +422,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, cnt_in
 def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, op_ref,
                     mp_ref, lp_ref, cnt_ref, *, kh, p, dims: _Dims, tiling: Tiling,
                     sm_scale: float, soft_cap: float | None, window: int | None,
-                    interpret: bool, zero_padding: bool):
+                    interpret: bool, zero_padding: bool, v_scale: float = 1.0):
     n_live = jnp.minimum(ns_ref[0], dims.s)
     if zero_padding:
         # Padding rows (tokens from query_start_loc[num_seqs] on) get zeros: program p of a
@@ -437,8 +464,8 @@ def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_r
             kpos = tok_base + it * bkv + jnp.arange(bkv, dtype=jnp.int32)
             valid = (kpos >= tok_lo) & (kpos < tok_hi)
             rows = _kv_rows(bt_ref, seq_c, kpos, kh, dims)
-            k = _load_kv(k_ref, rows, valid, dims.h)
-            v = _load_kv(v_ref, rows, valid, dims.h)
+            k = _load_kv(k_ref, rows, valid, dims.h, q.dtype)
+            v = _load_kv(v_ref, rows, valid, dims.h, q.dtype)
             s2 = _logits_log2(_dot(q, k, trans_b=True), sm_scale, soft_cap)
             return _online_step(carry, s2, valid[None, :], v, f32_pv=q.dtype == jnp.float32)
 
@@ -451,7 +478,7 @@ def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_r
 
         @pl.when(n_used == 1)
         def _():
-            _store_rows(out_ref, out_rows, acc / jnp.maximum(l, 1e-30)[:, None], real)
+            _store_rows(out_ref, out_rows, _normalize(acc, l, v_scale), real)
 
         @pl.when(n_used > 1)
         def _():
@@ -469,11 +496,11 @@ def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_r
             def _():
                 _merge_partials(op_ref, mp_ref, lp_ref, out_ref, base=kh * dims.npd + seq * splits,
                                 n_used=n_used, out_row0=q_start * dims.n + kh * dims.g,
-                                dims=dims, tiling=tiling)
+                                dims=dims, tiling=tiling, v_scale=v_scale)
 
 
 def _merge_partials(op_ref, mp_ref, lp_ref, out_ref, *, base, n_used, out_row0, dims: _Dims,
-                    tiling: Tiling):
+                    tiling: Tiling, v_scale: float = 1.0):
     """Combines the n_used partials (rows (base + j) * G + g) of one decode row.
 
     Two vector passes instead of a serial loop over splits: all running maxima and sums at
@@ -505,7 +532,7 @@ def _merge_partials(op_ref, mp_ref, lp_ref, out_ref, *, base, n_used, out_row0, 
 
     acc = lax.fori_loop(0, _cdiv(n_used, ch), body, jnp.zeros((gp, dims.h), jnp.float32))
     g = jnp.arange(gp, dtype=jnp.int32)
-    _store_rows(out_ref, out_row0 + g, acc / jnp.maximum(l_all, 1e-30)[:, None], g < dims.g)
+    _store_rows(out_ref, out_row0 + g, _normalize(acc, l_all, v_scale), g < dims.g)
 
 
 def _find_tile(qsl_ref, n_live, p, dims: _Dims):
@@ -534,11 +561,11 @@ def _attend_tile(q, qpos, kpos0, n_iter, carry, *, masked: bool, kv_lo, kv_hi, s
         rows = _kv_rows(bt_ref, s_c, kpos, kh, dims)
         if masked:
             valid = (kpos >= kv_lo) & (kpos < kv_hi)
-            k = _load_kv(k_ref, rows, valid, dims.h)
-            v = _load_kv(v_ref, rows, valid, dims.h)
+            k = _load_kv(k_ref, rows, valid, dims.h, q.dtype)
+            v = _load_kv(v_ref, rows, valid, dims.h, q.dtype)
         else:
-            k = k_ref[rows, :]
-            v = v_ref[rows, :]
+            k = _upcast(k_ref[rows, :], q.dtype)
+            v = _upcast(v_ref[rows, :], q.dtype)
         s2 = _logits_log2(_dot(q, k, trans_b=True), sm_scale, soft_cap)
         if not masked:
             return _online_step_unmasked(c, s2, v, f32_pv=q.dtype == jnp.float32)
@@ -552,7 +579,7 @@ def _attend_tile(q, qpos, kpos0, n_iter, carry, *, masked: bool, kv_lo, kv_hi, s
 
 def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p, n_live,
                 dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
-                window: int | None):
+                window: int | None, v_scale: float = 1.0):
     """Program p of a KV head: a prefill tile, padding zeros, or nothing (decode rows)."""
     bq = dims.block_q
     s = _find_tile(qsl_ref, n_live, p, dims)
@@ -607,13 +634,13 @@ def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p
         carry = _attend_tile(q, qpos, start + full_hi * bkv, n_iter - full_hi, carry,
                              masked=True, **kw)
         _, l, acc = carry
-        out = jnp.where(l[:, None] > 0, acc / jnp.maximum(l, 1e-30)[:, None], 0.0)
+        out = jnp.where(l[:, None] > 0, _normalize(acc, l, v_scale), 0.0)
         _store_rows(out_ref, out_rows, out, row_ok)
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_in_ref, out_ref,
                     *, dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
-                    window: int | None):
+                    window: int | None, v_scale: float = 1.0):
     del out_in_ref  # aliased to out_ref: the decode kernel's rows are already in it
     kh = pl.program_id(0)
     # Reversed: the last tiles of a chunk attend to the most keys, so they start first.
@@ -625,7 +652,7 @@ def _prefill_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_i
     def _():
         _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, kh=kh, p=p,
                     n_live=n_live, dims=dims, tiling=tiling, sm_scale=sm_scale,
-                    soft_cap=soft_cap, window=window)
+                    soft_cap=soft_cap, window=window, v_scale=v_scale)
 
 
 def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
@@ -645,18 +672,21 @@ def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
 
 
 def _use_mosaic(choice: str, q, k_cache, soft_cap, window, tiling: Tiling,
-                interpret: bool) -> bool:
+                interpret: bool, v_scale: float = 1.0) -> bool:
     """Whether the prefill rows go to the Mosaic GPU prefill kernel (static: shapes, dtype,
-    options); `choice` "mosaic" raises where that kernel does not apply."""
+    options); `choice` "mosaic" raises where that kernel does not apply. Its WGMMAs read the
+    cache in q's dtype and it knows no V scale: an fp8 cache always stays on Triton."""
     if choice == "triton":
         return False
     t, n, h = q.shape
     g, p = n // k_cache.shape[1], k_cache.shape[2]
-    ok = (t >= 2 and t % 8 == 0 and not interpret
+    ok = (t >= 2 and t % 8 == 0 and not interpret and k_cache.dtype == q.dtype
+          and v_scale == 1.0
           and mgpu.supported(q.dtype, h, g, p, soft_cap, window, tiling.mosaic))
     if choice == "mosaic" and not ok:
         raise ValueError(
-            f"prefill='mosaic' cannot serve this call (dtype {q.dtype}, head dim {h}, "
+            f"prefill='mosaic' cannot serve this call (dtype {q.dtype}, cache dtype "
+            f"{k_cache.dtype}, v_scale {v_scale}, head dim {h}, "
             f"{g} query heads per KV head, block size {p}, {t} token rows, soft_cap "
             f"{soft_cap}, sliding_window {window}, interpret {interpret}); see "
             "ragged_paged_attention_mgpu.supported")
@@ -673,11 +703,12 @@ def _flat(q, k_cache, v_cache, block_tables, dims: _Dims):
 def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
               sm_scale: float, soft_cap: float | None, window: int | None, tiling: Tiling,
               interpret: bool, prefill: str = "triton", decode_only: bool = False,
-              prefill_only: bool = False) -> jax.Array:
-    """Builds the grids and runs the kernels; inputs already validated."""
+              prefill_only: bool = False, v_scale: float = 1.0) -> jax.Array:
+    """Builds the grids and runs the kernels; inputs already validated. `sm_scale` already
+    holds the cache's k_scale."""
     dims = _make_dims(q, k_cache, block_tables, tiling)
     mosaic = not decode_only and _use_mosaic(prefill, q, k_cache, soft_cap, window, tiling,
-                                             interpret)
+                                             interpret, v_scale)
     if prefill_only:
         # No decode kernel: the Mosaic kernel fills a fresh buffer (zeroing the padding rows
         # itself); the Triton prefill kernel writes prefill and padding rows into zeros.
@@ -685,7 +716,7 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
         return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                              num_seqs, dims=dims, mosaic=mosaic, sm_scale=sm_scale,
                              soft_cap=soft_cap, window=window, tiling=tiling,
-                             interpret=interpret)
+                             interpret=interpret, v_scale=v_scale)
     # The decode kernel zeroes the padding rows when the Mosaic prefill kernel follows (it
     # writes its own rows only) or when no prefill kernel follows.
     zero_padding = mosaic or decode_only
@@ -698,19 +729,19 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
     out, layout = _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                                num_seqs, dims=dims, sm_scale=sm_scale, soft_cap=soft_cap,
                                window=window, tiling=tiling, interpret=interpret,
-                               zero_padding=zero_padding, table=fused)
+                               zero_padding=zero_padding, table=fused, v_scale=v_scale)
     if decode_only:
         return out.reshape(dims.t, dims.n, dims.h)
     return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                          num_seqs, dims=dims, mosaic=mosaic, sm_scale=sm_scale,
                          soft_cap=soft_cap, window=window, tiling=tiling, interpret=interpret,
-                         layout=layout)
+                         layout=layout, v_scale=v_scale)
 
 
 def _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
                  dims: _Dims, sm_scale: float, soft_cap: float | None, window: int | None,
-                 tiling: Tiling, interpret: bool, zero_padding: bool, table: bool
-                 ) -> tuple[jax.Array, mgpu.TileLayout | None]:
+                 tiling: Tiling, interpret: bool, zero_padding: bool, table: bool,
+                 v_scale: float = 1.0) -> tuple[jax.Array, mgpu.TileLayout | None]:
     """The Triton decode kernel: decode rows (and zeroed padding rows with `zero_padding`) of
     a fresh [T * N, H] buffer, and with `table` the Mosaic prefill kernel's tile table from
     its extra programs (else None)."""
@@ -721,7 +752,7 @@ def _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, nu
     outs = pl.pallas_call(
         functools.partial(_decode_kernel, dims=dims, tiling=tiling, sm_scale=sm_scale,
                           soft_cap=soft_cap, window=window, interpret=interpret,
-                          zero_padding=zero_padding, table=td),
+                          zero_padding=zero_padding, table=td, v_scale=v_scale),
         grid=(dims.k, dims.npd + (0 if td is None else _cdiv(td.chunks, dims.k))),
         out_shape=(jax.ShapeDtypeStruct((dims.t * dims.n, dims.h), q.dtype),
                    jax.ShapeDtypeStruct((n_part, dims.h), jnp.float32),
@@ -741,7 +772,7 @@ def _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, nu
 def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                   *, dims: _Dims, mosaic: bool, sm_scale: float, soft_cap: float | None,
                   window: int | None, tiling: Tiling, interpret: bool,
-                  layout: mgpu.TileLayout | None = None) -> jax.Array:
+                  layout: mgpu.TileLayout | None = None, v_scale: float = 1.0) -> jax.Array:
     """Writes the prefill rows (and, on the Triton path, zero padding rows) into `out`
     [T * N, H], which holds the decode rows, in place; returns [T, N, H]. `out=None` (Mosaic
     path, prefill-only call): a fresh buffer, padding rows zeroed by the Mosaic kernel.
@@ -759,7 +790,8 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
                                       tiling=tiling.mosaic, layout=layout)
 
     q2, kc, vc, bt = _flat(q, k_cache, v_cache, block_tables, dims)
-    common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window)
+    common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
+                  v_scale=v_scale)
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, **common),
         grid=(dims.k, dims.nqb),
@@ -774,7 +806,7 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
 
 
 def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
-              sm_scale, soft_cap, sliding_window) -> None:
+              sm_scale, soft_cap, sliding_window, k_scale=1.0, v_scale=1.0) -> None:
     """Raises ValueError naming the offending argument; shapes and dtypes are static."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, N, H], got shape {q.shape}")
@@ -794,9 +826,10 @@ def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
         raise ValueError(f"query heads ({n}) must be a multiple of KV heads ({k})")
     if q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"q dtype must be bfloat16 or float32, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if k_cache.dtype != v_cache.dtype or (k_cache.dtype != q.dtype
+                                          and k_cache.dtype not in FP8_KV_DTYPES):
         raise ValueError(f"k_cache/v_cache dtype ({k_cache.dtype}, {v_cache.dtype}) must match "
-                         f"q dtype {q.dtype}")
+                         f"q dtype {q.dtype}, or both be float8_e4m3fn")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [S, M], got shape {block_tables.shape}")
     s = block_tables.shape[0]
@@ -812,6 +845,9 @@ def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
             raise ValueError(f"{name} dtype must be int32, got {arr.dtype}")
     if not sm_scale > 0:
         raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
+            raise ValueError(f"{name} must be a positive finite float (static), got {scale!r}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
     if sliding_window is not None and (int(sliding_window) != sliding_window
@@ -821,15 +857,20 @@ def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "tiling",
                                              "interpret", "prefill", "decode_only",
-                                             "prefill_only"))
+                                             "prefill_only", "k_scale", "v_scale"))
 def ragged_paged_attention_gpu(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
     block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
     tiling: Tiling | None = None, interpret: bool = False, prefill: str = "triton",
-    decode_only: bool = False, prefill_only: bool = False,
+    decode_only: bool = False, prefill_only: bool = False, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> jax.Array:
     """Ragged paged attention [T, N, H] -> [T, N, H]; contract of the reference.
+
+    k_cache/v_cache are in q's dtype or float8_e4m3fn (an fp8 KV cache, read as fp8 and upcast
+    to q's dtype in registers). The cache holds K / k_scale and V / v_scale (per-tensor, static
+    floats, 1.0 by default): the result is attention over k_scale * k_cache, v_scale * v_cache.
 
     `interpret=True` runs the same kernels through Pallas' interpreter (CPU tests).
     `prefill`: who computes the rows of prefill chunks: "triton" (the kernel above, every
@@ -849,17 +890,19 @@ def ragged_paged_attention_gpu(
     q_len[s] for live slots, block ids < B, num_seqs <= S.
     """
     _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-              sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+              sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+              k_scale=k_scale, v_scale=v_scale)
     if prefill not in ("triton", "mosaic", "auto"):
         raise ValueError(f"prefill must be 'triton', 'mosaic' or 'auto', got {prefill!r}")
     if decode_only and prefill_only:
         raise ValueError("decode_only and prefill_only cannot both be set: a step with no "
                          "decode row and no prefill chunk has nothing to attend")
     return _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-                     sm_scale=float(sm_scale),
+                     sm_scale=float(sm_scale) * float(k_scale),
                      soft_cap=None if soft_cap is None else float(soft_cap),
                      window=None if sliding_window is None else int(sliding_window),
                      tiling=fit_shared_memory(tiling or Tiling(), q.shape[2], q.dtype.itemsize,
                                               q.shape[1] // k_cache.shape[1], _smem_bytes(interpret)),
                      interpret=interpret, prefill=prefill,
-                     decode_only=bool(decode_only), prefill_only=bool(prefill_only))
+                     decode_only=bool(decode_only), prefill_only=bool(prefill_only),
+                     v_scale=float(v_scale))
