@@ -35,15 +35,16 @@ from jax.experimental.pallas import triton as plgpu
 
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100 (132 SMs)
 _BLOCK_NS = (128, 64, 32)  # column tiles, widest first
-_BLOCK_KS = (128, 64, 32, 16)  # K blocks, largest dividing K
+_BLOCK_KS = (128, 64, 32, 16)  # K blocks, largest dividing K (float32: at most 64, so that three
+# pipeline stages of a [block_k, 128] weight tile stay within an sm_80's shared memory)
 _MAX_OFFSET = 2**31 - 1  # element offsets into w are int32
 _pl_dot = getattr(plgpu, "dot", None) or pl.dot
 
 
 @dataclasses.dataclass(frozen=True)
 class GatheredTiling:
-    """Tile sizes. block_n / block_k None: picked per shape (`pick_block_n`, the largest of
-    `_BLOCK_KS` dividing K). block_m is the rows of one tile: 16 is Triton's smallest dot."""
+    """Tile sizes. block_n / block_k None: picked per shape (`pick_block_n`; the largest of
+    `_BLOCK_KS` dividing K, at most 64 for float32). block_m is the rows of one tile: 16 is Triton's smallest dot."""
 
     block_m: int = 16
     block_n: int | None = None
@@ -57,8 +58,8 @@ def gathered_matmul_reference(x_sorted: jax.Array, w: jax.Array, group_sizes: ja
     return lax.ragged_dot(x_sorted, w, group_sizes.astype(jnp.int32))
 
 
-def _block_k(k: int) -> int | None:
-    return next((b for b in _BLOCK_KS if k % b == 0), None)
+def _block_k(k: int, itemsize: int = 2) -> int | None:
+    return next((b for b in _BLOCK_KS if k % b == 0 and b * itemsize <= 256), None)
 
 
 def pick_block_n(slots: int, n: int, target_programs: int = TARGET_PROGRAMS) -> int | None:
@@ -143,7 +144,7 @@ def gathered_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *
     bm = tiling.block_m
     slots = min(g, m)
     bn = tiling.block_n or pick_block_n(slots, n)
-    bk = tiling.block_k or _block_k(k)
+    bk = tiling.block_k or _block_k(k, jnp.dtype(x_sorted.dtype).itemsize)
     table = slot_table(group_sizes, m)
     xp = jnp.pad(x_sorted, ((0, bm), (0, 0)))  # a row tile never leaves the array
     kwargs = {}
