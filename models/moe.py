@@ -19,6 +19,9 @@ expert weights: gate/up [E, D, F] (one fused [E, D, 2F] on one device, as the de
 them), down [E, F, D]. The rows are then put back in token order and summed with their routing
 weights. The bucket's padding rows (after the step's real tokens) are left out: they would
 otherwise read experts no real token uses.
+At decode (at most 64 rows) on an sm_80+ GPU the grouped matmul reads only the experts that
+rows were routed to (the gathered kernel, pallas_kernels/grouped_matmul_gpu.py); the other paths
+read every expert's weight.
 
 Parallelism (jaxengine/sharding.py places the weights; the layer runs under `jax.shard_map` over
 the mesh's "model" axis, which the engine's attention backend carries):

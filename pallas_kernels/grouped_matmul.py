@@ -9,7 +9,10 @@ its own expert's weight.
 `grouped_matmul` is the one entry point the model calls. It runs `jax.lax.ragged_dot` (the
 reference, and the path on CPU and on GPUs other than Hopper) or, on Hopper (sm_90) with bf16 or
 f16 operands whose shapes fit its tiles, the Mosaic GPU kernel jax ships in
-`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`. That kernel leaves rows past sum(sizes)
+`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`. Both read every group's weight, empty groups
+included. For few rows (M <= GATHERED_MAX_ROWS: decode steps) on an NVIDIA GPU of sm_80+ it runs
+the gathered kernel (grouped_matmul_gpu.py) instead, which reads only the weights of the groups
+that hold rows: one decode token of Qwen3-30B-A3B hits 8 of 128 experts. That kernel leaves rows past sum(sizes)
 unwritten, so its output is masked to keep the contract above. It is called through `_mgpu`, the
 one place that knows its signature: a Hopper kernel of this project's own can replace it there.
 """
@@ -23,9 +26,16 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from jaxengine.pallas_kernels import grouped_matmul_gpu as gathered
+
 logger = logging.getLogger(__name__)
 
-IMPLS = ("auto", "ragged_dot", "mgpu")
+IMPLS = ("auto", "ragged_dot", "mgpu", "gathered")
+# Few rows: reading only the hit experts beats reading all. At M = T*k rows at most this many
+# (decode: 8 tokens of a top-8 model, 32 of a top-2 one) "auto" takes the gathered kernel on GPU.
+# Above it most experts are hit anyway (16 tokens of Qwen3-30B-A3B hit ~78 of 128) and the other
+# paths, which tile rows more widely, take over.
+GATHERED_MAX_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +55,27 @@ def grouped_matmul_reference(x_sorted: jax.Array, w: jax.Array, group_sizes: jax
     return jax.lax.ragged_dot(x_sorted, w, group_sizes.astype(jnp.int32))
 
 
-def _is_hopper() -> bool:
+def _compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the first GPU; None off GPUs or where it does not parse (ROCm's gfx names)."""
     if jax.default_backend() != "gpu":
-        return False
+        return None
     cc = getattr(jax.devices()[0], "compute_capability", None)
-    return bool(cc) and str(cc).split(".")[0] == "9"
+    try:
+        major, minor = str(cc).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def _is_hopper() -> bool:
+    cc = _compute_capability()
+    return cc is not None and cc[0] == 9
+
+
+def _is_sm80_plus() -> bool:
+    """NVIDIA Ampere or newer: the Triton-lowered kernel's bf16 tensor-core products."""
+    cc = _compute_capability()
+    return cc is not None and cc >= (8, 0)
 
 
 def mgpu_applies(x_sorted: jax.Array, w: jax.Array, tiling: MgpuTiling = MgpuTiling()) -> bool:
@@ -87,24 +113,41 @@ def _mgpu(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, tiling: Mgp
 
 
 def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: str = "auto",
-                   tiling: MgpuTiling = MgpuTiling()) -> jax.Array:
+                   tiling: MgpuTiling = MgpuTiling(),
+                   gathered_tiling: gathered.GatheredTiling = gathered.GatheredTiling()) -> jax.Array:
     """x_sorted [M, K], w [G, K, N], group_sizes [G] -> [M, N] (module docstring).
 
-    impl: "auto" (the Hopper kernel where it applies, else ragged_dot; also ragged_dot where the
-    kernel refuses the call while tracing, with a warning), "ragged_dot", or "mgpu" (the Hopper
-    kernel, a ValueError where it does not apply)."""
+    impl: "auto" (on an sm_80+ GPU the gathered kernel for at most GATHERED_MAX_ROWS rows, else
+    the Hopper kernel where it applies, else ragged_dot; a kernel that refuses the call while
+    tracing gives way to the next, with a warning), "ragged_dot", "mgpu" (the Hopper kernel, a
+    ValueError where it does not apply) or "gathered" (the gathered kernel at any M, a ValueError
+    where it does not apply; in Pallas interpret mode off GPUs, for tests)."""
     if impl not in IMPLS:
         raise ValueError(f"grouped_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if x_sorted.ndim != 2 or w.ndim != 3 or x_sorted.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul: x_sorted {x_sorted.shape} and w {w.shape} are not [M, K] and [G, K, N]")
     if group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped_matmul: group_sizes {group_sizes.shape} does not match {w.shape[0]} groups")
+    if impl == "gathered":
+        if not gathered.supported(x_sorted, w, gathered_tiling):
+            raise ValueError(f"grouped_matmul impl='gathered' needs x and w of one float dtype, K a multiple of 16 "
+                             f"and N of 32 (or of the tiling's blocks), G*K*N < 2^31; got {x_sorted.dtype} "
+                             f"{x_sorted.shape} x {w.dtype} {w.shape}")
+        return gathered.gathered_matmul(x_sorted, w, group_sizes, tiling=gathered_tiling,
+                                        interpret=jax.default_backend() != "gpu")
     if impl == "mgpu":
         if not (mgpu_applies(x_sorted, w, tiling) and _mgpu_module() is not None):
             raise ValueError(f"grouped_matmul impl='mgpu' needs bf16/f16 operands, K % {tiling.block_k} == 0 and "
                              f"N % {tiling.block_n * tiling.grid_block_n} == 0; got {x_sorted.dtype} "
                              f"{x_sorted.shape} x {w.dtype} {w.shape}")
         return _mgpu(x_sorted, w, group_sizes, tiling)
+    if impl == "auto" and x_sorted.shape[0] <= GATHERED_MAX_ROWS and _is_sm80_plus() \
+            and gathered.supported(x_sorted, w, gathered_tiling):
+        try:
+            return gathered.gathered_matmul(x_sorted, w, group_sizes, tiling=gathered_tiling)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            _warn_once(f"gathered grouped matmul refused {x_sorted.shape} x {w.shape} ({type(e).__name__}: {e}); "
+                       "using the other paths")
     if impl == "auto" and _is_hopper() and mgpu_applies(x_sorted, w, tiling) and _mgpu_module() is not None:
         try:
             return _mgpu(x_sorted, w, group_sizes, tiling)

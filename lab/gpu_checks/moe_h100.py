@@ -2,20 +2,26 @@
 
 1. Grouped matmul (pallas_kernels/grouped_matmul.py), bf16, for both models' expert shapes:
    Mixtral-8x7B (E=8, k=2, D=4096, F=14336) and Qwen3-30B-A3B (E=128, k=8, D=2048, F=768), at
-   1, 16, 256 and 2048 tokens (M = tokens * k rows, each token routed to k distinct random
+   1, 4, 16, 256 and 2048 tokens (M = tokens * k rows, each token routed to k distinct random
    experts), for the fused gate/up product [M, D] x [E, D, 2F] (the engine's layout on one GPU)
    and the down product [M, F] x [E, F, D];
-   `jax.lax.ragged_dot` against jax's bundled Mosaic kernel (ragged_dot_mgpu) at two tilings, in
-   the same run, with the Mosaic output checked against ragged_dot's. The floor of each call is
-   the bytes it must move (every expert hit: K * N * 2 bytes each, plus the rows read and written)
-   over the copy bandwidth measured in the same run (a 2 GiB device copy, bytes read + written);
+   `jax.lax.ragged_dot` against jax's bundled Mosaic kernel (ragged_dot_mgpu) at two tilings and,
+   at the decode shapes (1, 4, 16 tokens), the gathered kernel (grouped_matmul_gpu.py: reads only
+   the experts hit), in the same run, each output checked against ragged_dot's. Timing: one jitted
+   chain of back-to-back calls cycling through WEIGHT_SETS distinct weight sets and routings
+   (DECODE_ROUNDS times at decode shapes), 5 chains queued then one wait, best of 3, divided by
+   the calls: a decode call is shorter than one dispatch from Python, and a set's experts hit are
+   out of L2 when it comes round again. The floor of each call is the bytes it must move (every
+   expert hit: K * N * 2 bytes each, plus the rows read and written; mean over the sets) over the
+   copy bandwidth measured in the same run (a 2 GiB device copy, bytes read + written);
    "% floor" is floor time / measured time.
 2. Engine, qwen3-30b-a3b preset, dummy bf16 weights (the grouped matmul as the engine picks it):
    batch-1 decode ms/token (128 in / 128 out, greedy; its floor: the weights one decode token reads,
    attention, router, k experts a layer and the LM head, over the copy bandwidth) and offline
    throughput (random 256 in / 256 out prompts, temperature 1, ignore_eos, after a warm-up).
 
-Writes $OUT/moe_h100.json (after each part) and prints a short table. About 6-8 minutes.
+Writes $OUT/moe_h100.json (after each part) and prints a short table. About 8-10 minutes; the
+kernels alone (--skip-engine) about 4.
 
     python -m lab.gpu_checks.moe_h100 --out $OUT [--num-prompts 500] [--skip-engine] [--skip-kernels]
 """
@@ -36,10 +42,13 @@ SHAPES = {  # model -> (E, k, D, F)
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "qwen3-30b-a3b": (128, 8, 2048, 768),
 }
-TOKENS = (1, 16, 256, 2048)
+TOKENS = (1, 4, 16, 256, 2048)
+DECODE_TOKENS = (1, 4, 16)  # the shapes that also time the gathered kernel
+WEIGHT_SETS = 6  # distinct weight sets a timed chain cycles through (the experts hit leave L2)
+DECODE_ROUNDS = 2  # a decode chain is WEIGHT_SETS * DECODE_ROUNDS calls; a prefill chain one round
 BF16 = 2  # bytes
-HEADER = (f"{'model':14s} {'matmul':7s} {'tokens':>6s} {'hit':>4s} {'floor ms':>9s} {'ragged_dot ms (% floor)':>24s} "
-          "mgpu best ms (% floor)")
+HEADER = (f"{'model':14s} {'matmul':7s} {'tokens':>6s} {'hit':>5s} {'floor ms':>9s} {'ragged_dot ms (% floor)':>24s} "
+          f"{'mgpu best ms (% floor)':>33s} gathered ms (% floor)")
 
 
 def routed_sizes(tokens: int, e: int, k: int, seed: int) -> np.ndarray:
@@ -54,34 +63,62 @@ def floor_bytes(sizes: np.ndarray, m: int, k_dim: int, n_dim: int) -> int:
     return int((sizes > 0).sum()) * k_dim * n_dim * BF16 + m * k_dim * BF16 + m * n_dim * BF16
 
 
-def time_impls(x, w, sizes, floor_s: float, tilings: list) -> dict:
-    """ragged_dot, then the bundled kernel at each tiling (its output checked against ragged_dot's)."""
+def _chain(impl_kwargs: dict, rounds: int):
+    """One jitted call that runs the grouped matmul once per (round, weight set), back to back:
+    a decode-sized call takes 5-20 us on the GPU, about a tenth of what one dispatch from Python
+    costs, so calls timed one by one measure the host. The sets differ (weights, routing, rows),
+    so a call does not find its experts in L2 from the call before."""
     import jax
+
+    from jaxengine.pallas_kernels.grouped_matmul import grouped_matmul
+
+    def run(xs, ws, ss):
+        return tuple(grouped_matmul(x, w, s, **impl_kwargs) for _ in range(rounds) for x, w, s in zip(xs, ws, ss))
+
+    return jax.jit(run)
+
+
+def time_impls(xs, ws, ss, floor_s: float, tilings: list, gathered: bool, rounds: int) -> dict:
+    """ragged_dot, the bundled kernel at each tiling and (decode shapes) the gathered kernel, each
+    output checked against ragged_dot's; ms per grouped matmul of a chain of calls."""
     import jax.numpy as jnp
 
     from jaxengine.benchmarks.ceilings import _time
-    from jaxengine.pallas_kernels.grouped_matmul import grouped_matmul, mgpu_applies
+    from jaxengine.pallas_kernels import grouped_matmul_gpu as gk
+    from jaxengine.pallas_kernels.grouped_matmul import mgpu_applies
 
-    ref_fn = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, impl="ragged_dot"))
-    ref = ref_fn(x, w, sizes).astype(jnp.float32)
-    t = _time(ref_fn, x, w, sizes)
-    row: dict = {"ragged_dot_ms": 1e3 * t, "ragged_dot_pct_floor": floor_s / t, "mgpu_best": None}
-    for i, tiling in enumerate(tilings):
-        tag = f"mgpu{i}"
-        if not mgpu_applies(x, w, tiling):
-            row[f"{tag}_error"] = "constraints do not hold"
-            continue
-        fn = jax.jit(lambda x, w, s, tiling=tiling: grouped_matmul(x, w, s, impl="mgpu", tiling=tiling))
+    calls = rounds * len(ws)
+    ref_fn = _chain({"impl": "ragged_dot"}, rounds)
+    refs = [o.astype(jnp.float32) for o in ref_fn(xs, ws, ss)[:len(ws)]]
+    t = _time(ref_fn, xs, ws, ss, iters=5, repeats=3) / calls
+    row: dict = {"calls_per_chain": calls, "ragged_dot_ms": 1e3 * t, "ragged_dot_pct_floor": floor_s / t,
+                 "mgpu_best": None}
+
+    def measure(tag: str, kwargs: dict) -> float | None:
+        fn = _chain(kwargs, rounds)
         try:
-            out = fn(x, w, sizes).astype(jnp.float32)
-            rel = float(jnp.max(jnp.abs(out - ref))) / (float(jnp.max(jnp.abs(ref))) or 1.0)
-            t = _time(fn, x, w, sizes)
-        except Exception as ex:  # a Mosaic lowering or launch failure is a result too
+            outs = fn(xs, ws, ss)[:len(ws)]
+            rel = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r))) / (float(jnp.max(jnp.abs(r))) or 1.0)
+                      for o, r in zip(outs, refs))
+            t = _time(fn, xs, ws, ss, iters=5, repeats=3) / calls
+        except Exception as ex:  # a lowering or launch failure is a result too
             row[f"{tag}_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-            continue
+            return None
         row.update({f"{tag}_ms": 1e3 * t, f"{tag}_pct_floor": floor_s / t, f"{tag}_max_rel_err": rel})
-        if row["mgpu_best"] is None or 1e3 * t < row["mgpu_best"]["ms"]:
+        return t
+
+    for i, tiling in enumerate(tilings):
+        if not mgpu_applies(xs[0], ws[0], tiling):
+            row[f"mgpu{i}_error"] = "constraints do not hold"
+            continue
+        t = measure(f"mgpu{i}", {"impl": "mgpu", "tiling": tiling})
+        if t is not None and (row["mgpu_best"] is None or 1e3 * t < row["mgpu_best"]["ms"]):
             row["mgpu_best"] = {"tiling": i, "ms": 1e3 * t, "pct_floor": floor_s / t}
+    if gathered:
+        if gk.supported(xs[0], ws[0]):
+            measure("gathered", {"impl": "gathered"})
+        else:
+            row["gathered_error"] = "constraints do not hold"
     return row
 
 
@@ -92,20 +129,29 @@ def time_grouped(copy_bps: float, tilings: list) -> list[dict]:
     rows = []
     for model, (e, k, d, f) in SHAPES.items():
         key = jax.random.key(0)
+
+        def weights(shape, salt):
+            return [(0.02 * jax.random.normal(jax.random.fold_in(key, 100 * salt + i), shape, jnp.float32)
+                     ).astype(jnp.bfloat16) for i in range(WEIGHT_SETS)]
+
         # gate and up fused, as the engine holds them on one GPU: [E, D, 2F]
-        w_gate = (0.02 * jax.random.normal(key, (e, d, 2 * f), jnp.float32)).astype(jnp.bfloat16)
-        w_down = (0.02 * jax.random.normal(jax.random.fold_in(key, 1), (e, f, d), jnp.float32)).astype(jnp.bfloat16)
+        w_gate, w_down = weights((e, d, 2 * f), 1), weights((e, f, d), 2)
         for tokens in TOKENS:
-            sizes_np = routed_sizes(tokens, e, k, seed=tokens)
+            sizes_np = [routed_sizes(tokens, e, k, seed=100 * tokens + i) for i in range(WEIGHT_SETS)]
+            ss = [jnp.asarray(s) for s in sizes_np]
             m = tokens * k
-            for name, w in (("gate_up", w_gate), ("down", w_down)):
-                k_dim, n_dim = w.shape[1], w.shape[2]
-                x = jax.random.normal(jax.random.fold_in(key, m), (m, k_dim), jnp.float32).astype(jnp.bfloat16)
-                nbytes = floor_bytes(sizes_np, m, k_dim, n_dim)
+            decode = tokens in DECODE_TOKENS
+            for name, ws in (("gate_up", w_gate), ("down", w_down)):
+                k_dim, n_dim = ws[0].shape[1], ws[0].shape[2]
+                xs = [jax.random.normal(jax.random.fold_in(key, 10 * m + i), (m, k_dim), jnp.float32
+                                        ).astype(jnp.bfloat16) for i in range(WEIGHT_SETS)]
+                nbytes = float(np.mean([floor_bytes(s, m, k_dim, n_dim) for s in sizes_np]))
                 floor_s = nbytes / copy_bps
                 row = {"model": model, "matmul": name, "tokens": tokens, "rows": m,
-                       "experts_hit": int((sizes_np > 0).sum()), "floor_bytes": nbytes, "floor_ms": 1e3 * floor_s}
-                row.update(time_impls(x, w, jnp.asarray(sizes_np), floor_s, tilings))
+                       "experts_hit": float(np.mean([(s > 0).sum() for s in sizes_np])),
+                       "floor_bytes": nbytes, "floor_ms": 1e3 * floor_s}
+                row.update(time_impls(xs, ws, ss, floor_s, tilings, gathered=decode,
+                                      rounds=DECODE_ROUNDS if decode else 1))
                 rows.append(row)
                 print(_line(row), flush=True)
         del w_gate, w_down
@@ -115,8 +161,11 @@ def time_grouped(copy_bps: float, tilings: list) -> list[dict]:
 def _line(r: dict) -> str:
     mg = r["mgpu_best"]
     best = f"{mg['ms']:8.3f} ({mg['pct_floor']:6.1%}) tiling {mg['tiling']}" if mg else "n/a"
-    return (f"{r['model']:14s} {r['matmul']:7s} {r['tokens']:6d} {r['experts_hit']:4d} {r['floor_ms']:9.3f} "
-            f"{r['ragged_dot_ms']:8.3f} ({r['ragged_dot_pct_floor']:6.1%}) {best}")
+    ga = (f"{r['gathered_ms']:8.3f} ({r['gathered_pct_floor']:6.1%})" if "gathered_ms" in r
+          else r.get("gathered_error", "-")[:60])
+    rd = f"{r['ragged_dot_ms']:8.3f} ({r['ragged_dot_pct_floor']:6.1%})"
+    return (f"{r['model']:14s} {r['matmul']:7s} {r['tokens']:6d} {r['experts_hit']:5.1f} {r['floor_ms']:9.3f} "
+            f"{rd:>24s} {best:>33s} {ga}")
 
 
 def decode_floor_bytes(mc, context: int) -> int:
@@ -198,7 +247,7 @@ def main() -> int:
 
     tilings = [MgpuTiling(), MgpuTiling(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2)]
     res: dict = {"commit": args.commit, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-                 "tilings": [vars(t) for t in tilings]}
+                 "tilings": [vars(t) for t in tilings], "weight_sets": WEIGHT_SETS, "decode_rounds": DECODE_ROUNDS}
     path = os.path.join(args.out, "moe_h100.json")
 
     def save() -> None:

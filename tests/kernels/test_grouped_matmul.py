@@ -1,5 +1,7 @@
 """The grouped matmul of the MoE layer against a numpy loop over experts: ragged group sizes,
-empty experts (first, middle, last), and rows past the groups' total, which must come out zero."""
+empty experts (first, middle, last), and rows past the groups' total, which must come out zero.
+The gathered kernel (grouped_matmul_gpu.py) runs in Pallas interpret mode against lax.ragged_dot,
+and is lowered for an H100 (Triton) without one."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxengine.pallas_kernels.grouped_matmul import MgpuTiling, grouped_matmul, mgpu_applies
+from jaxengine.pallas_kernels import grouped_matmul_gpu as gathered
+from jaxengine.pallas_kernels.grouped_matmul import GATHERED_MAX_ROWS, MgpuTiling, grouped_matmul, mgpu_applies
+from tests.kernels.cuda_target import abstract_h100
 
 
 def _numpy_loop(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -93,3 +97,84 @@ def test_hopper_wrapper_pads_masks_and_falls_back(monkeypatch):
     monkeypatch.setattr(gm, "_mgpu_module", lambda: types.SimpleNamespace(ragged_dot=refusing))
     monkeypatch.setattr(gm, "_is_hopper", lambda: True)
     np.testing.assert_array_equal(np.asarray(gm.grouped_matmul(x, w, sizes), np.float32), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sizes,m,k,n", [
+    ([3, 0, 5, 1], 9, 64, 96),  # ragged, an empty middle expert; N in tiles of 32
+    ([0, 37, 2, 0], 39, 48, 128),  # 37 rows: three row tiles of 16; K in blocks of 16
+    ([1, 0, 0, 1, 0, 0, 1, 0], 3, 256, 64),  # M < G (3 slots for 8 experts), two K blocks of 128
+    ([0, 0, 0, 7], 7, 64, 64),  # all rows in one expert
+    ([2, 0, 1, 0], 6, 64, 64),  # rows past the total (3 of 6) are zero
+])
+def test_gathered_kernel_matches_ragged_dot(sizes, m, k, n, dtype):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)), dtype)
+    s = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(grouped_matmul(x, w, s, impl="gathered"), np.float32)
+    want = np.asarray(jax.lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32), np.float32)
+    assert got.shape == (m, n)
+    np.testing.assert_array_equal(got[sum(sizes):], 0.0)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    else:  # one bf16 rounding of a float32 sum
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * float(np.abs(want).max()))
+
+
+def test_slot_table_compacts_hit_experts():
+    table_fn = jax.jit(gathered.slot_table, static_argnums=1)
+    table = np.asarray(table_fn(jnp.asarray([0, 3, 0, 2, 1, 0], jnp.int32), 6))
+    np.testing.assert_array_equal(table, [[1, 3, 4, 0, 0, 0], [0, 3, 5, 0, 0, 0], [3, 2, 1, 0, 0, 0]])
+    assert table_fn(jnp.asarray([1, 0, 0, 0, 1, 0, 0, 0], jnp.int32), 2).shape == (3, 2)  # S = min(G, M)
+
+
+def test_gathered_tiles_and_constraints():
+    assert gathered.pick_block_n(2, 4096) == 32  # Mixtral down, one token: 2 experts x 128 tiles
+    assert gathered.pick_block_n(2, 28672) == 128 and gathered.pick_block_n(64, 2048) == 128
+    assert gathered.pick_block_n(8, 96) == 32 and gathered.pick_block_n(8, 100) is None
+
+    def applies(x, w, dtype=jnp.bfloat16, wdtype=None):
+        return gathered.supported(jax.ShapeDtypeStruct(x, dtype), jax.ShapeDtypeStruct(w, wdtype or dtype))
+
+    assert applies((8, 2048), (128, 2048, 1536)) and applies((8, 768), (128, 768, 2048))  # Qwen3-30B-A3B
+    assert applies((2, 4096), (8, 4096, 28672)) and applies((3, 64), (4, 64, 96), jnp.float32)
+    assert not applies((3, 40), (4, 40, 128))  # K % 16
+    assert not applies((3, 64), (4, 64, 100))  # N % 32
+    assert not applies((3, 64), (4, 64, 128), jnp.bfloat16, jnp.float32)  # mixed dtypes
+    assert not applies((3, 8192), (64, 8192, 8192))  # 2^32 weight elements: int32 offsets overflow
+    with pytest.raises(ValueError, match="impl='gathered'"):
+        grouped_matmul(jnp.zeros((3, 40)), jnp.zeros((4, 40, 128)), jnp.zeros((4,), jnp.int32), impl="gathered")
+
+
+def test_auto_takes_gathered_kernel_for_few_rows_on_gpu(monkeypatch):
+    """"auto" on an sm_80+ GPU (faked here): the gathered kernel up to GATHERED_MAX_ROWS rows,
+    the other paths above it (here ragged_dot: not Hopper)."""
+    from jaxengine.pallas_kernels import grouped_matmul as gm
+
+    calls = []
+
+    def fake_gathered(x, w, s, *, tiling):
+        calls.append(x.shape[0])
+        return gathered.gathered_matmul(x, w, s, tiling=tiling, interpret=True)
+
+    monkeypatch.setattr(gm, "_is_sm80_plus", lambda: True)
+    monkeypatch.setattr(gm.gathered, "gathered_matmul", fake_gathered)
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((4, 32, 64)), jnp.float32)
+    for m in (5, GATHERED_MAX_ROWS + 1):
+        x = jnp.asarray(rng.standard_normal((m, 32)), jnp.float32)
+        s = jnp.asarray([m - 2, 0, 2, 0], jnp.int32)
+        np.testing.assert_allclose(np.asarray(grouped_matmul(x, w, s)), np.asarray(jax.lax.ragged_dot(x, w, s)),
+                                   rtol=1e-5, atol=1e-4)
+    assert calls == [5]
+
+
+@pytest.mark.parametrize("m,g,k,n", [(8, 128, 768, 2048), (2, 8, 4096, 28672)])  # Qwen3-30B-A3B down, Mixtral gate/up
+def test_gathered_kernel_lowers_for_h100(m, g, k, n):
+    """The Triton lowering takes the kernel at the models' decode shapes (no GPU needed)."""
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((g,), jnp.int32))
+    with abstract_h100():
+        text = jax.jit(gathered.gathered_matmul).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "gathered_grouped_matmul" in text
