@@ -7,12 +7,12 @@ values per word, packed along K, value j of word i is input row i * per + j), `s
 unsigned `zeros` [G, N] uint8 in groups of `group_size` rows: weight = (value - zero) * scale.
 
 Grid (T / block_m, N / block_n, K splits). A program walks its share of K in blocks of 128 rows
-(inside one group), and the splits' float32 partial sums are added after the call: it
-loads the block's 128 / per packed rows of its columns once and, for each of the `per` values of
-a word, dequantizes a [128 / per, block_n] slice and multiplies it with the matching columns of x.
-Those columns are rows i * per + j of the block, a strided set; the wrapper permutes x's columns
-once per call (a small XLA transpose of the activations) so that each of them is a contiguous
-slice: within every 128-row block, column j * (128 / per) + i of the permuted x is row i * per + j.
+(inside one group), and the splits' float32 partial sums are added after the call. Per block it
+loads the 128 / per packed rows of its columns once, unpacks all `per` values of each word at once
+([128 / per, per, block_n], whose leading axes merge into the block's 128 rows in order),
+dequantizes them with the group's scale and zero point and multiplies with x's 128 columns in one
+dot. `permuted=True` keeps the earlier scheme (one shallow dot per value position against x's
+columns permuted once per call) for comparison on the GPU.
 """
 
 from __future__ import annotations
@@ -76,7 +76,35 @@ def _permute_columns(x: jax.Array, per: int) -> jax.Array:
 
 
 def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int):
-    """One (row tile, column tile, K split): `steps` blocks of 128 rows from split * steps on."""
+    """One (row tile, column tile, K split): `steps` blocks of 128 rows from split * steps on.
+    Each block's words [128 / per, block_n] unpack at once into [128 / per, per, block_n] (value j
+    of word i is row i * per + j, so merging the two leading axes gives the rows in order), are
+    dequantized with the block's group scale and zero point, and meet x in one dot of depth 128."""
+    per = 32 // bits
+    rows = BLOCK_K // per
+    mask = (1 << bits) - 1
+    _, block_m, block_n = o_ref.shape
+    first = pl.program_id(2) * steps
+    shifts = (lax.broadcasted_iota(jnp.int32, (1, per, 1), 1) * bits)
+
+    def body(kb, acc):
+        words = p_ref[pl.ds(kb * rows, rows), :]  # [rows, block_n] int32
+        g = (kb * BLOCK_K) // group_size
+        scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, block_n]
+        zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
+        vals = ((words[:, None, :] >> shifts) & mask).astype(jnp.float32)  # [rows, per, block_n]
+        w = ((vals - zero[None]) * scale[None]).reshape(BLOCK_K, block_n).astype(x_ref.dtype)
+        xb = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]  # [block_m, 128]
+        prec = lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None
+        return acc + _pl_dot(xb, w, precision=prec)
+
+    acc = lax.fori_loop(first, first + steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    o_ref[...] = acc[None]
+
+
+def _kernel_permuted(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int):
+    """The same product with `per` dots of depth 128 / per per block, one per value position of
+    the words, against x's columns permuted by `_permute_columns` (kept to compare on the GPU)."""
     per = 32 // bits
     rows = BLOCK_K // per
     mask = (1 << bits) - 1
@@ -108,10 +136,11 @@ def pick_splits(programs: int, k_steps: int, target_programs: int = TARGET_PROGR
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n", "splits", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "permuted", "interpret"))
 def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, bits: int,
                        group_size: int, block_m: int = 16, block_n: int = 128, splits: int | None = None,
-                       num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
+                       num_warps: int = 4, num_stages: int = 2, permuted: bool = False,
+                       interpret: bool = False) -> jax.Array:
     """x [T, K] @ dequant(packed) -> [T, N] in x's dtype; shapes as in the module docstring.
     T is padded to a multiple of `block_m` (at least 16, Triton's smallest dot). `splits`: K is
     split over that many programs per output tile (default `pick_splits`: a narrow output at a
@@ -128,7 +157,9 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
         raise ValueError(f"weight_only_matmul kernel: packed {packed.shape}, scales {scales.shape}, zeros "
                          f"{zeros.shape} do not fit K={k}, N={n}, {bits} bits, groups of {group_size}")
     tp = -(-t // block_m) * block_m
-    xp = _permute_columns(jnp.pad(x, ((0, tp - t), (0, 0))), per)
+    xp = jnp.pad(x, ((0, tp - t), (0, 0)))
+    if permuted:
+        xp = _permute_columns(xp, per)
     g = k // group_size
     k_steps = k // BLOCK_K
     splits = splits or pick_splits((tp // block_m) * (n // block_n), k_steps)
@@ -138,7 +169,7 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     if not interpret:
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     sums = pl.pallas_call(
-        functools.partial(_kernel, bits=bits, group_size=group_size, steps=k_steps // splits),
+        functools.partial(_kernel_permuted if permuted else _kernel, bits=bits, group_size=group_size, steps=k_steps // splits),
         grid=(tp // block_m, n // block_n, splits),
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
                   pl.BlockSpec((k // per, block_n), lambda i, j, s: (0, j)),

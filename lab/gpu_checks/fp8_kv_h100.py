@@ -2,7 +2,7 @@
 they compile (tt.fp_to_fp e4m3 -> bf16 / f32), match the jnp reference over the same cache, and
 what they cost or save against a bf16 cache. Llama-3-8B's heads (32 query, 8 KV, head size 128).
 
-    python -m lab.gpu_checks.fp8_kv_h100
+    python -m lab.gpu_checks.fp8_kv_h100 [--skip-engine]
 
 Prints, per batch (a decode batch at long context, a prefill chunk, a mixed batch) and query dtype:
 the relative error against the reference over the dequantized cache (expect ~1e-3 in bf16, ~1e-6
@@ -67,6 +67,8 @@ def main() -> int:
                          f"bf16 {_median_ms(f, b.q, kc, vc, *rest):.3f} ms")
             print(line, flush=True)
 
+    if "--skip-engine" in sys.argv:
+        return 0
     from jaxengine import LLM, SamplingParams
     llm = LLM("llama-3-8b", load_format="dummy", dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=2048)
     print("engine attention:", llm.llm_engine.runner.attention_impl, flush=True)

@@ -32,25 +32,30 @@ import time
 
 import numpy as np
 
-ENGINES = {"bf16": None, "fp8": "fp8", "w4a16": "gptq"}
-TIME_LIMIT_S = {"micro": 150, "bf16": 130, "fp8": 180, "w4a16": 110}  # 570 s in all
+# engine part -> (quantization, kv_cache_dtype)
+ENGINES = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "w4a16": ("gptq", "auto"), "fp8kv": (None, "fp8")}
+TIME_LIMIT_S = {"micro": 170, "bf16": 150, "fp8": 240, "w4a16": 110, "fp8kv": 130}
+PARTS = ("micro", *ENGINES)
+KV_PROMPTS = 500  # 1024/128 prompts for the KV-cache dtype comparison
 
 
 # Llama-3-8B's linear shapes (K inputs, N outputs): fused q/k/v, o, fused gate/up, down
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
-# weight-only kernel configurations tried at one row: (block_n, num_stages, num_warps, splits or None)
-INT4_CONFIGS = [(bn, st, w, s) for bn in (64, 128, 256) for st in (2, 3, 4) for w in (4, 8) for s in (None,)] + \
-    [(128, 3, 4, s) for s in (1, 2, 4, 8)]
+# weight-only kernel configurations tried at 16 rows (a batch-1 decode step's token bucket):
+# (permuted, block_n, num_stages, num_warps, splits or None)
+INT4_CONFIGS = [(p, bn, st, 4, None) for p in (False, True) for bn in (64, 128, 256) for st in (2, 3, 4)] + \
+    [(False, 256, 3, 8, None), (False, 128, 3, 4, 1), (False, 128, 3, 4, 2), (False, 128, 3, 4, 4)]
 
 
 def _per_call(fn, x, ws, repeats: int = 7) -> float:
-    """Median seconds per matmul: `fn(x, w)` over a stack of L different weights in one compiled
-    lax.map (no dispatch between calls, and every call reads its own weight from memory)."""
+    """Median seconds per matmul: `fn(x, w)` for each of L different weights (a list), unrolled in
+    one compiled program: no dispatch between calls, no slicing copies, and every call reads its
+    own weight from memory."""
     import jax
 
-    run = jax.jit(lambda x, ws: jax.lax.map(lambda w: fn(x, w), ws))
+    run = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
     jax.block_until_ready(run(x, ws))
-    n = jax.tree.leaves(ws)[0].shape[0]
+    n = len(ws)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -73,12 +78,16 @@ def micro() -> dict:
     for name, (k, n) in SHAPES.items():
         layers = max(4, min(16, int(2e9 // (2 * k * n))))  # about 2 GB of bf16 weights per stack
         kb, kq, kp = jax.random.split(jax.random.fold_in(key, k * n), 3)
-        wb = (0.02 * jax.random.normal(kb, (layers, k, n), jnp.float32)).astype(jnp.bfloat16)
-        qw = jnp.clip(16 * jax.random.normal(kq, (layers, n, k), jnp.float32), -448, 448).astype(jnp.float8_e4m3fn)
-        qs = jnp.full((layers, n), 0.02 / 16, jnp.float32)
-        packed = jax.lax.bitcast_convert_type(jax.random.bits(kp, (layers, k // 8, n), jnp.uint32), jnp.int32)
-        scales = jnp.full((layers, k // 128, n), 0.005, jnp.bfloat16)
-        zeros = jnp.full((layers, k // 128, n), 8, jnp.uint8)
+        wb = [(0.02 * jax.random.normal(jax.random.fold_in(kb, i), (k, n), jnp.float32)).astype(jnp.bfloat16)
+              for i in range(layers)]
+        qw = [jnp.clip(16 * jax.random.normal(jax.random.fold_in(kq, i), (n, k), jnp.float32), -448, 448)
+              .astype(jnp.float8_e4m3fn) for i in range(layers)]
+        qs = jnp.full((n,), 0.02 / 16, jnp.float32)
+        packed = [jax.lax.bitcast_convert_type(jax.random.bits(jax.random.fold_in(kp, i), (k // 8, n), jnp.uint32),
+                                               jnp.int32) for i in range(layers)]
+        scales = jnp.full((k // 128, n), 0.005, jnp.bfloat16)
+        zeros = jnp.full((k // 128, n), 8, jnp.uint8)
+        i4 = [(p, scales + 0.0001 * i, zeros) for i, p in enumerate(packed)]  # scales read per layer too
         int4_bytes = k * n // 2 + (k // 128) * n * 3
         shape_res: dict = {"K": k, "N": n, "layers_in_stack": layers}
         for rows in (1, 16, 256):
@@ -93,27 +102,27 @@ def micro() -> dict:
                     cells[label] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
 
             put("bf16", lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype), wb, 2 * k * n)
-            put("fp8", lambda x, w: fp8_matmul(x, w[0], w[1], None), (qw, qs), k * n + 4 * n)
-            put("int4_reference", lambda x, w: weight_only_matmul(x, *w, 4, 128), (packed, scales, zeros), int4_bytes)
-            configs = INT4_CONFIGS if rows == 1 else [(128, 2, 4, None), (128, 3, 4, None), (256, 3, 8, None)]
-            for bn, st, nw, sp in configs:
-                put(f"int4_kernel bn{bn} st{st} w{nw} s{sp or 'auto'}",
-                    lambda x, w, bn=bn, st=st, nw=nw, sp=sp: kernel.weight_only_matmul(
-                        x, *w, bits=4, group_size=128, block_n=bn, num_stages=st, num_warps=nw, splits=sp),
-                    (packed, scales, zeros), int4_bytes)
+            put("fp8", lambda x, w: fp8_matmul(x, w, qs, None), qw, k * n + 4 * n)
+            put("int4_reference", lambda x, w: weight_only_matmul(x, *w, 4, 128), i4, int4_bytes)
+            configs = INT4_CONFIGS if rows == 16 else [(False, 128, 2, 4, None), (True, 128, 2, 4, None),
+                                                       (False, 128, 3, 4, None), (False, 256, 3, 8, None)]
+            for pm, bn, st, nw, sp in configs:
+                put(f"int4_kernel {'perm' if pm else 'reshape'} bn{bn} st{st} w{nw} s{sp or 'auto'}",
+                    lambda x, w, pm=pm, bn=bn, st=st, nw=nw, sp=sp: kernel.weight_only_matmul(
+                        x, *w, bits=4, group_size=128, block_n=bn, num_stages=st, num_warps=nw, splits=sp,
+                        permuted=pm), i4, int4_bytes)
             ok = {lab: c["us"] for lab, c in cells.items() if lab.startswith("int4_kernel") and "us" in c}
             if ok:
                 best = min(ok, key=ok.get)
                 cells["int4_kernel_best"] = dict(cells[best], config=best)
             shape_res[f"rows_{rows}"] = cells
-        hlo = jax.jit(lambda x, w: fp8_matmul(x, w[0], w[1], None)).lower(
-            x[:1], (qw[0], qs[0])).compile().as_text()
+        hlo = jax.jit(lambda x, w: fp8_matmul(x, w, qs, None)).lower(x[:1], qw[0]).compile().as_text()
         shape_res["fp8_program_calls_cublaslt_f8"] = "f8" in hlo and "cublas$lt" in hlo.lower()
         # the kernel's agreement with the reference, default configuration, 16 rows
         x = jax.random.normal(key, (16, k), jnp.float32).astype(jnp.bfloat16)
-        ref = weight_only_matmul(x, packed[0], scales[0], zeros[0], 4, 128).astype(jnp.float32)
+        ref = weight_only_matmul(x, packed[0], scales, zeros, 4, 128).astype(jnp.float32)
         try:
-            got = kernel.weight_only_matmul(x, packed[0], scales[0], zeros[0], bits=4, group_size=128)
+            got = kernel.weight_only_matmul(x, packed[0], scales, zeros, bits=4, group_size=128)
             shape_res["int4_kernel_max_abs_err"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)))
         except Exception as e:
             shape_res["int4_kernel_error"] = f"{type(e).__name__}: {str(e)[:800]}"
@@ -141,10 +150,11 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
-    llm = LLM(model, load_format="dummy", dtype="bfloat16", quantization=ENGINES[kind],
+    quant, kv_dtype = ENGINES[kind]
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", quantization=quant, kv_cache_dtype=kv_dtype,
               tokenizer=synthetic_tokenizer(tempfile.mkdtemp(), vocab))
     eng = llm.llm_engine
-    res: dict = {"quantization": ENGINES[kind], "startup_s": time.perf_counter() - t0,
+    res: dict = {"quantization": quant, "kv_cache_dtype": kv_dtype, "startup_s": time.perf_counter() - t0,
                  "compile_s": eng.runner.compile_seconds, "attention": eng.runner.attention_impl,
                  "weight_GiB": weight_bytes(llm) / 2**30, "num_kv_blocks": eng.config.num_kv_blocks,
                  "copy_bandwidth_GBps": copy_gbps, "device": jax.devices()[0].device_kind}
@@ -164,12 +174,18 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
     res["decode_b1"] = {"ms_per_token_median": ms, "ms_per_token_p99": 1e3 * steps["p99"],
                         "roofline_ms": roofline_ms, "roofline_fraction": roofline_ms / ms}
     print(f"decode done after {time.perf_counter() - t0:.1f} s: {ms:.2f} ms/token", file=sys.stderr, flush=True)
-    if throughput:
+    if throughput or kind in ("bf16", "fp8kv"):
         warm = [SampleRequest(q.prompt_token_ids, 16) for q in random_requests(64, 256, 256, 0.0, vocab, seed=20_000)]
         run_throughput(llm, warm)
+    if throughput and kind != "fp8kv":
         tr = run_throughput(llm, random_requests(num_prompts, 256, 256, 0.0, vocab, seed=100))
         res["throughput_256x256"] = {k: tr[k] for k in ("output_tokens_per_s", "elapsed_s") if k in tr}
         res["throughput_256x256"]["num_prompts"] = num_prompts
+        print(f"256/256 done after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if kind in ("bf16", "fp8kv"):  # the KV cache's dtype against the bf16 cache: 1024 in / 128 out
+        tr = run_throughput(llm, random_requests(KV_PROMPTS, 1024, 128, 0.0, vocab, seed=200))
+        res["throughput_1024x128"] = {k: tr[k] for k in ("output_tokens_per_s", "elapsed_s") if k in tr}
+        res["throughput_1024x128"]["num_prompts"] = KV_PROMPTS
     return res
 
 
@@ -208,15 +224,18 @@ def _table(res: dict) -> None:
                 vals = [cells.get(v, {}).get("us") for v in ("bf16", "fp8", "int4_reference", "int4_kernel_best")]
                 print(f"{name:<9}{rows:>5}" + "".join(f"{v:>16.1f}" if v is not None else f"{'-':>16}" for v in vals)
                       + "  " + cells.get("int4_kernel_best", {}).get("config", ""))
-    print(f"{'engine':<8}{'weights GiB':>12}{'decode ms/tok':>15}{'roofline':>10}{'256/256 tok/s':>15}")
+    print(f"{'engine':<8}{'weights GiB':>12}{'KV blocks':>10}{'decode ms/tok':>15}{'roofline':>10}"
+          f"{'256/256 tok/s':>15}{'1024/128 tok/s':>16}")
     for kind in ENGINES:
         e = res.get(kind, {})
         if "error" in e or not e:
             print(f"{kind:<8} {e.get('error', 'not run')}")
             continue
-        d, t = e["decode_b1"], e.get("throughput_256x256", {})
+        d, t, t2 = e["decode_b1"], e.get("throughput_256x256", {}), e.get("throughput_1024x128", {})
         tps = f"{t['output_tokens_per_s']:>15,.0f}" if "output_tokens_per_s" in t else f"{'-':>15}"
-        print(f"{kind:<8}{e['weight_GiB']:>12.2f}{d['ms_per_token_median']:>15.2f}{d['roofline_fraction']:>10.0%}{tps}")
+        tps2 = f"{t2['output_tokens_per_s']:>16,.0f}" if "output_tokens_per_s" in t2 else f"{'-':>16}"
+        print(f"{kind:<8}{e['weight_GiB']:>12.2f}{e['num_kv_blocks']:>10}{d['ms_per_token_median']:>15.2f}"
+              f"{d['roofline_fraction']:>10.0%}{tps}{tps2}")
 
 
 def main() -> int:
@@ -225,26 +244,29 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--model", default="llama-3-8b", help="a preset (dummy weights)")
     ap.add_argument("--w4a16-throughput", action="store_true", help="also the offline run for the int4 reference")
-    ap.add_argument("--part", choices=("micro", *ENGINES), help="run one part in this process (used internally)")
+    ap.add_argument("--part", choices=PARTS, help="run one part in this process (used internally)")
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts to run, in this order")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.part is not None:
         if args.part == "micro":
             out = micro()
         else:
+            import faulthandler  # the Python stacks shortly before the parent's limit: where a slow part was
+            faulthandler.dump_traceback_later(TIME_LIMIT_S[args.part] - 10, exit=False)
             out = engine(args.part, args.num_prompts, args.part != "w4a16" or args.w4a16_throughput, args.model)
         with open(os.path.join(args.out, f"quant_{args.part}.json"), "w") as fh:
             json.dump(out, fh, indent=1)
         return 0
     res: dict = {"model": f"{args.model} (dummy weights, bf16 activations)", "num_prompts": args.num_prompts}
     t0 = time.perf_counter()
-    for part in ("micro", *ENGINES):
+    for part in args.parts.split(","):
         res[part] = _child(part, args)
         print(f"{part}: {res[part].get('error', 'done')} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
         with open(os.path.join(args.out, "quant.json"), "w") as fh:
             json.dump(res, fh, indent=1)
-    if "output_tokens_per_s" in res["bf16"].get("throughput_256x256", {}) and \
-            "output_tokens_per_s" in res["fp8"].get("throughput_256x256", {}):
+    if "output_tokens_per_s" in res.get("bf16", {}).get("throughput_256x256", {}) and \
+            "output_tokens_per_s" in res.get("fp8", {}).get("throughput_256x256", {}):
         res["fp8_over_bf16_throughput"] = (res["fp8"]["throughput_256x256"]["output_tokens_per_s"]
                                            / res["bf16"]["throughput_256x256"]["output_tokens_per_s"])
         res["fp8_over_bf16_decode_speedup"] = (res["bf16"]["decode_b1"]["ms_per_token_median"]
