@@ -36,6 +36,7 @@ from jaxengine.config import EngineConfig, pick_bucket, token_buckets
 from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs, prompt_logprob_targets
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.lora import TP_AXIS, LoRAInputs, layer_shapes, token_mask, write_slot
+from jaxengine.models.quantization import compiler_options
 from jaxengine.packing import Layout, pack, unpack
 from jaxengine.sampler import batch_sampling_metadata, build_sampling_metadata, sample
 from jaxengine.scheduler import SchedulerOutput
@@ -157,7 +158,8 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     fwd = jax.jit(functools.partial(_forward, graphdef, layout=layout, attention=attention),
                   donate_argnums=(1,)).lower(
         _abstract(state), [(kv, kv)] * c.num_layers, layout.abstract(rep),
-        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile()
+        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile(
+        compiler_options=compiler_options(state))
     md = Layout.of(build_sampling_metadata([], r, config.max_model_len, processors=True,
                                            mask_words=-(-c.vocab_size // 32)))
     smp = jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True, pad_to=config.max_num_seqs,
@@ -279,6 +281,7 @@ class ModelRunner:
         leaves, self.param_treedef = jax.tree.flatten(state)
         self.param_leaves = tuple(leaves)
         self._params_abs = _abstract(self.param_leaves)
+        self._xla_options = compiler_options(state)  # what the weights ask of the forward's compile
         self._fwd_out = None
         if plan is not None:  # fixed output placement, so the sampler programs can be compiled for it
             self._fwd_out = ([(self.kv_sharding, self.kv_sharding)] * model_config.num_layers, self._rep, self._rep)
@@ -309,7 +312,7 @@ class ModelRunner:
         args = [self._params_abs, _abstract(self.kv_caches), layout.abstract(self._rep), prev]
         if lora:
             args.append(_abstract(self.lora_layers))
-        return fn.lower(*args).compile()
+        return fn.lower(*args).compile(compiler_options=self._xla_options)
 
     def _compile_lora_write(self) -> jax.stages.Compiled:
         """One program writes any slot: the slot index is an argument, so loading never recompiles.
