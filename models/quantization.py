@@ -144,12 +144,19 @@ def fp8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: 
     return (y * xs * scale[None, :]).astype(x.dtype)
 
 
+# Rows up to which the weight-only kernel runs; above, the weight is dequantized in the graph and
+# meets x in a plain dot. On the H100 the kernel beat that path about 3x at 16 rows and lost to
+# it about 2.8x at 256 (benchmarks/results/quant_h100.md).
+KERNEL_MAX_ROWS = 64
+
+
 def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
                        bits: int, group_size: int) -> jax.Array:
     """One call site's weight-only matmul: on GPU the Pallas kernel
-    (pallas_kernels/weight_only_matmul_gpu.py) where it takes the shape (K and the group size
-    multiples of 128, N of 128), else `weight_only_matmul`."""
-    if jax.default_backend() == "gpu" and kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
+    (pallas_kernels/weight_only_matmul_gpu.py) for calls of at most KERNEL_MAX_ROWS rows where it
+    takes the shape (K and the group size multiples of 128, N of 128), else `weight_only_matmul`."""
+    if jax.default_backend() == "gpu" and x.shape[0] <= KERNEL_MAX_ROWS and \
+            kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
         return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size)
     return weight_only_matmul(x, packed, scales, zeros, bits, group_size)
 

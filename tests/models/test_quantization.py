@@ -380,3 +380,19 @@ def test_quantization_scope_checked():
         check_model(scheme, "GPT2LMHeadModel", 1)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
         check_model(scheme, "LlamaForCausalLM", 2)
+
+
+def test_weight_only_kernel_only_for_few_rows(monkeypatch):
+    """On GPU the Pallas kernel takes calls of up to KERNEL_MAX_ROWS rows; larger calls (prefill)
+    dequantize in the graph, which measured faster there."""
+    from jaxengine.models import quantization as q
+
+    calls = []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(q.kernel, "weight_only_matmul",
+                        lambda x, *a, **k: calls.append(x.shape[0]) or q.weight_only_matmul(x, *a, k["bits"], k["group_size"]))
+    packed = jnp.zeros((256 // 8, 128), jnp.int32)
+    scales, zeros = jnp.ones((2, 128), jnp.float32), jnp.zeros((2, 128), jnp.uint8)
+    for rows in (1, q.KERNEL_MAX_ROWS, q.KERNEL_MAX_ROWS + 1):
+        q.weight_only_linear(jnp.ones((rows, 256), jnp.float32), packed, scales, zeros, 4, 128)
+    assert calls == [1, q.KERNEL_MAX_ROWS]
