@@ -45,7 +45,10 @@ SHAPES = {  # model -> (E, k, D, F)
 TOKENS = (1, 4, 16, 256, 2048)
 DECODE_TOKENS = (1, 4, 16)  # the shapes that also time the gathered kernel
 WEIGHT_SETS = 6  # distinct weight sets a timed chain cycles through (the experts hit leave L2)
-DECODE_ROUNDS = 2  # a decode chain is WEIGHT_SETS * DECODE_ROUNDS calls; a prefill chain one round
+# a decode chain is WEIGHT_SETS * DECODE_ROUNDS calls; a prefill chain one round. Each round after
+# the first perturbs x: identical calls would be merged by XLA's CSE (with 2 plain rounds the
+# first H100 run timed half the calls and reported up to 195% of the floor).
+DECODE_ROUNDS = 2
 BF16 = 2  # bytes
 HEADER = (f"{'model':14s} {'matmul':7s} {'tokens':>6s} {'hit':>5s} {'floor ms':>9s} {'ragged_dot ms (% floor)':>24s} "
           f"{'mgpu best ms (% floor)':>33s} gathered ms (% floor)")
@@ -73,7 +76,8 @@ def _chain(impl_kwargs: dict, rounds: int):
     from jaxengine.pallas_kernels.grouped_matmul import grouped_matmul
 
     def run(xs, ws, ss):
-        return tuple(grouped_matmul(x, w, s, **impl_kwargs) for _ in range(rounds) for x, w, s in zip(xs, ws, ss))
+        return tuple(grouped_matmul(x if r == 0 else x * (1.0 + r / 64), w, s, **impl_kwargs)
+                     for r in range(rounds) for x, w, s in zip(xs, ws, ss))
 
     return jax.jit(run)
 
