@@ -174,6 +174,20 @@ def run_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def forced_top1(llm, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[bool]]:
+    """Teacher forcing: per prompt, per token of `continuation` (another run's greedy tokens),
+    whether this model ranks it first after the prompt and the continuation's earlier tokens."""
+    from jaxengine import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p + c} for p, c in zip(prompts, continuations)],
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    res = []
+    for o, p, c in zip(outs, prompts, continuations):
+        ids, lps = o.prompt_token_ids, o.prompt_logprobs
+        res.append([lps[i][ids[i]].rank == 1 for i in range(len(p), len(p) + len(c))])
+    return res
+
+
 def mc_scores(llm, tokenizer, items: list[dict]) -> list[list[float]]:
     """Per item, per choice: the summed log-probability of the choice's tokens given the question."""
     from jaxengine import SamplingParams
@@ -211,45 +225,61 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def make_llm(quantization: str | None, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-             cache_dir: str | None):
+             cache_dir: str | None, dtype: str = "bfloat16"):
     from jaxengine import LLM
 
-    return LLM(dtype="bfloat16", quantization=quantization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+    return LLM(dtype=dtype, quantization=quantization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max_num_batched_tokens, compilation_cache_dir=cache_dir)
 
 
 def evaluate(prompts: list[list[int]], items: list[dict], max_tokens: int, *, max_num_seqs: int = 32,
              max_num_batched_tokens: int = 512, max_model_len: int = 256, cache_dir: str | None = None,
-             log=lambda *a: None) -> dict:
-    """Both runs (bf16, then fp8), the greedy tokens and MC scores of each, and the comparison."""
+             control: bool = False, log=lambda *a: None) -> dict:
+    """Both runs (bf16, then fp8): greedy tokens, teacher-forced top-1 agreement on the bf16 run's
+    tokens, MC scores, and the comparison. `control`: also a float32 run (greedy and teacher-forced
+    only), to show how much bf16's own rounding moves greedy tokens."""
     import gc
 
     runs: dict[str, dict] = {}
     tokenizer = None
-    for name, q in (("bf16", None), ("fp8", "fp8")):
+    configs = [("bf16", None, "bfloat16"), ("fp8", "fp8", "bfloat16")] + ([("f32", None, "float32")] if control else [])
+    for name, q, dtype in configs:
         t0 = time.perf_counter()
-        llm = make_llm(q, max_num_seqs, max_num_batched_tokens, max_model_len, cache_dir)
+        llm = make_llm(q, max_num_seqs, max_num_batched_tokens, max_model_len, cache_dir, dtype)
         tokenizer = llm.get_tokenizer()
         t1 = time.perf_counter()
         toks = run_greedy(llm, prompts, max_tokens)
         t2 = time.perf_counter()
-        scores = mc_scores(llm, tokenizer, items) if items else []
+        forced = forced_top1(llm, prompts, runs["bf16"]["tokens"]) if name != "bf16" else None
         t3 = time.perf_counter()
-        runs[name] = dict(tokens=toks, scores=scores, load_s=t1 - t0, greedy_s=t2 - t1, mc_s=t3 - t2)
-        log(f"{name}: load {t1 - t0:.1f} s, greedy {t2 - t1:.1f} s, multiple choice {t3 - t2:.1f} s")
+        scores = mc_scores(llm, tokenizer, items) if items and name != "f32" else []
+        t4 = time.perf_counter()
+        runs[name] = dict(tokens=toks, forced=forced, scores=scores, load_s=t1 - t0, greedy_s=t2 - t1,
+                          forced_s=t3 - t2, mc_s=t4 - t3)
+        log(f"{name}: load {t1 - t0:.1f} s, greedy {t2 - t1:.1f} s, teacher-forced {t3 - t2:.1f} s, "
+            f"multiple choice {t4 - t3:.1f} s")
         del llm
         gc.collect()
-    b, f = runs["bf16"], runs["fp8"]
-    prefixes = [common_prefix(x, y) for x, y in zip(b["tokens"], f["tokens"])]
-    equal = [x == y for x, y in zip(b["tokens"], f["tokens"])]
-    res: dict = dict(
-        greedy=dict(prompts=len(prompts), max_tokens=max_tokens, equal=sum(equal),
+
+    def compare(other: dict) -> dict:
+        base = runs["bf16"]["tokens"]
+        prefixes = [common_prefix(x, y) for x, y in zip(base, other["tokens"])]
+        equal = [x == y for x, y in zip(base, other["tokens"])]
+        flat = [f for row in other["forced"] for f in row]
+        return dict(prompts=len(prompts), max_tokens=max_tokens, equal=sum(equal),
                     mean_common_prefix=sum(prefixes) / len(prefixes), common_prefix=prefixes,
-                    first_divergence={i: p for i, p in enumerate(prefixes) if not equal[i]}),
-        timings_s={k: {x: round(v[x], 1) for x in ("load_s", "greedy_s", "mc_s")} for k, v in runs.items()},
-        tokens=dict(bf16=b["tokens"], fp8=f["tokens"]),
-        decoded=dict(bf16=[tokenizer.decode(t) for t in b["tokens"]], fp8=[tokenizer.decode(t) for t in f["tokens"]]),
+                    first_divergence={i: p for i, p in enumerate(prefixes) if not equal[i]},
+                    forced_top1_agreement=sum(flat) / len(flat))
+
+    b, f = runs["bf16"], runs["fp8"]
+    res: dict = dict(
+        greedy=compare(f),
+        timings_s={k: {x: round(v[x], 1) for x in ("load_s", "greedy_s", "forced_s", "mc_s")} for k, v in runs.items()},
+        tokens={k: v["tokens"] for k, v in runs.items()},
+        decoded={k: [tokenizer.decode(t) for t in v["tokens"]] for k, v in runs.items()},
     )
+    if control:
+        res["greedy_f32_vs_bf16"] = compare(runs["f32"])
     if items:
         pb = [argmax(s) for s in b["scores"]]
         pf = [argmax(s) for s in f["scores"]]
@@ -301,6 +331,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--cache-dir", default=None, help="XLA compilation cache (default: the engine's)")
+    ap.add_argument("--no-control", action="store_true", help="skip the float32 control run")
     args = ap.parse_args()
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -315,7 +346,8 @@ def main() -> int:
     items = mc_items(args.mc_per_kind, args.seed)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     res = evaluate(prompts, items, args.max_tokens, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, cache_dir=args.cache_dir, log=log)
+                   max_num_batched_tokens=args.max_num_batched_tokens, cache_dir=args.cache_dir,
+                   control=not args.no_control, log=log)
     g, mc = res["greedy"], res["mc"]
     greedy_ok = g["equal"] > g["prompts"] / 2
     mc_ok = abs(mc["diff_points"]) <= 2.0
@@ -324,7 +356,8 @@ def main() -> int:
         device=f"CPU: {_cpu_name()} ({os.cpu_count()} cores visible), backend {jax.default_backend()}",
         model=f"SmolLM2-135M-Instruct, embedded {DEFAULT_MODEL_FILE} dequantized at load, dtype bfloat16",
         runs={"bf16": "quantization=None", "fp8": "quantization='fp8' (e4m3 weights per output channel, "
-                                                  "activations per token)"},
+                                                  "activations per token)",
+              **({} if args.no_control else {"f32": "control: quantization=None, dtype float32"})},
         params=dict(vars(args), max_model_len=256, greedy="temperature=0, ignore_eos=True",
                     mc_scoring="sum of prompt_logprobs over the choice's tokens, argmax"),
         verdict=dict(greedy_equal_on_most_prompts=greedy_ok, mc_accuracy_within_2_points=mc_ok),
@@ -336,6 +369,15 @@ def main() -> int:
         "|---|---|---|---|",
         f"| greedy, {g['prompts']} prompts x {g['max_tokens']} tokens | - | - | {g['equal']}/{g['prompts']} equal, "
         f"mean common prefix {g['mean_common_prefix']:.1f} tokens |",
+        f"| teacher-forced on the bf16 tokens | - | - | fp8's top-1 is bf16's token at "
+        f"{100 * g['forced_top1_agreement']:.1f}% of positions |",
+    ]
+    if "greedy_f32_vs_bf16" in res:
+        c = res["greedy_f32_vs_bf16"]
+        lines.append(f"| control: float32 (no quantization) against bf16 | - | - | {c['equal']}/{c['prompts']} equal, "
+                     f"mean common prefix {c['mean_common_prefix']:.1f}; teacher-forced top-1 "
+                     f"{100 * c['forced_top1_agreement']:.1f}% |")
+    lines += [
         f"| multiple choice, {mc['items']} items | {100 * mc['acc_bf16']:.1f}% | {100 * mc['acc_fp8']:.1f}% | "
         f"{mc['diff_points']:+.1f} points, same choice on {100 * mc['same_choice']:.1f}% |",
     ]
@@ -364,6 +406,10 @@ def main() -> int:
         f"Greedy: {args.chat_prompts} chat prompts (the model's chat template) and {args.plain_prompts} plain ones, "
         f"{args.max_tokens} new tokens each (`ignore_eos`), one batch (max_num_seqs {args.max_num_seqs}, "
         f"max_num_batched_tokens {args.max_num_batched_tokens}).",
+        "Teacher-forced: the bf16 run's greedy tokens appended to each prompt and scored by the other run "
+        "(`prompt_logprobs=0`, rank 1 = its own top-1)."
+        + ("" if args.no_control else " Control: the same model in float32, no quantization, compared to bf16 "
+           "the same way (how much bf16's own rounding moves greedy tokens)."),
         f"Multiple choice: {mc['items']} items built offline by `mc_items({args.mc_per_kind}, seed={args.seed})` "
         f"({mc['choices']} choices; 10 kinds: arithmetic, comparisons, counting, days, months, opposites, "
         "capitals, colors and animal sounds), each choice scored by the summed log-probability of its tokens "
