@@ -211,6 +211,14 @@ def mc_scores(llm, tokenizer, items: list[dict]) -> list[list[float]]:
     return scores
 
 
+def to_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """The tokens up to and including the first end-of-sequence token (what a served request returns)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
 def argmax(xs: list[float]) -> int:
     return max(range(len(xs)), key=lambda i: xs[i])
 
@@ -247,6 +255,7 @@ def evaluate(prompts: list[list[int]], items: list[dict], max_tokens: int, *, ma
         t0 = time.perf_counter()
         llm = make_llm(q, max_num_seqs, max_num_batched_tokens, max_model_len, cache_dir, dtype)
         tokenizer = llm.get_tokenizer()
+        eos = set(llm.llm_engine.eos_token_ids)
         t1 = time.perf_counter()
         toks = run_greedy(llm, prompts, max_tokens)
         t2 = time.perf_counter()
@@ -262,19 +271,25 @@ def evaluate(prompts: list[list[int]], items: list[dict], max_tokens: int, *, ma
         gc.collect()
 
     def compare(other: dict) -> dict:
-        base = runs["bf16"]["tokens"]
-        prefixes = [common_prefix(x, y) for x, y in zip(base, other["tokens"])]
-        equal = [x == y for x, y in zip(base, other["tokens"])]
+        """Primary: outputs as served (each cut after its first end-of-sequence token); also the
+        full `max_tokens` generated with ignore_eos; teacher-forced agreement over the full tokens."""
+        def one(base, got):
+            prefixes = [common_prefix(x, y) for x, y in zip(base, got)]
+            equal = [x == y for x, y in zip(base, got)]
+            return dict(equal=sum(equal), mean_common_prefix=sum(prefixes) / len(prefixes), common_prefix=prefixes,
+                        lengths=[len(x) for x in base],
+                        first_divergence={i: p for i, p in enumerate(prefixes) if not equal[i]})
+        base, got = runs["bf16"]["tokens"], other["tokens"]
         flat = [f for row in other["forced"] for f in row]
-        return dict(prompts=len(prompts), max_tokens=max_tokens, equal=sum(equal),
-                    mean_common_prefix=sum(prefixes) / len(prefixes), common_prefix=prefixes,
-                    first_divergence={i: p for i, p in enumerate(prefixes) if not equal[i]},
-                    forced_top1_agreement=sum(flat) / len(flat))
+        served = one([to_eos(x, eos) for x in base], [to_eos(x, eos) for x in got])
+        return dict(prompts=len(prompts), max_tokens=max_tokens, **served,
+                    ignore_eos=one(base, got), forced_top1_agreement=sum(flat) / len(flat))
 
     b, f = runs["bf16"], runs["fp8"]
     res: dict = dict(
         greedy=compare(f),
         timings_s={k: {x: round(v[x], 1) for x in ("load_s", "greedy_s", "forced_s", "mc_s")} for k, v in runs.items()},
+        eos_token_ids=sorted(eos),
         tokens={k: v["tokens"] for k, v in runs.items()},
         decoded={k: [tokenizer.decode(t) for t in v["tokens"]] for k, v in runs.items()},
     )
@@ -358,7 +373,8 @@ def main() -> int:
         runs={"bf16": "quantization=None", "fp8": "quantization='fp8' (e4m3 weights per output channel, "
                                                   "activations per token)",
               **({} if args.no_control else {"f32": "control: quantization=None, dtype float32"})},
-        params=dict(vars(args), max_model_len=256, greedy="temperature=0, ignore_eos=True",
+        params=dict(vars(args), max_model_len=256,
+                    greedy="temperature=0, ignore_eos=True; compared cut at the first EOS (verdict) and in full",
                     mc_scoring="sum of prompt_logprobs over the choice's tokens, argmax"),
         verdict=dict(greedy_equal_on_most_prompts=greedy_ok, mc_accuracy_within_2_points=mc_ok),
         total_s=round(time.perf_counter() - t_start, 1), **res)
@@ -367,16 +383,20 @@ def main() -> int:
     lines = [
         "| check | bf16 | fp8 | comparison |",
         "|---|---|---|---|",
-        f"| greedy, {g['prompts']} prompts x {g['max_tokens']} tokens | - | - | {g['equal']}/{g['prompts']} equal, "
-        f"mean common prefix {g['mean_common_prefix']:.1f} tokens |",
-        f"| teacher-forced on the bf16 tokens | - | - | fp8's top-1 is bf16's token at "
+        f"| greedy, {g['prompts']} prompts, up to {g['max_tokens']} tokens, cut at end of sequence (as served) "
+        f"| - | - | {g['equal']}/{g['prompts']} equal, mean common prefix {g['mean_common_prefix']:.1f} tokens "
+        f"(bf16 outputs {sum(g['lengths']) / len(g['lengths']):.1f} tokens on average) |",
+        f"| greedy, {g['max_tokens']} tokens each, ignore_eos | - | - | {g['ignore_eos']['equal']}/{g['prompts']} equal, "
+        f"mean common prefix {g['ignore_eos']['mean_common_prefix']:.1f} tokens |",
+        f"| teacher-forced on the bf16 tokens ({g['max_tokens']} a prompt) | - | - | fp8's top-1 is bf16's token at "
         f"{100 * g['forced_top1_agreement']:.1f}% of positions |",
     ]
     if "greedy_f32_vs_bf16" in res:
         c = res["greedy_f32_vs_bf16"]
-        lines.append(f"| control: float32 (no quantization) against bf16 | - | - | {c['equal']}/{c['prompts']} equal, "
-                     f"mean common prefix {c['mean_common_prefix']:.1f}; teacher-forced top-1 "
-                     f"{100 * c['forced_top1_agreement']:.1f}% |")
+        lines.append(f"| control: float32 (no quantization) against bf16 | - | - | as served {c['equal']}/{c['prompts']} "
+                     f"equal (mean common prefix {c['mean_common_prefix']:.1f}); ignore_eos "
+                     f"{c['ignore_eos']['equal']}/{c['prompts']} ({c['ignore_eos']['mean_common_prefix']:.1f}); "
+                     f"teacher-forced top-1 {100 * c['forced_top1_agreement']:.1f}% |")
     lines += [
         f"| multiple choice, {mc['items']} items | {100 * mc['acc_bf16']:.1f}% | {100 * mc['acc_fp8']:.1f}% | "
         f"{mc['diff_points']:+.1f} points, same choice on {100 * mc['same_choice']:.1f}% |",
@@ -396,6 +416,7 @@ def main() -> int:
     with open(os.path.join(args.out, "quant_smollm2_cpu.json"), "w") as fh:
         json.dump(res, fh, indent=1)
     div = ", ".join(f"#{i}: {p}" for i, p in g["first_divergence"].items()) or "none"
+    div_full = ", ".join(f"#{i}: {p}" for i, p in g["ignore_eos"]["first_divergence"].items()) or "none"
     md = [
         f"# FP8 at load time on the real SmolLM2-135M-Instruct (CPU, {res['date']})",
         "",
@@ -404,7 +425,8 @@ def main() -> int:
         f"Model: {res['model']}. bf16: no quantization; fp8: `quantization=\"fp8\"` (linear weights "
         "float8_e4m3fn with one scale per output channel, activations quantized per token).",
         f"Greedy: {args.chat_prompts} chat prompts (the model's chat template) and {args.plain_prompts} plain ones, "
-        f"{args.max_tokens} new tokens each (`ignore_eos`), one batch (max_num_seqs {args.max_num_seqs}, "
+        f"{args.max_tokens} new tokens each generated with `ignore_eos` and compared twice: cut after the first "
+        "end-of-sequence token (what a served request returns; the verdict) and in full; one batch (max_num_seqs {args.max_num_seqs}, "
         f"max_num_batched_tokens {args.max_num_batched_tokens}).",
         "Teacher-forced: the bf16 run's greedy tokens appended to each prompt and scored by the other run "
         "(`prompt_logprobs=0`, rank 1 = its own top-1)."
@@ -419,7 +441,8 @@ def main() -> int:
         "",
         *kind_lines,
         "",
-        f"Greedy: first differing token (index) of the prompts that differ: {div}. "
+        f"Greedy, first differing token (index) of the prompts that differ: as served {div}; "
+        f"ignore_eos {div_full}. "
         f"Choice log-likelihoods: mean |bf16 - fp8| {mc['mean_abs_choice_logprob_diff']:.3f} nats, "
         f"max {mc['max_abs_choice_logprob_diff']:.3f}.",
         "",
