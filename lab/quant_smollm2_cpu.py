@@ -426,7 +426,8 @@ def main() -> int:
         "float8_e4m3fn with one scale per output channel, activations quantized per token).",
         f"Greedy: {args.chat_prompts} chat prompts (the model's chat template) and {args.plain_prompts} plain ones, "
         f"{args.max_tokens} new tokens each generated with `ignore_eos` and compared twice: cut after the first "
-        "end-of-sequence token (what a served request returns; the verdict) and in full; one batch (max_num_seqs {args.max_num_seqs}, "
+        "end-of-sequence token (what a served request returns; the verdict) and in full; "
+        f"one batch (max_num_seqs {args.max_num_seqs}, "
         f"max_num_batched_tokens {args.max_num_batched_tokens}).",
         "Teacher-forced: the bf16 run's greedy tokens appended to each prompt and scored by the other run "
         "(`prompt_logprobs=0`, rank 1 = its own top-1)."
