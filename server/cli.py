@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -330,6 +331,11 @@ def run_server(engine: LLMEngine | PoolingEngineBase, settings: ServerSettings,
         server.should_exit = True  # polled by uvicorn's main loop; starts the graceful shutdown
 
     async_engine.on_death = on_death
+    # From here on one engine serves this process, and what exists now lives as long as it: collect
+    # once, then freeze it out of the collector's view, so the collections the step loop triggers
+    # walk only what requests allocate (vLLM does the same after its start-up).
+    gc.collect()
+    gc.freeze()
     with _quiet_signals():
         server.run(sockets=list(sockets) if sockets else None)
     if async_engine.error is not None:

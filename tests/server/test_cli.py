@@ -313,3 +313,21 @@ def test_serve_tiny_model_from_config_file(tiny_llama, xla_cache_dir, tmp_path):
     assert res["lines"][-1] == "data: [DONE]" and finish_reason(res["lines"]) == "length"
     # the key guarded every call above (streaming too) and never reached the logs, even at info level
     assert SECRET not in out_text and SECRET not in err
+
+
+def test_run_server_freezes_what_start_up_allocated(monkeypatch):
+    """Before serving, the start-up's objects are collected once and frozen out of the garbage
+    collector's view (gc.freeze), so collections during serving walk only requests' objects."""
+    import gc
+
+    from jaxengine.server import uvicorn_server
+    from jaxengine.server.cli import ServerSettings, run_server
+    from tests.server.fake_engine import FakeEngine
+
+    seen = []
+    monkeypatch.setattr(uvicorn_server.DrainingServer, "run", lambda self, sockets=None: seen.append(gc.get_freeze_count()))
+    try:
+        assert run_server(FakeEngine(max_model_len=64), ServerSettings(port=0)) == 0
+    finally:
+        gc.unfreeze()  # the test process goes on to build other engines
+    assert len(seen) == 1 and seen[0] > 0
