@@ -177,7 +177,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             elif arr is None or tuple(arr.shape) != want:
                 bad_shapes.append(f"{name}: checkpoint shape {tuple(raw.shape)} does not fit parameter {want}")
                 continue
-            set_path(pure, path, put(path, arr if is_quantized(arr) else np.asarray(arr).astype(dtype)))
+            set_path(pure, path, put(path, arr if is_quantized(arr) else np.asarray(arr).astype(dtype, copy=False)))
             seen.add(path)
     missing_parts = []
     for path in [p for p in expected if str(p[-1]) in FUSED and p not in stacks.targets]:
@@ -201,7 +201,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             bad_shapes.append(f"{shapes}: do not fit fused parameter {want}")
             seen.add(path)
             continue
-        set_path(pure, path, put(path, arr if is_quantized(arr) else arr.astype(dtype)))
+        set_path(pure, path, put(path, arr if is_quantized(arr) else arr.astype(dtype, copy=False)))
         seen.add(path)
     for path, arr in stacks.finished.items():
         set_path(pure, path, arr)
