@@ -18,8 +18,10 @@ device:
 4. outputs: the output processor detokenizes, applies stop strings, records logprobs and builds
    the `RequestOutput`s while the device runs N+1; requests it stops or fails are ended in the
    scheduler.
-When a running request uses penalties or bad words of several tokens (which read its output
-tokens) the step resolves N before scheduling N+1, as a synchronous engine would.
+A request whose sampling reads its output tokens (penalties, bad words of several tokens) does
+not make the step wait either: its history's last token, still being sampled by N, is written as
+a reference to N's row, and N+1's sampler reads it from N's tokens on the device
+(sampler.resolve_history).
 
 Structured outputs: a step with constrained rows is dispatched in two parts. Its forward is
 enqueued first; then N resolves, each constrained request's grammar consumes its token (a
@@ -183,7 +185,7 @@ class EngineCore:
             if speculate and self._spec_skip:
                 self._spec_skip -= 1
                 speculate = False
-            if prev is not None and (speculate or prev.handle.spec or self.scheduler.running_reads_history()):
+            if prev is not None and (speculate or prev.handle.spec):
                 done, prev = self._resolve(prev), None
             if speculate:
                 self._propose()

@@ -38,7 +38,7 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.lora import TP_AXIS, LoRAInputs, layer_shapes, token_mask, write_slot
 from jaxengine.models.quantization import compiler_options
 from jaxengine.packing import Layout, pack, unpack
-from jaxengine.sampler import batch_sampling_metadata, build_sampling_metadata, sample
+from jaxengine.sampler import batch_sampling_metadata, build_sampling_metadata, resolve_history, sample
 from jaxengine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,8 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
                                            mask_words=-(-c.vocab_size // 32)))
     smp = jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True, pad_to=config.max_num_seqs,
                                     use_bitmask=True)).lower(
-        jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32, sharding=rep), md.abstract(rep)).compile()
+        jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32, sharding=rep), md.abstract(rep),
+        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile()
     programs = [fwd, smp]
     spec = config.speculative_config
     if spec is not None:  # the verify program of speculative steps (its logits, and any weight copy XLA makes)
@@ -218,13 +219,16 @@ def _verify_step(graphdef, state, hidden: jax.Array, packed_spec: jax.Array, pac
     return out, jnp.any(jnp.isnan(logits), axis=(1, 2))
 
 
-def _sample_padded(logits: jax.Array, packed_md: jax.Array, *, layout: Layout, use_processors: bool, pad_to: int,
-                   use_bitmask: bool = False, truncate: bool | None = None):
+def _sample_padded(logits: jax.Array, packed_md: jax.Array, prev_tokens: jax.Array, *, layout: Layout,
+                   use_processors: bool, pad_to: int, use_bitmask: bool = False, truncate: bool | None = None):
     """The sampler on metadata packed with `layout`, plus its tokens padded to [pad_to] (a fixed
     shape the next forward reads) and a [R] flag for rows whose logits hold a NaN (that request
-    is failed alone, not sampled from)."""
-    out = sample(logits, unpack(packed_md, layout), use_processors=use_processors, use_bitmask=use_bitmask,
-                 truncate=truncate)
+    is failed alone, not sampled from). `prev_tokens` [max_num_seqs]: the step before's tokens,
+    which fill the history entries still in flight (sampler.resolve_history)."""
+    md = unpack(packed_md, layout)
+    if use_processors:  # the only variant that reads the history
+        md = dataclasses.replace(md, history=resolve_history(md.history, prev_tokens))
+    out = sample(logits, md, use_processors=use_processors, use_bitmask=use_bitmask, truncate=truncate)
     nan_rows = jnp.any(jnp.isnan(logits), axis=-1)
     return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0])), nan_rows
 
@@ -397,7 +401,8 @@ class ModelRunner:
         logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32, sharding=self._rep)
         fn = jax.jit(functools.partial(_sample_padded, layout=layout, use_processors=processors,
                                        pad_to=self.config.max_num_seqs, use_bitmask=masked, truncate=truncate))
-        return fn.lower(logits, layout.abstract(self._rep)).compile()
+        prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
+        return fn.lower(logits, layout.abstract(self._rep), prev).compile()
 
     def verify_rows(self, t: int) -> int:
         """Rows of token bucket t's verify program: a speculative step has at most
@@ -537,17 +542,20 @@ class ModelRunner:
             # a copy: the builder reuses its buffers, and the CPU backend may read numpy memory late
             pooled = self._get(self._pool_fns, t, self._compile_pool, "pooling program for bucket")(
                 hidden, np.array(inputs.logits_indices), np.array(inputs.attn.query_start_loc))
-        return PendingStep(seqs, r, logits, prompt_lp, pooled, hidden, t)
+        return PendingStep(seqs, r, logits, prompt_lp, pooled, hidden, t, prev_tokens,
+                           prev.rows if prev is not None else None)
 
     def dispatch_sampler(self, step: PendingStep, bitmask: np.ndarray | None = None) -> InFlight:
         """Enqueues the sampler of a step whose forward is enqueued. `bitmask` [R, mask_words]
         int32: the structured-output bitmask of the step's rows (None: no row is constrained)."""
         seqs, r = step.seqs, step.num_rows
-        md, processors, truncate = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True))
+        md, processors, truncate = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True),
+                                                           prev_rows=step.prev_rows)
         masked = bitmask is not None or processors  # the processors program always reads a bitmask
         if masked:
             md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
-        sampler_out, tokens, nan_rows = self._get_sampler(r, processors, masked, truncate)(step.logits, pack(md))
+        sampler_out, tokens, nan_rows = self._get_sampler(r, processors, masked, truncate)(step.logits, pack(md),
+                                                                                           step.prev_tokens)
         rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
         return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, rows_of, nan_rows, step.pooled)
 
@@ -607,6 +615,8 @@ class PendingStep:
     pooled: tuple | None
     hidden: jax.Array  # [T, D] the final hidden states (speculative steps verify from them)
     num_tokens: int  # T, the step's token bucket
+    prev_tokens: jax.Array  # [max_num_seqs] the tokens of the step before (placeholders read them)
+    prev_rows: dict[str, int] | None  # each request's row in the step before, if one was in flight
 
 
 @dataclasses.dataclass

@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxengine.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
                                        MAX_LOGPROBS, SamplingParams)
-from jaxengine.scheduler import ScheduledSeq
+from jaxengine.scheduler import PLACEHOLDER, ScheduledSeq
 
 logger = logging.getLogger(__name__)
 
@@ -154,11 +154,20 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int, history_
                      rows.__getitem__, num_rows, history_len, processors, mask_words)
 
 
+def in_flight_history_id(prev_row: int) -> int:
+    """The history entry of an output token that the step in flight is still sampling: the
+    device reads it from that step's tokens, at the request's row `prev_row` (`resolve_history`),
+    so a request whose sampling reads its history need not wait for the step before."""
+    return -2 - prev_row
+
+
 def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequence[int], num_rows: int,
-                            processors_history_len: int, mask_words: int = 1) -> tuple[SamplingMetadata, bool, bool]:
+                            processors_history_len: int, mask_words: int = 1,
+                            prev_rows: dict[str, int] | None = None) -> tuple[SamplingMetadata, bool, bool]:
     """`build_sampling_metadata` for one step's rows straight from the scheduler's output, and
     whether any row needs the `use_processors` variant (then the history is
-    `processors_history_len` long, else 1).
+    `processors_history_len` long, else 1). `prev_rows`: each request's row in the step in
+    flight, for output tokens that are still placeholders (see `in_flight_history_id`).
 
     This runs every step for every running request, so the per-row Python work is a few
     attribute reads; a `SamplingRow` is made only for the rare rows that need one (penalties,
@@ -170,8 +179,12 @@ def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequenc
 
     def row(i: int) -> SamplingRow:
         sp = specs[i]
-        return SamplingRow(sp.params, sp.seed, steps[i], sp.prompt_token_ids, seqs[i].output_token_ids or (),
-                           eos_token_ids)
+        outs = seqs[i].output_token_ids or ()
+        if outs and outs[-1] == PLACEHOLDER:  # sampled by the step in flight
+            if prev_rows is None or seqs[i].request_id not in prev_rows:
+                raise RuntimeError(f"request {seqs[i].request_id}: an unsampled output token and no step in flight")
+            outs = [*outs[:-1], in_flight_history_id(prev_rows[seqs[i].request_id])]
+        return SamplingRow(sp.params, sp.seed, steps[i], sp.prompt_token_ids, outs, eos_token_ids)
 
     processors = needs_processors(params)
     return (_metadata(params, [sp.seed for sp in specs], steps, row, num_rows,
@@ -252,6 +265,13 @@ def _metadata(params: list[SamplingParams], seeds: Sequence[int], steps: list[in
 
 
 # -- device side -----------------------------------------------------------------------------
+def resolve_history(history: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """history [R, L] with the entries `in_flight_history_id` wrote replaced by the tokens the
+    step before sampled (prev_tokens [P], still on the device)."""
+    from_prev = prev_tokens[jnp.clip(-2 - history, 0, prev_tokens.shape[0] - 1)]
+    return jnp.where(history <= -2, from_prev, history)
+
+
 def _scatter_rows(ids: jax.Array, values: jax.Array, vocab: int) -> jax.Array:
     """[R, V] sums of `values` [R, L] at token ids `ids` [R, L]; ids < 0 are dropped."""
     r = ids.shape[0]

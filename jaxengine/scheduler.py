@@ -172,11 +172,6 @@ class Scheduler:
         """Unfinished requests (waiting or running) that run with this LoRA adapter."""
         return sum(1 for r in self._requests.values() if r.lora_int_id == lora_int_id)
 
-    def running_reads_history(self) -> bool:
-        """Whether a running request's sampling reads its token history (penalties): no scan
-        of the running requests while no unfinished request uses them (the common case)."""
-        return self._num_reading_history > 0 and any(_reads_history(r) for r in self.running)
-
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)

@@ -7,10 +7,14 @@ tensors are reported together by name.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
+import itertools
 import logging
+import os
 import re
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +144,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
     family = get_family(cfg.architecture)
     ignored = re.compile(family.ignored + r"$")
     stacks = _ExpertStacks(expected, dtype, put)
+    to_read = []  # (name, hits, experts) of every tensor the model takes
     for name in checkpoint.tensor_names():
         if ignored.match(name):
             continue
@@ -151,7 +156,8 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                 continue  # some tied checkpoints still store the head
             unexpected.append(name)
             continue
-        raw = checkpoint.get_tensor(name)
+        to_read.append((name, hits, experts))
+    for (name, hits, experts), raw in zip(to_read, _read_in_order(checkpoint, [n for n, _, _ in to_read])):
         raw = raw if is_quantized(raw) else np.asarray(raw)
         for path, fn, fused in hits:
             try:
@@ -218,6 +224,28 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                          f"{cfg.architecture}: " + " | ".join(parts))
     nnx.replace_by_pure_dict(abs_state, pure)
     return graphdef, abs_state
+
+
+def _read_in_order(checkpoint, names: list[str]) -> Iterator:
+    """`checkpoint.get_tensor(name)` for each name, in order. Where the checkpoint's reads may run
+    concurrently (`concurrent_reads`: dequantizing GGUF blocks), up to `workers` reads run ahead on
+    other threads while the caller places the tensor before; a window of workers + 1 bounds the
+    tensors held at once."""
+    workers = min(4, (os.cpu_count() or 1) - 1)
+    if not getattr(checkpoint, "concurrent_reads", False) or workers < 1 or len(names) < 2:
+        yield from (checkpoint.get_tensor(n) for n in names)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="read") as pool:
+        window: collections.deque = collections.deque()
+        ahead = iter(names)
+        for n in itertools.islice(ahead, workers + 1):
+            window.append(pool.submit(checkpoint.get_tensor, n))
+        while window:
+            tensor = window.popleft().result()
+            nxt = next(ahead, None)
+            if nxt is not None:
+                window.append(pool.submit(checkpoint.get_tensor, nxt))
+            yield tensor
 
 
 def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, *, seed: int = 0,

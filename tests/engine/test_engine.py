@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxengine import LLM, SamplingParams
+from jaxengine import LLM, SamplingParams, sampler
 from jaxengine.compile_monitor import compile_count
 from tests.tiny_checkpoints import load_reference
 
@@ -80,6 +80,53 @@ def test_greedy_matches_transformers_batch8(family_llm):
     # batch size 1 gives the same tokens as inside the batch of 8
     single = llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)[0]
     assert single.outputs[0].token_ids == outs[3].outputs[0].token_ids
+
+
+def penalized_greedy(ref, ids: list[int], n: int, rep: float, presence: float, frequency: float) -> list[int]:
+    """Greedy decoding of transformers' model with vLLM's penalties applied to its logits:
+    repetition over prompt and output tokens, presence and frequency over output tokens."""
+    seq, out = list(ids), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = ref(torch.tensor([seq])).logits[0, -1].double().numpy()
+        for t in set(seq):
+            logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
+        for t in set(out):
+            logits[t] -= frequency * out.count(t) + presence
+        out.append(int(np.argmax(logits)))
+        seq.append(out[-1])
+    return out
+
+
+def test_penalties_run_ahead_and_match_transformers(family_llm, monkeypatch):
+    """Penalties read the output tokens, the newest of them still being sampled by the step in
+    flight: the engine does not wait for it (the device fills it in), and greedy tokens equal
+    transformers' logits with vLLM's penalties applied step by step."""
+    name, path, llm = family_llm
+    if name != "llama":
+        pytest.skip("the sampler is shared by every family")
+    ref = load_reference(path)
+    tok = llm.get_tokenizer()
+    runner = llm.llm_engine.runner
+    ahead, in_flight = [], []
+    monkeypatch.setattr(sampler, "in_flight_history_id",
+                        lambda row, f=sampler.in_flight_history_id: in_flight.append(row) or f(row))
+    dispatch = runner.dispatch
+    runner.dispatch = lambda sched, prev=None: ahead.append(prev is not None) or dispatch(sched, prev)
+    pen = dict(repetition_penalty=1.2, presence_penalty=1.5, frequency_penalty=0.7)
+    # unpenalized, the tiny model repeats its last token after the first prompt (and often after
+    # the last): a penalty that missed the token in flight would let it repeat
+    prompts = [PROMPTS[7], PROMPTS[0], "1 1 1 1 1 1"]
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, **pen),
+                            use_tqdm=False)
+    finally:
+        runner.dispatch = dispatch
+    assert sum(ahead) >= 10  # decode steps were scheduled while the step before was in flight
+    assert len(in_flight) >= 10  # and their histories ended in the token still being sampled
+    for prompt, out in zip(prompts, outs):
+        want = penalized_greedy(ref, tok.encode(prompt), 12, *pen.values())
+        assert out.outputs[0].token_ids == want
 
 
 def test_chunked_prefill_equals_unchunked(tiny_model_factory, xla_cache_dir):
