@@ -52,8 +52,14 @@ def run_ours(prompts: list[str], output_len: int, max_num_seqs: int) -> tuple[fl
     llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=max_num_seqs, max_num_batched_tokens=1024)
     startup = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    # warm-up (other prompts: no prefix-cache hits); twice as many, so the timed run's buckets are compiled
-    llm.generate(make_prompts(2 * len(prompts), seed=1), params, use_tqdm=False)
+    # Warm-up on other tokens (no prefix-cache hits) in prompts of the timed ones' lengths: the same
+    # schedule, so the same token buckets are compiled.
+    lens = [len(llm.llm_engine.tokenize(p)) for p in prompts]
+    pool = [t for p in make_prompts(4 * len(prompts), seed=1) for t in llm.llm_engine.tokenize(p)]
+    starts = np.cumsum([0] + lens[:-1])
+    assert len(pool) >= sum(lens)
+    warm = [{"prompt_token_ids": pool[s:s + n]} for s, n in zip(starts, lens)]
+    llm.generate(warm, params, use_tqdm=False)
     c0, load = _compiles(), _load()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
