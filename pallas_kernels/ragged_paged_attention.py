@@ -22,7 +22,8 @@ sits in the batch (a one-token prefill chunk is the same computation).
 
 Implementations: the Pallas GPU kernels of ragged_paged_attention_gpu.py (on an NVIDIA GPU of
 sm_80+, `gpu_backend.get_kernel()`); `ragged_paged_attention_cpu` (tiles of one sequence's rows
-as batched matmuls, which XLA's CPU backend runs better than the reference's per-block gathers);
+as batched matmuls, which XLA's CPU backend runs better than the reference's per-block gathers; a
+step of one live sequence as a single tile);
 the jnp reference below. Which one a model runs is chosen once, outside the kernels, by the
 engine's attention backend (jaxengine/attention_backend.py). The reference's einsums use XLA's
 default precision, which on a GPU is TF32 for float32 inputs (~3e-4 relative error); the kernel
