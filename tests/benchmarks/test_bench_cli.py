@@ -101,7 +101,7 @@ def test_sweep(tiny, xla_cache_dir, tmp_path, capsys):
     with open(str(stem) + "_schedules.csv") as f:
         assert len(list(csv.DictReader(f))) == 2
     with open(str(stem) + "_buckets.csv") as f:
-        assert len(list(csv.DictReader(f))) == 2 + 3  # buckets 16, 32 and 16, 32, 64
+        assert len(list(csv.DictReader(f))) == 6 + 7  # buckets 1, 2, 4, ..., 32 and 1, 2, 4, ..., 64 (the CPU's)
 
 
 def test_serve_against_live_server(tiny, xla_cache_dir, tmp_path, capfd):
