@@ -22,7 +22,8 @@ sits in the batch (a one-token prefill chunk is the same computation).
 
 Implementations: the Pallas GPU kernels of ragged_paged_attention_gpu.py (on an NVIDIA GPU of
 sm_80+, `gpu_backend.get_kernel()`); `ragged_paged_attention_cpu` (tiles of one sequence's rows
-as batched matmuls, which XLA's CPU backend runs better than the reference's per-block gathers);
+as batched matmuls, which XLA's CPU backend runs better than the reference's per-block gathers; a
+step of one live sequence as a single tile);
 the jnp reference below. Which one a model runs is chosen once, outside the kernels, by the
 engine's attention backend (jaxengine/attention_backend.py). The reference's einsums use XLA's
 default precision, which on a GPU is TF32 for float32 inputs (~3e-4 relative error); the kernel
@@ -30,6 +31,8 @@ computes float32 products in full precision.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -137,9 +140,83 @@ def ragged_paged_attention_cpu(
     block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
     tile_rows: int | None = None, group: int | None = None, chunk_blocks: int = 2,
+    single_chunk_blocks: int | None = 8,
 ) -> jax.Array:
     """Paged attention shaped as batched matmuls, for XLA's CPU backend (same contract as the
     reference, and faster than it there).
+
+    A step of one live sequence (batch-1 decode, a long prompt's chunks) runs
+    `_one_sequence_attention` (all its rows as one tile, `single_chunk_blocks` blocks per loop
+    step); any other step the tiled path below (`single_chunk_blocks=None`: always the tiled path).
+    Both are compiled into the program; `lax.cond` runs one of them.
+    """
+    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
+    tiled = functools.partial(_tiled_attention, tile_rows=tile_rows, group=group, chunk_blocks=chunk_blocks, **kw)
+    if single_chunk_blocks is None:
+        return tiled(*args)
+    one = functools.partial(_one_sequence_attention, chunk_blocks=single_chunk_blocks, **kw)
+    return jax.lax.cond(num_seqs[0] == 1, one, tiled, *args)
+
+
+def _one_sequence_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
+    block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
+    sm_scale: float, soft_cap: float | None, sliding_window: int | None, chunk_blocks: int,
+) -> jax.Array:
+    """The contract's attention when sequence slot 0 is the only live one (num_seqs == 1): its
+    q_len = query_start_loc[1] rows are one tile, [K, T * G, H]. A loop over its context, C =
+    chunk_blocks * P keys a step, gathers each block once and multiplies it with every row and
+    head (scores [K, T * G, C]), with an online softmax across steps; it stops at kv_lens[0].
+    A long prompt's 512-row chunk thus reads its context once per layer, not once per tile."""
+    t_, n, h = q.shape
+    _, k_, p, _ = k_cache.shape
+    g = n // k_
+    cb, c_tok = chunk_blocks, chunk_blocks * p
+    q_len, kv_len = query_start_loc[1], kv_lens[0]
+    r = jnp.arange(t_, dtype=jnp.int32)
+    live = r < q_len  # [T]
+    pos = kv_len - q_len + r  # [T]
+    qg = (q.astype(jnp.float32) * sm_scale).reshape(t_, k_, g, h).transpose(1, 0, 2, 3).reshape(k_, t_ * g, h)
+    table = jnp.pad(block_tables[0], (0, -block_tables.shape[1] % cb))
+
+    def body(c, carry):
+        m, l, acc = carry
+        blk = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)  # [cb]
+        kb = k_cache[blk].astype(jnp.float32)  # [cb, K, P, H]
+        vb = v_cache[blk].astype(jnp.float32)
+        s = jnp.einsum("krh,bkph->krbp", qg, kb).reshape(k_, t_, g, c_tok)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kpos = c * c_tok + jnp.arange(c_tok, dtype=jnp.int32)
+        mask = (kpos[None, :] <= pos[:, None]) & live[:, None]  # [T, C]
+        if sliding_window is not None:
+            mask &= kpos[None, :] > pos[:, None] - sliding_window
+        mask = mask[None, :, None, :]
+        s = jnp.where(mask, s, _MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(-1))
+        pr = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + pr.sum(-1)
+        pv = jnp.einsum("krbp,bkph->krh", pr.reshape(k_, t_ * g, cb, p), vb).reshape(k_, t_, g, h)
+        return m_new, l, acc * alpha[..., None] + pv
+
+    shape = (k_, t_, g)
+    init = (jnp.full(shape, _MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (h,), jnp.float32))
+    first = 0 if sliding_window is None else jnp.maximum(kv_len - q_len - sliding_window + 1, 0) // c_tok
+    _, l, acc = jax.lax.fori_loop(first, (kv_len + c_tok - 1) // c_tok, body, init)
+    o = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)  # [K, T, G, H]
+    return o.transpose(1, 0, 2, 3).reshape(t_, n, h).astype(q.dtype)
+
+
+def _tiled_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
+    block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
+    sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
+    tile_rows: int | None = None, group: int | None = None, chunk_blocks: int = 2,
+) -> jax.Array:
+    """The tiled path of `ragged_paged_attention_cpu`, for any step.
 
     The new tokens are cut into tiles of `tile_rows` consecutive rows of one sequence (a decode
     row is a tile of its own): at most I = (T + min(S, T) * (tile_rows - 1)) // tile_rows tiles, a

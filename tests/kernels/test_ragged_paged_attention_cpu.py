@@ -114,3 +114,27 @@ def test_padded_slots_ignore_garbage_tables():
     out1 = ragged_paged_attention_cpu(*b.args(), sm_scale=0.1)
     out2 = ragged_paged_attention_cpu(*b2.args(), sm_scale=0.1)
     np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+
+
+@pytest.mark.parametrize("q_len,ctx", [(1, 0), (1, 15), (1, 16), (1, 17), (1, 300), (16, 0), (40, 70), (100, 17)])
+@pytest.mark.parametrize("single_chunk_blocks", [1, 3, 16])
+def test_one_sequence_path_matches_dense(q_len, ctx, single_chunk_blocks):
+    """A step of one live sequence (batch-1 decode, a prompt's chunk) runs the one-tile path:
+    lengths 1, P-1, P, P+1 and long, chunks with and without context, padded slots and tokens,
+    the table padded to a multiple of the blocks per step (M = 25)."""
+    rng = np.random.default_rng(q_len * 1000 + ctx + single_chunk_blocks)
+    b = make_batch(rng, q_lens=[q_len], ctx_lens=[ctx], num_heads=9, num_kv_heads=3, head_dim=64,
+                   block_size=16, dtype=jnp.float32, pad_slots=2, pad_tokens=5, max_blocks=25)
+    out = _check(b, sm_scale=0.125, single_chunk_blocks=single_chunk_blocks)
+    tiled = ragged_paged_attention_cpu(*b.args(), sm_scale=0.125, single_chunk_blocks=None)
+    np.testing.assert_allclose(out, np.asarray(tiled, np.float64), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("soft_cap,window", [(None, 5), (20.0, None), (10.0, 37)])
+@pytest.mark.parametrize("q_len,ctx", [(1, 90), (40, 70)])
+def test_one_sequence_soft_cap_and_sliding_window(soft_cap, window, q_len, ctx):
+    rng = np.random.default_rng(11 + (window or 0) + q_len)
+    b = make_batch(rng, q_lens=[q_len], ctx_lens=[ctx], num_heads=8, num_kv_heads=2, head_dim=64,
+                   block_size=16, dtype=jnp.float32, pad_slots=1, pad_tokens=3)
+    _check(b, sm_scale=1.0 if soft_cap else 0.125, soft_cap=soft_cap, sliding_window=window,
+           single_chunk_blocks=2)
