@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxengine.attention_backend import AttentionBackend
-from jaxengine.config import EngineConfig, pick_bucket, smallest_token_bucket, token_buckets
+from jaxengine.config import EngineConfig, pick_bucket, token_buckets
 from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs, prompt_logprob_targets
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.lora import TP_AXIS, LoRAInputs, layer_shapes, token_mask, write_slot
@@ -259,8 +259,7 @@ class ModelRunner:
         self.graphdef = graphdef
         self.state = state
         self.dtype = dtype
-        self.token_buckets = token_buckets(config.max_num_batched_tokens,
-                                           smallest_token_bucket(jax.default_backend()))
+        self.token_buckets = token_buckets(config.max_num_batched_tokens, jax.default_backend())
         self.builder = InputBuilder(config.max_blocks_per_seq, config.block_size)
         self.num_blocks = config.num_kv_blocks
         self.plan = plan

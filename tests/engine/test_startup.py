@@ -13,7 +13,7 @@ import pytest
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.cli import main
-from jaxengine.config import EngineConfig, smallest_token_bucket, token_buckets
+from jaxengine.config import EngineConfig, token_buckets
 from jaxengine.model_runner import SAMPLER_VARIANTS
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=32, dtype="float32")
@@ -37,12 +37,12 @@ def test_warmup_default_is_lazy_on_cpu_and_ahead_when_asked(tiny_model_factory, 
     assert lazy.llm_engine.config.warmup is False and not lazy.llm_engine.startup.ahead_of_time
     assert _num_programs(lazy) == 0
     want = _tokens(lazy)
-    buckets = token_buckets(32, smallest_token_bucket("cpu"))
+    buckets = token_buckets(32, "cpu")
     every = len(buckets) * 2 + len({min(t, 4) for t in buckets}) * len(SAMPLER_VARIANTS)
     assert 0 < _num_programs(lazy) < every  # a short run compiles the buckets it used, not all
     ahead = LLM(path, compilation_cache_dir=None, warmup=True, **{**ENGINE, "max_num_batched_tokens": 16})
-    # token buckets 1, 2, 4, 8, 16: their forward and prompt-logprob programs; the samplers of rows 1, 2, 4
-    every = 5 * 2 + 3 * len(SAMPLER_VARIANTS)
+    # token buckets 1 and 16: their forward and prompt-logprob programs; the samplers of rows 1 and 4
+    every = 2 * 2 + 2 * len(SAMPLER_VARIANTS)
     assert _num_programs(ahead) == every and ahead.llm_engine.startup.warmup_s > 0
     assert _tokens(ahead) == want
     with pytest.raises(RuntimeError, match="was not compiled at start-up"):
