@@ -55,9 +55,6 @@ class Checkpoint(abc.ABC):
 
     path: str  # where it was read from (file or folder)
     hf_config: dict  # a Hugging Face config.json dict ("architectures", "hidden_size", ...)
-    # Whether `get_tensor` may run on several threads at once and is worth it (reads that compute,
-    # such as dequantization, overlap the placement of the tensor before): the loader reads ahead.
-    concurrent_reads: bool = False
 
     @abc.abstractmethod
     def tensor_names(self) -> list[str]:

@@ -90,8 +90,6 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 class GGUFCheckpoint(Checkpoint):
     """A .gguf file: tensors dequantized to float32 on demand, HF names and config."""
 
-    concurrent_reads = True  # numpy dequantization of a read-only mapping, no shared state
-
     def __init__(self, path: str | os.PathLike, *, tokenizer: str | None = None) -> None:
         import gguf
 

@@ -7,14 +7,10 @@ tensors are reported together by name.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import functools
-import itertools
 import logging
-import os
 import re
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -157,7 +153,8 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             unexpected.append(name)
             continue
         to_read.append((name, hits, experts))
-    for (name, hits, experts), raw in zip(to_read, _read_in_order(checkpoint, [n for n, _, _ in to_read])):
+    for name, hits, experts in to_read:
+        raw = checkpoint.get_tensor(name)
         raw = raw if is_quantized(raw) else np.asarray(raw)
         for path, fn, fused in hits:
             try:
@@ -224,28 +221,6 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                          f"{cfg.architecture}: " + " | ".join(parts))
     nnx.replace_by_pure_dict(abs_state, pure)
     return graphdef, abs_state
-
-
-def _read_in_order(checkpoint, names: list[str]) -> Iterator:
-    """`checkpoint.get_tensor(name)` for each name, in order. Where the checkpoint's reads may run
-    concurrently (`concurrent_reads`: dequantizing GGUF blocks), up to `workers` reads run ahead on
-    other threads while the caller places the tensor before; a window of workers + 1 bounds the
-    tensors held at once."""
-    workers = min(4, (os.cpu_count() or 1) - 1)
-    if not getattr(checkpoint, "concurrent_reads", False) or workers < 1 or len(names) < 2:
-        yield from (checkpoint.get_tensor(n) for n in names)
-        return
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="read") as pool:
-        window: collections.deque = collections.deque()
-        ahead = iter(names)
-        for n in itertools.islice(ahead, workers + 1):
-            window.append(pool.submit(checkpoint.get_tensor, n))
-        while window:
-            tensor = window.popleft().result()
-            nxt = next(ahead, None)
-            if nxt is not None:
-                window.append(pool.submit(checkpoint.get_tensor, nxt))
-            yield tensor
 
 
 def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, *, seed: int = 0,
