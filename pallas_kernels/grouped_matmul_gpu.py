@@ -11,15 +11,16 @@ Same contract as `gathered_matmul_reference` (`jax.lax.ragged_dot`, the model's 
 Why: `lax.ragged_dot` and the bundled Mosaic kernel read every group's weight, empty groups
 included, so one decode token of Qwen3-30B-A3B (8 of 128 experts hit) reads 16x the bytes it needs.
 
-Grid (S, N / block_n) with S = min(G, M) slots: at most M groups can hold rows. The wrapper
-compacts the non-empty groups, in order, into a slot table [3, S] int32 (expert id, first row,
-row count; padded slots have count 0). Program (h, j) looks up slot h, and for each tile of
-`block_m` rows of its group (one tile in decode) walks K in blocks of `block_k`: loads the rows of
-x (masked to the group) and its expert's [block_k, block_n] weight tile by offsets into the whole
-w, accumulates in float32, and stores the tile's rows (masked). An empty slot runs no tile and
-writes nothing. Rows past sum(sizes) are never written; the wrapper zeroes them after the call.
-x and the output carry `block_m` extra rows so a row tile never leaves its array (masked rows are
-not read or written; interpret mode would otherwise clamp the slice).
+Grid (S, N / block_n) with S = min(G, M) slots: at most M groups can hold rows. Program (h, j)
+finds slot h itself from `sizes` (G padded to a power of two, read whole: a rank of the
+non-empty groups by cumsum, then the h-th one's expert id, first row and row count), so the call
+is one kernel with no table built before it. For each tile of `block_m` rows of its group (one
+tile in decode) it walks K in blocks of `block_k`: loads the rows of x (masked to the group) and
+its expert's [block_k, block_n] weight tile by offsets into the whole w, accumulates in float32,
+and stores the tile's rows (masked). An empty slot runs no tile. Slot 0's programs also write
+zeros to the rows past sum(sizes), so every output row is written by the kernel. Masked rows past
+M are neither read nor written on the GPU; interpret mode clamps a slice at the array's end, so
+there x and the output carry `block_m` extra rows.
 """
 
 from __future__ import annotations
@@ -86,25 +87,24 @@ def supported(x_sorted, w, tiling: GatheredTiling = GatheredTiling()) -> bool:
     return k_ok and n_ok and g * k * n <= _MAX_OFFSET and (x_sorted.shape[0] + tiling.block_m) * max(k, n) <= _MAX_OFFSET
 
 
-def slot_table(group_sizes: jax.Array, m: int) -> jax.Array:
-    """[3, S] int32, S = min(G, M): the non-empty groups in order (expert id, first row, rows),
-    padded with empty slots (id 0, row 0, 0 rows). Row counts are clipped to the M rows."""
-    sizes = group_sizes.astype(jnp.int32)
-    slots = min(sizes.shape[0], m)
-    starts = jnp.cumsum(sizes) - sizes  # [G]
-    (ids,) = jnp.nonzero(sizes > 0, size=slots, fill_value=0)  # [S]
-    ids = ids.astype(jnp.int32)
-    live = jnp.arange(slots) < jnp.sum(sizes > 0)
-    first = jnp.where(live, starts[ids], 0)
-    rows = jnp.where(live, jnp.clip(jnp.minimum(sizes[ids], m - first), 0), 0)
-    return jnp.stack([ids, first, rows])
+def _slot(s_ref, h, m: int):
+    """Slot h's (expert id, first row, row count): the h-th group holding rows, in group order;
+    a count of 0 when fewer than h + 1 groups hold rows. Counts are clipped to the M rows."""
+    gi = jnp.arange(s_ref.shape[0], dtype=jnp.int32)
+    sizes = s_ref[...]
+    hit = sizes > 0
+    pick = hit & (jnp.cumsum(hit.astype(jnp.int32)) == h + 1)
+    expert = jnp.sum(jnp.where(pick, gi, 0))
+    first = jnp.sum(jnp.where(pick, jnp.cumsum(sizes) - sizes, 0))
+    rows = jnp.clip(jnp.minimum(jnp.sum(jnp.where(pick, sizes, 0)), m - first), 0)
+    return expert, first, rows, jnp.minimum(jnp.sum(sizes), m)
 
 
-def _kernel(table_ref, x_ref, w_ref, o_ref, *, block_m: int, block_n: int, block_k: int):
+def _kernel(s_ref, x_ref, w_ref, o_ref, *, m: int, block_m: int, block_n: int, block_k: int):
     """Program (slot h, column tile j): every row tile of slot h's group times its expert's
-    columns j * block_n .. + block_n."""
+    columns j * block_n .. + block_n; slot 0 also zeroes the rows past the groups' total."""
     h, j = pl.program_id(0), pl.program_id(1)
-    expert, first, rows = table_ref[0, h], table_ref[1, h], table_ref[2, h]
+    expert, first, rows, total = _slot(s_ref, h, m)
     k_steps = x_ref.shape[1] // block_k
     n0 = pl.multiple_of(j * block_n, block_n)
     r = jnp.arange(block_m, dtype=jnp.int32)
@@ -128,6 +128,14 @@ def _kernel(table_ref, x_ref, w_ref, o_ref, *, block_m: int, block_n: int, block
 
     lax.fori_loop(0, (rows + block_m - 1) // block_m, row_tile, 0)  # no tile for an empty slot
 
+    def zero_tile(i, carry):
+        r0 = total + i * block_m
+        plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], jnp.zeros((block_m, block_n), o_ref.dtype),
+                    mask=jnp.broadcast_to((r0 + r < m)[:, None], (block_m, block_n)))
+        return carry
+
+    lax.fori_loop(0, jnp.where(h == 0, (m - total + block_m - 1) // block_m, 0), zero_tile, 0)
+
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
 def gathered_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
@@ -145,20 +153,21 @@ def gathered_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *
     slots = min(g, m)
     bn = tiling.block_n or pick_block_n(slots, n)
     bk = tiling.block_k or _block_k(k, jnp.dtype(x_sorted.dtype).itemsize)
-    table = slot_table(group_sizes, m)
-    xp = jnp.pad(x_sorted, ((0, bm), (0, 0)))  # a row tile never leaves the array
+    sizes = group_sizes.astype(jnp.int32)
+    if g & (g - 1):  # a Triton block is a power of two long; the padding groups are empty
+        sizes = jnp.pad(sizes, (0, (1 << g.bit_length()) - g))
+    pad = bm if interpret else 0  # interpret mode clamps a slice that leaves its array
+    xp = jnp.pad(x_sorted, ((0, pad), (0, 0))) if pad else x_sorted
     kwargs = {}
     if not interpret:
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     out = pl.pallas_call(
-        functools.partial(_kernel, block_m=bm, block_n=bn, block_k=bk),
+        functools.partial(_kernel, m=m, block_m=bm, block_n=bn, block_k=bk),
         grid=(slots, n // bn),
-        out_shape=jax.ShapeDtypeStruct((m + bm, n), x_sorted.dtype),
+        out_shape=jax.ShapeDtypeStruct((m + pad, n), x_sorted.dtype),
         interpret=interpret, name="gathered_grouped_matmul", **kwargs,
-    )(table, xp, w)
-    valid = jnp.arange(m) < jnp.sum(group_sizes)  # rows past the groups' total were never written
-    return jnp.where(valid[:, None], out[:m], jnp.zeros((), out.dtype))
+    )(sizes, xp, w)
+    return out[:m] if pad else out
 
 
-__all__ = ["GatheredTiling", "gathered_matmul", "gathered_matmul_reference", "pick_block_n", "slot_table",
-           "supported"]
+__all__ = ["GatheredTiling", "gathered_matmul", "gathered_matmul_reference", "pick_block_n", "supported"]

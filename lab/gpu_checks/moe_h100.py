@@ -46,8 +46,9 @@ TOKENS = (1, 4, 16, 256, 2048)
 DECODE_TOKENS = (1, 4, 16)  # the shapes that also time the gathered kernel
 WEIGHT_SETS = 6  # distinct weight sets a timed chain cycles through (the experts hit leave L2)
 # a decode chain is WEIGHT_SETS * DECODE_ROUNDS calls; a prefill chain one round. Each round after
-# the first perturbs x: identical calls would be merged by XLA's CSE (with 2 plain rounds the
-# first H100 run timed half the calls and reported up to 195% of the floor).
+# the first adds a constant to x: identical calls would be merged by XLA's CSE (with 2 plain rounds
+# the first H100 run timed half the calls), and a scaled x is not enough (XLA moves a scalar factor
+# out of the dot, and the second H100 run still had ragged_dot at up to 196% of the floor).
 DECODE_ROUNDS = 2
 BF16 = 2  # bytes
 HEADER = (f"{'model':14s} {'matmul':7s} {'tokens':>6s} {'hit':>5s} {'floor ms':>9s} {'ragged_dot ms (% floor)':>24s} "
@@ -76,10 +77,26 @@ def _chain(impl_kwargs: dict, rounds: int):
     from jaxengine.pallas_kernels.grouped_matmul import grouped_matmul
 
     def run(xs, ws, ss):
-        return tuple(grouped_matmul(x if r == 0 else x * (1.0 + r / 64), w, s, **impl_kwargs)
+        return tuple(grouped_matmul(x if r == 0 else x + r / 64, w, s, **impl_kwargs)
                      for r in range(rounds) for x, w, s in zip(xs, ws, ss))
 
     return jax.jit(run)
+
+
+def time_read(nbytes: float, rounds: int) -> float:
+    """Seconds of one plain XLA read of `nbytes` (a sum over a bf16 array), chained over
+    WEIGHT_SETS distinct arrays as the grouped matmuls are: what a single kernel reading a decode
+    call's bytes reaches at this size (launch, ramp and tail included)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxengine.benchmarks.ceilings import _time
+
+    arrs = [jnp.full((int(nbytes) // BF16,), i + 1, jnp.bfloat16) for i in range(WEIGHT_SETS)]
+    fn = jax.jit(lambda arrs: tuple(jnp.sum(a + r, dtype=jnp.float32) for r in range(rounds) for a in arrs))
+    t = _time(fn, arrs, iters=5, repeats=3) / (rounds * WEIGHT_SETS)
+    del arrs
+    return t
 
 
 def time_impls(xs, ws, ss, floor_s: float, tilings: list, gathered: bool, rounds: int) -> dict:
@@ -126,12 +143,13 @@ def time_impls(xs, ws, ss, floor_s: float, tilings: list, gathered: bool, rounds
     return row
 
 
-def time_grouped(copy_bps: float, tilings: list) -> list[dict]:
+def time_grouped(copy_bps: float, tilings: list, models: list[str], tokens_list: list[int], rows: list,
+                 save) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    rows = []
-    for model, (e, k, d, f) in SHAPES.items():
+    for model in models:
+        e, k, d, f = SHAPES[model]
         key = jax.random.key(0)
 
         def weights(shape, salt):
@@ -140,7 +158,7 @@ def time_grouped(copy_bps: float, tilings: list) -> list[dict]:
 
         # gate and up fused, as the engine holds them on one GPU: [E, D, 2F]
         w_gate, w_down = weights((e, d, 2 * f), 1), weights((e, f, d), 2)
-        for tokens in TOKENS:
+        for tokens in tokens_list:
             sizes_np = [routed_sizes(tokens, e, k, seed=100 * tokens + i) for i in range(WEIGHT_SETS)]
             ss = [jnp.asarray(s) for s in sizes_np]
             m = tokens * k
@@ -156,7 +174,11 @@ def time_grouped(copy_bps: float, tilings: list) -> list[dict]:
                        "floor_bytes": nbytes, "floor_ms": 1e3 * floor_s}
                 row.update(time_impls(xs, ws, ss, floor_s, tilings, gathered=decode,
                                       rounds=DECODE_ROUNDS if decode else 1))
+                if decode:
+                    t_read = time_read(nbytes, DECODE_ROUNDS)
+                    row.update({"plain_read_ms": 1e3 * t_read, "plain_read_pct_floor": floor_s / t_read})
                 rows.append(row)
+                save()
                 print(_line(row), flush=True)
         del w_gate, w_down
     return rows
@@ -168,8 +190,9 @@ def _line(r: dict) -> str:
     ga = (f"{r['gathered_ms']:8.3f} ({r['gathered_pct_floor']:6.1%})" if "gathered_ms" in r
           else r.get("gathered_error", "-")[:60])
     rd = f"{r['ragged_dot_ms']:8.3f} ({r['ragged_dot_pct_floor']:6.1%})"
+    pr = f"   plain read {r['plain_read_ms']:.3f} ({r['plain_read_pct_floor']:.1%})" if "plain_read_ms" in r else ""
     return (f"{r['model']:14s} {r['matmul']:7s} {r['tokens']:6d} {r['experts_hit']:5.1f} {r['floor_ms']:9.3f} "
-            f"{rd:>24s} {best:>33s} {ga}")
+            f"{rd:>24s} {best:>33s} {ga}{pr}")
 
 
 def decode_floor_bytes(mc, context: int) -> int:
@@ -241,6 +264,8 @@ def main() -> int:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--models", default=",".join(SHAPES), help="kernel shapes of these models (comma-separated)")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts (comma-separated)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -265,7 +290,9 @@ def main() -> int:
     if not args.skip_kernels:
         print(HEADER, flush=True)
         try:
-            res["grouped_matmul"] = time_grouped(copy_bps, tilings)
+            res["grouped_matmul"] = []
+            time_grouped(copy_bps, tilings, args.models.split(","), [int(t) for t in args.tokens.split(",")],
+                         res["grouped_matmul"], save)
         except Exception:
             res["grouped_matmul_error"] = traceback.format_exc()[-2000:]
             print(res["grouped_matmul_error"], flush=True)
