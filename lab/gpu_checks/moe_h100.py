@@ -44,12 +44,13 @@ SHAPES = {  # model -> (E, k, D, F)
 }
 TOKENS = (1, 4, 16, 256, 2048)
 DECODE_TOKENS = (1, 4, 16)  # the shapes that also time the gathered kernel
-WEIGHT_SETS = 6  # distinct weight sets a timed chain cycles through (the experts hit leave L2)
-# a decode chain is WEIGHT_SETS * DECODE_ROUNDS calls; a prefill chain one round. Each round after
-# the first adds a constant to x: identical calls would be merged by XLA's CSE (with 2 plain rounds
-# the first H100 run timed half the calls), and a scaled x is not enough (XLA moves a scalar factor
-# out of the dot, and the second H100 run still had ragged_dot at up to 196% of the floor).
-DECODE_ROUNDS = 2
+WEIGHT_SETS = 8  # distinct weight sets a timed chain cycles through (the experts hit leave L2)
+# A chain calls each weight set once (DECODE_ROUNDS = 1). Calls that share an operand are not
+# independent work for XLA: identical calls are merged (CSE), and products of one weight with
+# different x are merged into one product (the second and third H100 runs had ragged_dot, and a
+# plain read summed twice, at up to twice the speed the bytes allow); the Pallas kernels are not
+# merged.
+DECODE_ROUNDS = 1
 BF16 = 2  # bytes
 HEADER = (f"{'model':14s} {'matmul':7s} {'tokens':>6s} {'hit':>5s} {'floor ms':>9s} {'ragged_dot ms (% floor)':>24s} "
           f"{'mgpu best ms (% floor)':>33s} gathered ms (% floor)")
@@ -265,6 +266,7 @@ def main() -> int:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--models", default=",".join(SHAPES), help="kernel shapes of these models (comma-separated)")
+    ap.add_argument("--no-mgpu", action="store_true", help="leave the bundled Mosaic kernel out")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts (comma-separated)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -274,7 +276,8 @@ def main() -> int:
     from jaxengine.benchmarks.ceilings import copy_bandwidth
     from jaxengine.pallas_kernels.grouped_matmul import MgpuTiling
 
-    tilings = [MgpuTiling(), MgpuTiling(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2)]
+    tilings = [] if args.no_mgpu else [MgpuTiling(), MgpuTiling(block_m=128, block_n=128, block_k=64,
+                                                                 max_concurrent_steps=4, grid_block_n=2)]
     res: dict = {"commit": args.commit, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
                  "tilings": [vars(t) for t in tilings], "weight_sets": WEIGHT_SETS, "decode_rounds": DECODE_ROUNDS}
     path = os.path.join(args.out, "moe_h100.json")

@@ -107,3 +107,53 @@ def test_changed_config_and_corrupt_bundle_are_rebuilt(tiny_model_factory, tmp_p
     healed = LLM(path, compilation_cache_dir=cache, **ENGINE)  # the rebuilt files are whole again
     assert _tokens(healed) == want
     assert (healed.llm_engine.runner.bundle.loaded, healed.llm_engine.runner.bundle.refused) == (saved, 0)
+
+
+def test_device_pool_is_sized_to_gpu_memory_utilization(monkeypatch):
+    """vLLM's gpu_memory_utilization is a share of the card: the pool JAX reserves is sized to it
+    before the backend starts, unless the user set its fraction; the budget stays within the pool."""
+    from jax._src import xla_bridge
+
+    from jaxengine import loading
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    loading.size_device_pool(0.85)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8500"
+    assert loading.device_memory_budget(85 * 2**30, 0.85) == 85 * 2**30  # the whole pool: 0.85 of 100 GiB
+    loading.size_device_pool(0.5)  # the user's (or an earlier engine's) setting stands
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8500"
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    loading.size_device_pool(0.9)  # too late: the backend has its pool (JAX's default, 75%)
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+    assert loading.device_memory_budget(75 * 2**30, 0.9) == 75 * 2**30  # capped by the pool
+    assert loading.device_memory_budget(75 * 2**30, 0.6) == 60 * 2**30  # 0.6 of the 100 GiB card
+
+
+def test_kv_sizing_profile_compiles_a_cut_model():
+    """The KV-sizing profile compiles the model cut to PROFILE_LAYERS layers (per-layer config
+    tuples such as Qwen3-MoE's sparse_layers cut too) and adds its margin; the peak is the cut's."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxengine.attention_backend import select_attention_backend
+    from jaxengine.model_runner import PROFILE_LAYERS, PROFILE_MARGIN, profile_step_bytes, profile_step_bytes_cut
+    from jaxengine.models.config import ModelConfig
+    from jaxengine.models.loader import dummy_params
+    from jaxengine.models.presets import PRESETS
+
+    hf = dict(PRESETS["qwen3-30b-a3b"], num_hidden_layers=4, hidden_size=64, moe_intermediate_size=32,
+              intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256)
+    mc = ModelConfig.from_hf_dict(hf).with_max_model_len(128)
+    config = EngineConfig(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=16)
+    graphdef, state = dummy_params(mc, jnp.float32, seed=0)
+    attention = select_attention_backend("auto", mc, jnp.float32, 16)
+    got = profile_step_bytes_cut(config, mc, graphdef, state, jnp.float32, None, attention)
+    cut = dataclasses.replace(mc, num_layers=PROFILE_LAYERS, sparse_layers=mc.sparse_layers[:PROFILE_LAYERS])
+    cut_graphdef, cut_state = dummy_params(cut, jnp.float32, seed=0)
+    want = profile_step_bytes(config, cut, cut_graphdef, cut_state, jnp.float32, None, attention)
+    assert got == int(want * PROFILE_MARGIN[0]) + PROFILE_MARGIN[1]
