@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
+
 def _fused_path(path: Path, expected: dict) -> Path | None:
     """The fused parameter that `path` (a part of it) belongs to in this model, if any."""
     fused = _FUSED_OF.get(str(path[-1]))
@@ -34,7 +35,9 @@ def _fused_path(path: Path, expected: dict) -> Path | None:
         return None
     return path[:-1] + (fused,)
 
+
 _FUSED_OF = {part: fused for fused, (parts, _) in FUSED.items() for part in parts}
+
 
 def param_paths(name: str, family: Family) -> list[tuple[Path, Transform, int | None]]:
     """HF tensor name -> the (parameter path in the NNX state, layout transform, expert index) it
@@ -47,6 +50,7 @@ def param_paths(name: str, family: Family) -> list[tuple[Path, Transform, int | 
             expert = m.groupdict().get("expert")
             return [(layer + path, fn, None if expert is None else int(expert)) for path, fn in r.targets]
     return []
+
 
 class _ExpertStacks:
     """Stacked [E, ...] parameters filled one expert (and, for a fused parameter, one part) at a
@@ -89,6 +93,7 @@ class _ExpertStacks:
         return [f"{'.'.join(map(str, p[:-1] + (part,)))}[expert {e}]" for p, (stack, filled, parts) in self.open.items()
                 for e in range(stack.shape[0]) for i, part in enumerate(parts) if (e, i) not in filled]
 
+
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
     if dtype == "auto":
         return DTYPES[cfg.torch_dtype]
@@ -96,11 +101,13 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
 
+
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype):
     """(graphdef, abstract state) without allocating any weights."""
     cls = get_model_class(cfg.architecture)
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0)))
     return nnx.split(abstract)
+
 
 def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                 put: Callable[[Path, np.ndarray], jax.Array] | None = None,
@@ -211,6 +218,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
     nnx.replace_by_pure_dict(abs_state, pure)
     return graphdef, abs_state
 
+
 def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, *, seed: int = 0,
                  sharding_of: Callable[[tuple], jax.sharding.Sharding] | None = None,
                  quantization: QuantScheme | None = None):
@@ -230,6 +238,7 @@ def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, *, seed: int = 0,
         set_path(pure, path, dummy_quantized(path, value, quantization, jax.random.fold_in(qkey, i)))
     nnx.replace_by_pure_dict(abs_state, pure)
     return graphdef, abs_state
+
 
 @functools.lru_cache(maxsize=None)
 def _dummy_fn(shape: tuple[int, ...], dtype: jnp.dtype, fill: str, sharding) -> Callable[[jax.Array], jax.Array]:
