@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import os
 
@@ -238,11 +239,17 @@ def size_device_pool(gpu_memory_utilization: float) -> None:
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{gpu_memory_utilization:.4f}"
 
 
+POOL_HEADROOM = 0.1  # share of the budget left free in the pool for XLA's compile-time scratch
+
+
 def device_memory_budget(bytes_limit: int, gpu_memory_utilization: float) -> float:
-    """Bytes the engine may hold on one device: `gpu_memory_utilization` of the card, within the
-    pool (`bytes_limit`, XLA_PYTHON_CLIENT_MEM_FRACTION of the card)."""
+    """Bytes the engine's weights, KV cache and step may hold on one device:
+    `gpu_memory_utilization` of the card, within the pool (`bytes_limit`,
+    XLA_PYTHON_CLIENT_MEM_FRACTION of the card), less POOL_HEADROOM. The headroom stays free
+    because XLA's autotuning allocates its scratch from the same pool while programs compile (on
+    an H100 a compile failed for want of 1 GiB when the budget was the whole pool)."""
     pool_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_POOL_FRACTION))
-    return min(bytes_limit, bytes_limit / pool_fraction * gpu_memory_utilization)
+    return (1 - POOL_HEADROOM) * min(bytes_limit, bytes_limit / pool_fraction * gpu_memory_utilization)
 
 
 def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graphdef, state,
@@ -259,6 +266,8 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graph
     per_block = (kv_bytes_per_block(mc, config.block_size, attention.kv_dtype(dtype), attention.kv_head_dim(mc.head_dim))
                  // config.tensor_parallel_size + draft_bytes_per_block)
     most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
+    jax.block_until_ready(state)  # the weights' initialisers done and their temporaries freed
+    gc.collect()
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         step = profile_step_bytes_cut(config, mc, graphdef, state, dtype, plan, attention)

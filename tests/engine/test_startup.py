@@ -120,7 +120,8 @@ def test_device_pool_is_sized_to_gpu_memory_utilization(monkeypatch):
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     loading.size_device_pool(0.85)
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8500"
-    assert loading.device_memory_budget(85 * 2**30, 0.85) == 85 * 2**30  # the whole pool: 0.85 of 100 GiB
+    keep = 1 - loading.POOL_HEADROOM
+    assert loading.device_memory_budget(85 * 2**30, 0.85) == keep * 85 * 2**30  # the pool: 0.85 of 100 GiB
     loading.size_device_pool(0.5)  # the user's (or an earlier engine's) setting stands
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8500"
 
@@ -128,8 +129,8 @@ def test_device_pool_is_sized_to_gpu_memory_utilization(monkeypatch):
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
     loading.size_device_pool(0.9)  # too late: the backend has its pool (JAX's default, 75%)
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
-    assert loading.device_memory_budget(75 * 2**30, 0.9) == 75 * 2**30  # capped by the pool
-    assert loading.device_memory_budget(75 * 2**30, 0.6) == 60 * 2**30  # 0.6 of the 100 GiB card
+    assert loading.device_memory_budget(75 * 2**30, 0.9) == keep * 75 * 2**30  # capped by the pool
+    assert loading.device_memory_budget(75 * 2**30, 0.6) == keep * 60 * 2**30  # 0.6 of the 100 GiB card
 
 
 def test_kv_sizing_profile_compiles_a_cut_model():
