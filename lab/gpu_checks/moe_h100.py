@@ -271,6 +271,9 @@ def main() -> int:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
+    from jaxengine.loading import size_device_pool
+
+    size_device_pool(0.9)  # the pool the engine would size, before this process starts the backend
     import jax
 
     from jaxengine.benchmarks.ceilings import copy_bandwidth
