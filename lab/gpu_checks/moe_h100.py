@@ -224,7 +224,8 @@ def engine_part(args, copy_bps: float, res: dict, save) -> None:
     tmp = tempfile.mkdtemp()
     t0 = time.perf_counter()
     llm = LLM(model, load_format="dummy", dtype="bfloat16", tokenizer=synthetic_tokenizer(tmp, vocab),
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256, max_model_len=1024)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256, max_model_len=1024,
+              enforce_eager=args.lazy)
     eng = llm.llm_engine
     out = res["engine"] = {"model": f"{model} (dummy bf16)", "startup_s": time.perf_counter() - t0,
                            "compile_s": eng.runner.compile_seconds, "attention": eng.runner.attention_impl,
@@ -246,6 +247,8 @@ def engine_part(args, copy_bps: float, res: dict, save) -> None:
     print(f"batch-1 decode {out['decode_b1']['ms_per_token_median']:.2f} ms/token, floor "
           f"{out['decode_b1']['floor_ms']:.2f} ms ({out['decode_b1']['pct_floor']:.1%})", flush=True)
     save()
+    if args.skip_throughput:
+        return
     warm = [SampleRequest(q.prompt_token_ids, 16) for q in random_requests(64, 256, 256, 0.0, vocab, seed=20_000)]
     run_throughput(llm, warm)
     tr = run_throughput(llm, random_requests(args.num_prompts, 256, 256, 0.0, vocab, seed=100))
@@ -266,10 +269,17 @@ def main() -> int:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--models", default=",".join(SHAPES), help="kernel shapes of these models (comma-separated)")
+    ap.add_argument("--lazy", action="store_true", help="engine: compile each bucket on first use (enforce_eager)")
+    ap.add_argument("--skip-throughput", action="store_true", help="engine: batch-1 decode only")
+    ap.add_argument("--dump-after", type=float, default=0, help="dump every thread's stack after this many seconds")
     ap.add_argument("--no-mgpu", action="store_true", help="leave the bundled Mosaic kernel out")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts (comma-separated)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.dump_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.dump_after, exit=False)
 
     from jaxengine.loading import size_device_pool
 
