@@ -24,7 +24,7 @@ from jaxengine.config import EngineConfig
 from jaxengine.default_model import default_model_path
 from jaxengine.distributed import agree_min
 from jaxengine.draft_model import LoadedDraft
-from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes_cut
+from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
 from jaxengine.models.presets import PRESETS
@@ -270,7 +270,7 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graph
     gc.collect()
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
-        step = profile_step_bytes_cut(config, mc, graphdef, state, dtype, plan, attention)
+        step = profile_step_bytes(config, mc, graphdef, state, dtype, plan, attention)
         if step is None:  # no buffer analysis: a rough bound (activations, logits, sampler copies)
             t, r = config.max_num_batched_tokens, min(config.max_num_batched_tokens, config.max_num_seqs)
             step = 2 * (t * (4 * mc.hidden_size + 3 * mc.intermediate_size) * jnp.dtype(dtype).itemsize

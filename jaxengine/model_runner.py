@@ -137,42 +137,6 @@ def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
-PROFILE_LAYERS = 2  # layers of the cut model that the KV-sizing profile compiles
-# What the cut misses (on an H100, Llama-3-8B at 8192 tokens: 1879.7 MiB profiled with 2 layers,
-# 1887.3 MiB with all 32; lab/profile_layers_probe.py) is covered by this margin.
-PROFILE_MARGIN = (1.02, 64 << 20)
-
-
-def profile_step_bytes_cut(config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype,
-                           plan, attention: AttentionBackend) -> int | None:
-    """`profile_step_bytes` of the model cut to its first PROFILE_LAYERS layers, plus a margin.
-
-    Why: a step's peak beyond weights and KV is its activations, logits and sampler buffers, which
-    one layer more or less hardly changes, and compiling two layers instead of all of them takes
-    seconds off a cold start. Falls back to the whole model where the cut cannot be built."""
-    if model_config.num_layers <= PROFILE_LAYERS:
-        return profile_step_bytes(config, model_config, graphdef, state, dtype, plan, attention)
-    from jaxengine.models.loader import abstract_model
-
-    try:
-        per_layer = {f.name: getattr(model_config, f.name)[:PROFILE_LAYERS] for f in dataclasses.fields(model_config)
-                     if isinstance(getattr(model_config, f.name), tuple)
-                     and len(getattr(model_config, f.name)) == model_config.num_layers}  # e.g. sparse_layers
-        cut = dataclasses.replace(model_config, num_layers=PROFILE_LAYERS, **per_layer)
-        cut_graphdef, cut_state = abstract_model(cut, dtype)
-        pure = nnx.to_pure_dict(state)
-        pure["model"]["layers"] = {i: pure["model"]["layers"][i] for i in range(PROFILE_LAYERS)}
-        cut_abstract = jax.tree.structure(cut_state)
-        nnx.replace_by_pure_dict(cut_state, pure)
-        if jax.tree.structure(cut_state) != cut_abstract:
-            raise ValueError("the cut state does not match the cut model")
-        step = profile_step_bytes(config, cut, cut_graphdef, cut_state, dtype, plan, attention)
-    except Exception as e:  # noqa: BLE001 - a model the cut does not fit: profile the whole
-        logger.info("KV sizing profiles the whole model (%s: %s)", type(e).__name__, e)
-        return profile_step_bytes(config, model_config, graphdef, state, dtype, plan, attention)
-    return None if step is None else int(step * PROFILE_MARGIN[0]) + PROFILE_MARGIN[1]
-
-
 def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype,
                        plan, attention: AttentionBackend) -> int | None:
     """Device memory one step of the largest bucket needs beyond weights and KV cache, per device.

@@ -10,7 +10,16 @@ On this 2-core CPU (2026-11-26), smollm2-135m at 512 tokens: 562.1 / 576.8 / 606
 1 / 2 / 4 / 30 layers (compile 2.5 / 2.7 / 2.9 / 6.7 s). That grows by about twice a layer's
 weights per layer, so the CPU's figure still counts the weight arguments once; on the H100 the same
 function reported 1.85 GiB for Llama-3-8B at 8192 tokens (15 GiB of weights), so its accounting
-differs there. Not usable for sizing until the GPU says the cut and the whole agree."""
+differs there.
+
+On the H100 (2026-11-26, llama-3-8b at 8192 tokens): 1875.3 / 1879.7 / 1880.2 / 1887.3 MiB with
+1 / 2 / 4 / 32 layers (compile 11.4 / 6.0 / 6.8 / 10.3 s): the cut and the whole agree within
+12 MiB. The engine then profiled a 2-layer cut plus a margin, and a cold start of
+`jaxengine generate` measured in the same call took longer with it: kv_sizing 8.76 s against
+12.86 s, but the warm-up that followed 50.53 s against 43.10 s (total 64.42 against 60.81 s). The
+whole-model profile compiles the largest bucket's forward, and the warm-up's compile of that
+bucket reuses its autotuning in the same process; the cut's compile leaves it nothing to reuse.
+The cut was reverted."""
 
 from __future__ import annotations
 

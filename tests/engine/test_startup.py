@@ -132,29 +132,3 @@ def test_device_pool_is_sized_to_gpu_memory_utilization(monkeypatch):
     assert loading.device_memory_budget(75 * 2**30, 0.9) == keep * 75 * 2**30  # capped by the pool
     assert loading.device_memory_budget(75 * 2**30, 0.6) == keep * 60 * 2**30  # 0.6 of the 100 GiB card
 
-
-def test_kv_sizing_profile_compiles_a_cut_model():
-    """The KV-sizing profile compiles the model cut to PROFILE_LAYERS layers (per-layer config
-    tuples such as Qwen3-MoE's sparse_layers cut too) and adds its margin; the peak is the cut's."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    from jaxengine.attention_backend import select_attention_backend
-    from jaxengine.model_runner import PROFILE_LAYERS, PROFILE_MARGIN, profile_step_bytes, profile_step_bytes_cut
-    from jaxengine.models.config import ModelConfig
-    from jaxengine.models.loader import dummy_params
-    from jaxengine.models.presets import PRESETS
-
-    hf = dict(PRESETS["qwen3-30b-a3b"], num_hidden_layers=4, hidden_size=64, moe_intermediate_size=32,
-              intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256)
-    mc = ModelConfig.from_hf_dict(hf).with_max_model_len(128)
-    config = EngineConfig(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=16)
-    graphdef, state = dummy_params(mc, jnp.float32, seed=0)
-    attention = select_attention_backend("auto", mc, jnp.float32, 16)
-    got = profile_step_bytes_cut(config, mc, graphdef, state, jnp.float32, None, attention)
-    cut = dataclasses.replace(mc, num_layers=PROFILE_LAYERS, sparse_layers=mc.sparse_layers[:PROFILE_LAYERS])
-    cut_graphdef, cut_state = dummy_params(cut, jnp.float32, seed=0)
-    want = profile_step_bytes(config, cut, cut_graphdef, cut_state, jnp.float32, None, attention)
-    assert got == int(want * PROFILE_MARGIN[0]) + PROFILE_MARGIN[1]
