@@ -11,8 +11,14 @@ Grid (T / block_m, N / block_n, K splits). A program walks its share of K in blo
 loads the 128 / per packed rows of its columns once, unpacks all `per` values of each word at once
 ([128 / per, per, block_n], whose leading axes merge into the block's 128 rows in order),
 dequantizes them with the group's scale and zero point and multiplies with x's 128 columns in one
-dot. `permuted=True` keeps the earlier scheme (one shallow dot per value position against x's
-columns permuted once per call) for comparison on the GPU.
+dot.
+
+Conversion: a value v (below 2^23) ORed into the bits of the float32 2^23 (0x4B000000) is the
+float32 2^23 + v, so the unpacked integers become floats with an integer OR and a free bitcast, and
+subtracting (zero + 2^23), computed once per group row, gives v - zero exactly. An int-to-float
+convert per value instead runs at a quarter of the integer rate on NVIDIA GPUs, and with the
+bf16 convert after it the conversions bound the kernel (`magic=False` keeps that path for
+comparison on the GPU).
 """
 
 from __future__ import annotations
@@ -68,14 +74,10 @@ def supported(t: int, k: int, n: int, bits: int, group_size: int, block_n: int =
         and n % block_n == 0
 
 
-def _permute_columns(x: jax.Array, per: int) -> jax.Array:
-    """x [T, K] -> x with each 128-row block's columns reordered value-major: new column
-    j * (128 / per) + i of a block is old column i * per + j."""
-    t, k = x.shape
-    return x.reshape(t, k // BLOCK_K, BLOCK_K // per, per).swapaxes(2, 3).reshape(t, k)
+MAGIC = 0x4B000000  # the float32 2^23: an integer below 2^23 in its low mantissa bits is exact
 
 
-def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int):
+def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int, magic: bool):
     """One (row tile, column tile, K split): `steps` blocks of 128 rows from split * steps on.
     Each block's words [128 / per, block_n] unpack at once into [128 / per, per, block_n] (value j
     of word i is row i * per + j, so merging the two leading axes gives the rows in order), are
@@ -92,37 +94,16 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, st
         g = (kb * BLOCK_K) // group_size
         scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, block_n]
         zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
-        vals = ((words[:, None, :] >> shifts) & mask).astype(jnp.float32)  # [rows, per, block_n]
+        ints = (words[:, None, :] >> shifts) & mask  # [rows, per, block_n]; the mask drops sign bits
+        if magic:  # 2^23 + v as float32 bits, then - (2^23 + zero): exact
+            vals = lax.bitcast_convert_type(ints | MAGIC, jnp.float32)
+            zero = zero + float(1 << 23)
+        else:
+            vals = ints.astype(jnp.float32)
         w = ((vals - zero[None]) * scale[None]).reshape(BLOCK_K, block_n).astype(x_ref.dtype)
         xb = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]  # [block_m, 128]
         prec = lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None
         return acc + _pl_dot(xb, w, precision=prec)
-
-    acc = lax.fori_loop(first, first + steps, body, jnp.zeros((block_m, block_n), jnp.float32))
-    o_ref[...] = acc[None]
-
-
-def _kernel_permuted(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int):
-    """The same product with `per` dots of depth 128 / per per block, one per value position of
-    the words, against x's columns permuted by `_permute_columns` (kept to compare on the GPU)."""
-    per = 32 // bits
-    rows = BLOCK_K // per
-    mask = (1 << bits) - 1
-    _, block_m, block_n = o_ref.shape
-    first = pl.program_id(2) * steps
-
-    def body(kb, acc):
-        words = p_ref[pl.ds(kb * rows, rows), :]  # [rows, block_n] int32
-        g = (kb * BLOCK_K) // group_size
-        scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, block_n]
-        zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
-        for j in range(per):
-            vals = ((words >> (bits * j)) & mask).astype(jnp.float32)
-            w = ((vals - zero) * scale).astype(x_ref.dtype)  # [rows, block_n]
-            xj = x_ref[:, pl.ds(kb * BLOCK_K + j * rows, rows)]  # [block_m, rows]
-            prec = lax.Precision.HIGHEST if xj.dtype == jnp.float32 else None
-            acc += _pl_dot(xj, w, precision=prec)
-        return acc
 
     acc = lax.fori_loop(first, first + steps, body, jnp.zeros((block_m, block_n), jnp.float32))
     o_ref[...] = acc[None]
@@ -136,10 +117,10 @@ def pick_splits(programs: int, k_steps: int, target_programs: int = TARGET_PROGR
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n", "splits", "num_warps",
-                                             "num_stages", "permuted", "interpret"))
+                                             "num_stages", "magic", "interpret"))
 def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, bits: int,
                        group_size: int, block_m: int = 16, block_n: int = 128, splits: int | None = None,
-                       num_warps: int = 4, num_stages: int = 2, permuted: bool = False,
+                       num_warps: int = 4, num_stages: int = 2, magic: bool = True,
                        interpret: bool = False) -> jax.Array:
     """x [T, K] @ dequant(packed) -> [T, N] in x's dtype; shapes as in the module docstring.
     T is padded to a multiple of `block_m` (at least 16, Triton's smallest dot). `splits`: K is
@@ -158,8 +139,6 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
                          f"{zeros.shape} do not fit K={k}, N={n}, {bits} bits, groups of {group_size}")
     tp = -(-t // block_m) * block_m
     xp = jnp.pad(x, ((0, tp - t), (0, 0)))
-    if permuted:
-        xp = _permute_columns(xp, per)
     g = k // group_size
     k_steps = k // BLOCK_K
     splits = splits or pick_splits((tp // block_m) * (n // block_n), k_steps)
@@ -169,7 +148,7 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     if not interpret:
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     sums = pl.pallas_call(
-        functools.partial(_kernel_permuted if permuted else _kernel, bits=bits, group_size=group_size, steps=k_steps // splits),
+        functools.partial(_kernel, bits=bits, group_size=group_size, steps=k_steps // splits, magic=magic),
         grid=(tp // block_m, n // block_n, splits),
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
                   pl.BlockSpec((k // per, block_n), lambda i, j, s: (0, j)),

@@ -42,9 +42,9 @@ KV_PROMPTS = 500  # 1024/128 prompts for the KV-cache dtype comparison
 # Llama-3-8B's linear shapes (K inputs, N outputs): fused q/k/v, o, fused gate/up, down
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 # weight-only kernel configurations tried at 16 rows (a batch-1 decode step's token bucket):
-# (permuted, block_n, num_stages, num_warps, splits or None)
-INT4_CONFIGS = [(p, bn, st, 4, None) for p in (False, True) for bn in (64, 128, 256) for st in (2, 3, 4)] + \
-    [(False, 256, 3, 8, None), (False, 128, 3, 4, 1), (False, 128, 3, 4, 2), (False, 128, 3, 4, 4)]
+# (magic-number conversion, block_n, num_stages, num_warps, splits or None)
+INT4_CONFIGS = [(m, bn, st, 4, None) for m in (True, False) for bn in (64, 128, 256) for st in (2, 3, 4)] + \
+    [(True, 256, 3, 8, None), (True, 128, 3, 4, 1), (True, 128, 3, 4, 2), (True, 128, 3, 4, 4)]
 
 
 def _per_call(fn, x, ws, repeats: int = 7) -> float:
@@ -104,13 +104,13 @@ def micro() -> dict:
             put("bf16", lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype), wb, 2 * k * n)
             put("fp8", lambda x, w: fp8_matmul(x, w, qs, None), qw, k * n + 4 * n)
             put("int4_reference", lambda x, w: weight_only_matmul(x, *w, 4, 128), i4, int4_bytes)
-            configs = INT4_CONFIGS if rows == 16 else [(False, 128, 2, 4, None), (True, 128, 2, 4, None),
-                                                       (False, 128, 3, 4, None), (False, 256, 3, 8, None)]
-            for pm, bn, st, nw, sp in configs:
-                put(f"int4_kernel {'perm' if pm else 'reshape'} bn{bn} st{st} w{nw} s{sp or 'auto'}",
-                    lambda x, w, pm=pm, bn=bn, st=st, nw=nw, sp=sp: kernel.weight_only_matmul(
+            configs = INT4_CONFIGS if rows == 16 else [(True, 128, 2, 4, None), (False, 128, 2, 4, None),
+                                                       (True, 128, 3, 4, None), (True, 256, 3, 8, None)]
+            for mg, bn, st, nw, sp in configs:
+                put(f"int4_kernel {'magic' if mg else 'i2f'} bn{bn} st{st} w{nw} s{sp or 'auto'}",
+                    lambda x, w, mg=mg, bn=bn, st=st, nw=nw, sp=sp: kernel.weight_only_matmul(
                         x, *w, bits=4, group_size=128, block_n=bn, num_stages=st, num_warps=nw, splits=sp,
-                        permuted=pm), i4, int4_bytes)
+                        magic=mg), i4, int4_bytes)
             ok = {lab: c["us"] for lab, c in cells.items() if lab.startswith("int4_kernel") and "us" in c}
             if ok:
                 best = min(ok, key=ok.get)

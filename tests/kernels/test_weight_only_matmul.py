@@ -23,15 +23,17 @@ def _inputs(t: int, k: int, n: int, bits: int, group: int, seed: int, dtype):
     return (jnp.asarray(x, dtype), jnp.asarray(packed), jnp.asarray(scales, dtype), jnp.asarray(zeros))
 
 
-@pytest.mark.parametrize("t,k,n,bits,group,splits,permuted", [
-    (1, 256, 128, 4, 128, 1, False), (5, 512, 256, 4, 256, 4, False), (17, 384, 128, 8, 128, None, False),
-    (5, 512, 256, 4, 256, 4, True), (17, 384, 128, 8, 128, None, True),
+@pytest.mark.parametrize("t,k,n,bits,group,splits,magic", [
+    (1, 256, 128, 4, 128, 1, True), (5, 512, 256, 4, 256, 4, True), (17, 384, 128, 8, 128, None, True),
+    (5, 512, 256, 4, 256, 4, False), (17, 384, 128, 8, 128, None, False),
 ])
-def test_kernel_matches_reference_float32(t, k, n, bits, group, splits, permuted):
+def test_kernel_matches_reference_float32(t, k, n, bits, group, splits, magic):
+    """Both conversions (the float32 magic number, an int-to-float convert) give the reference's
+    dequantized values: 8-bit values (up to 255) and zero points included."""
     x, packed, scales, zeros = _inputs(t, k, n, bits, group, seed=t + k + bits, dtype=jnp.float32)
     want = weight_only_matmul_reference(x, packed, scales, zeros, bits, group)
     got = weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group, splits=splits,
-                             permuted=permuted, interpret=True)
+                             magic=magic, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
 
 
@@ -54,13 +56,13 @@ def test_unsupported_shapes_refused():
         weight_only_matmul(x[:, :96], packed[:12], scales[:1], zeros[:1], bits=4, group_size=32, interpret=True)
 
 
-@pytest.mark.parametrize("permuted", [False, True])
-def test_kernel_lowers_for_an_h100(permuted):
-    """Both unpacking schemes lower through Triton (3-D shifts and the reshape included)."""
+@pytest.mark.parametrize("magic", [True, False])
+def test_kernel_lowers_for_an_h100(magic):
+    """Both conversions lower through Triton (3-D shifts, the bitcast and the reshape included)."""
     from tests.kernels.cuda_target import abstract_h100
 
     x, packed, scales, zeros = _inputs(16, 512, 256, 4, 128, seed=3, dtype=jnp.bfloat16)
-    fn = jax.jit(lambda x, p, s, z: weight_only_matmul(x, p, s, z, bits=4, group_size=128, permuted=permuted))
+    fn = jax.jit(lambda x, p, s, z: weight_only_matmul(x, p, s, z, bits=4, group_size=128, magic=magic))
     with abstract_h100():
         text = fn.trace(x, packed, scales, zeros).lower(lowering_platforms=("cuda",)).as_text()
     assert "weight_only_matmul" in text
