@@ -373,7 +373,7 @@ def load_encoder_params(checkpoint: Checkpoint, cfg: EncoderConfig, dtype: jnp.d
     """Every tensor of `checkpoint` through the table above into a new model; every parameter
     filled exactly once (no parameter keeps its random initial value)."""
     dtype = jnp.dtype(dtype)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: EncoderModel(cfg, dtype, nnx.Rngs(0))))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: EncoderModel(cfg, dtype, w.ShapeOnlyRngs())))
     pure = nnx.to_pure_dict(state)
     expected = w.flatten_paths(pure)
     table, ignored = checkpoint_tensors(cfg), ignored_pattern(cfg)

@@ -21,7 +21,7 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.quant_formats import QuantizedCheckpoint, QuantScheme, dummy_quantized, quantize_on_device
 from jaxengine.models.quantization import concat_outputs, is_quantized, with_model_shape
 from jaxengine.models.registry import Family, get_family, get_model_class
-from jaxengine.models.weights import FUSED, Path, Transform, flatten_paths, set_path
+from jaxengine.models.weights import FUSED, Path, ShapeOnlyRngs, Transform, flatten_paths, set_path
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype):
     """(graphdef, abstract state) without allocating any weights."""
     cls = get_model_class(cfg.architecture)
-    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=ShapeOnlyRngs()))
     return nnx.split(abstract)
 
 

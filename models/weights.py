@@ -15,6 +15,7 @@ import dataclasses
 import re
 from typing import Callable
 
+import jax
 import numpy as np
 
 from jaxengine.models.config import ModelConfig
@@ -110,3 +111,15 @@ def set_path(tree: dict, path: Path, value: object) -> None:
     for k in path[:-1]:
         tree = tree[k]
     tree[path[-1]] = value
+
+
+class ShapeOnlyRngs:
+    """Stands in for nnx.Rngs while the abstract model is traced: every initializer gets the same
+    key, as only shapes and dtypes are kept. nnx.Rngs would split a fresh key, under tracing, for
+    each of the model's parameters (most of the abstract model's build time)."""
+
+    def __init__(self):
+        self._key = jax.random.key(0)
+
+    def params(self) -> jax.Array:
+        return self._key
