@@ -41,8 +41,16 @@ _ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
 }
-_MOE_ARCHITECTURES = frozenset({"qwen3moe", "qwen2moe", "mixtral", "deepseek2", "olmoe"})
+# Mixture-of-experts files read: qwen3moe, and Mixtral (llama.cpp files it as llama with an expert
+# count). Other MoE architectures are refused by name.
+_UNSUPPORTED_MOE = frozenset({"qwen2moe", "mixtral", "deepseek2", "olmoe"})
+# llama.cpp stores each layer's experts stacked: ffn_{gate,up,down}_exps [E, ...] and the router
+# ffn_gate_inp [E, D]. HF names per architecture: (router, expert prefix, gate, up, down).
+_MOE_NAMES = {"llama": ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
+              "qwen3moe": ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")}
+_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -106,17 +114,21 @@ class GGUFCheckpoint(Checkpoint):
                 raise ValueError(f"cannot read GGUF file {self.path}: {type(e).__name__}: {e}") from e
         self._meta = self._reader.fields
         arch = self._meta_value("general.architecture")
-        if arch in _MOE_ARCHITECTURES or self._meta_value(f"{arch}.expert_count", 0):
-            # llama.cpp stores the experts stacked (ffn_gate_exps, ...) and files Mixtral as llama
-            raise ValueError(f"GGUF file {self.path}: mixture-of-experts GGUF files ({arch}) are not supported; "
-                             "load the model's Hugging Face safetensors folder")
+        self._moe = bool(self._meta_value(f"{arch}.expert_count", 0)) or arch == "qwen3moe"
+        if arch in _UNSUPPORTED_MOE or (self._moe and arch not in _MOE_NAMES):
+            raise ValueError(f"GGUF file {self.path}: mixture-of-experts GGUF files ({arch}) are not supported "
+                             "(supported: Mixtral, qwen3moe); load the model's Hugging Face safetensors folder")
         if arch not in _ARCHITECTURES:
             raise ValueError(f"GGUF file {self.path}: unsupported architecture {arch!r} "
                              f"(supported: {sorted(_ARCHITECTURES)})")
         self._arch = arch
         self._tensors: dict[str, "gguf.ReaderTensor"] = {}  # HF name (or GGUF name) -> tensor
+        self._experts: dict[str, tuple["gguf.ReaderTensor", int]] = {}  # HF expert name -> (stacked, index)
+        self._stacked: tuple[str, np.ndarray] | None = None  # the last stacked tensor dequantized
         extra: list[str] = []
         for t in self._reader.tensors:
+            if self._moe and self._add_moe_tensor(t):
+                continue
             hf = gguf_to_hf_name(t.name, arch)
             if hf is None and t.name != "rope_freqs.weight":
                 extra.append(t.name)
@@ -126,6 +138,22 @@ class GGUFCheckpoint(Checkpoint):
             logger.warning("GGUF file %s: tensors with no HF counterpart: %s", self.path, extra)
         self.hf_config = self._build_hf_config()
         self._log_dequantized_types()
+
+    def _add_moe_tensor(self, t: "gguf.ReaderTensor") -> bool:
+        """Names a mixture-of-experts tensor: the router under its HF name, each expert's slice of
+        a stacked ffn_*_exps tensor under that expert's HF name. False for any other tensor."""
+        router, experts, gate, up, down = _MOE_NAMES[self._arch]
+        if m := _EXPERT_TENSOR.match(t.name):
+            layer, kind = m.groups()
+            part = {"gate": gate, "up": up, "down": down}[kind]
+            num = int(t.shape.tolist()[-1])  # GGUF dims innermost-first: E is the last
+            for e in range(num):
+                self._experts[f"model.layers.{layer}.{experts}.{e}.{part}.weight"] = (t, e)
+            return True
+        if m := re.match(r"^blk\.(\d+)\.ffn_gate_inp\.weight$", t.name):
+            self._tensors[f"model.layers.{m.group(1)}.{router}.weight"] = t
+            return True
+        return False
 
     def _log_dequantized_types(self) -> None:
         """One line naming the quantized GGUF types that load as float weights: the engine's
@@ -178,7 +206,8 @@ class GGUFCheckpoint(Checkpoint):
             "model_type": model_type,
             "vocab_size": vocab,
             "hidden_size": hidden,
-            "intermediate_size": self._required("feed_forward_length"),
+            "intermediate_size": int(self._arch_value("feed_forward_length", 0) or 0)
+            or self._required("expert_feed_forward_length"),
             "num_hidden_layers": self._required("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": int(kv_heads),
@@ -198,7 +227,20 @@ class GGUFCheckpoint(Checkpoint):
             cfg["rope_scaling"] = rope_scaling
         if self._arch == "gemma3":
             cfg.update(self._gemma3_config(cfg))
+        if self._moe:
+            cfg.update(self._moe_config(cfg))
         return cfg
+
+    def _moe_config(self, cfg: dict) -> dict:
+        """Mixtral (filed as llama) or Qwen3-MoE fields. llama.cpp's qwen3moe has every layer
+        sparse and renormalises the top-k weights, as Qwen3-30B-A3B's and -235B-A22B's configs do."""
+        experts, used = self._required("expert_count"), self._required("expert_used_count")
+        if self._arch == "llama":
+            return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
+                    "num_experts_per_tok": used, "sliding_window": None}
+        return {"num_experts": experts, "num_experts_per_tok": used,
+                "moe_intermediate_size": self._required("expert_feed_forward_length"),
+                "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
     def _gemma3_config(self, cfg: dict) -> dict:
         """What llama.cpp's loader fixes for Gemma 3 rather than reads (llama-model.cpp): every 6th
@@ -241,19 +283,22 @@ class GGUFCheckpoint(Checkpoint):
     # ---- tensors ---------------------------------------------------------------------------
 
     def tensor_names(self) -> list[str]:
-        return [n for n in self._tensors if n != "rope_freqs.weight"]
+        return [n for n in self._tensors if n != "rope_freqs.weight"] + list(self._experts)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._tensors and name != "rope_freqs.weight"
+        return (name in self._tensors and name != "rope_freqs.weight") or name in self._experts
 
     def _tensor(self, name: str) -> "gguf.ReaderTensor":
+        if name in self._experts:
+            return self._experts[name][0]
         if name == "rope_freqs.weight" or name not in self._tensors:
             raise self._unknown_tensor(name)
         return self._tensors[name]
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         # GGUF records dims innermost-first; numpy (and HF) order is the reverse.
-        return tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+        shape = tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+        return shape[1:] if name in self._experts else shape
 
     def tensor_dtype(self, name: str) -> np.dtype:
         self._tensor(name)
@@ -263,12 +308,12 @@ class GGUFCheckpoint(Checkpoint):
         """Storage type in the file ("F32", "Q4_1", ...), for logs and memory estimates."""
         return self._tensor(name).tensor_type.name
 
-    def _dequantized(self, name: str) -> np.ndarray:
+    def _dequantized(self, name: str, tensor: "gguf.ReaderTensor | None" = None) -> np.ndarray:
         from gguf.quants import dequantize
 
         from jaxengine.models.gguf_header import FAST_DEQUANTIZE
 
-        t = self._tensors[name]
+        t = tensor if tensor is not None else self._tensors[name]
         try:
             fast = FAST_DEQUANTIZE.get(t.tensor_type.name)
             w = fast(t.data) if fast is not None else dequantize(t.data, t.tensor_type)
@@ -281,11 +326,21 @@ class GGUFCheckpoint(Checkpoint):
         return w if w.flags.writeable else w.copy()
 
     def get_tensor(self, name: str) -> np.ndarray:
+        if name in self._experts:
+            return self._expert(name)
         self._tensor(name)
         w = self._unpermuted(name, self._dequantized(name))  # HF layout, float32
         if self._arch == "gemma3" and name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + weight) norm scales
         return np.ascontiguousarray(w)
+
+    def _expert(self, name: str) -> np.ndarray:
+        """One expert's [out, in] slice of a stacked tensor. The loader reads a layer's experts in
+        turn, so the stacked tensor is dequantized once and kept until another one is read."""
+        t, e = self._experts[name]
+        if self._stacked is None or self._stacked[0] != t.name:
+            self._stacked = (t.name, self._dequantized(t.name, t))
+        return np.ascontiguousarray(self._stacked[1][e])
 
     def _unpermuted(self, name: str, w: np.ndarray) -> np.ndarray:
         """Rows of a llama-architecture q/k projection back in HF's rotary order (any array whose
@@ -299,6 +354,8 @@ class GGUFCheckpoint(Checkpoint):
         """A Q8_0 tensor without dequantizing: (values [out, in] int8, scales [out, in / 32]
         float32), weight = value * scale per block of 32 inputs, in HF layout and row order."""
         t = self._tensor(name)
+        if name in self._experts:
+            raise ValueError(f"GGUF tensor {t.name}: expert weights are dequantized, not kept as Q8_0")
         if t.tensor_type.name != "Q8_0":
             raise ValueError(f"GGUF tensor {t.name} is {t.tensor_type.name}, not Q8_0")
         out, inp = (int(d) for d in reversed(t.shape.tolist()))

@@ -171,16 +171,110 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         open_checkpoint(tmp_path / "bare.gguf")
 
 
-def test_mixture_of_experts_files_are_refused(tmp_path: Path) -> None:
-    """MoE GGUF files (stacked ffn_*_exps tensors; Mixtral filed as llama with an expert count) are
-    refused by name, pointing to the safetensors folder."""
+def test_other_mixture_of_experts_files_are_refused(tmp_path: Path) -> None:
+    """MoE GGUF files other than Mixtral and qwen3moe are refused by name, pointing to the
+    safetensors folder."""
     embd = {"token_embd.weight": (np.zeros((VOCAB, HIDDEN), np.float32), Q.F32)}
-    _write_tiny(tmp_path / "q.gguf", "qwen3moe", embd)
-    with pytest.raises(ValueError, match=r"mixture-of-experts GGUF files \(qwen3moe\) are not supported"):
+    _write_tiny(tmp_path / "q.gguf", "qwen2moe", embd)
+    with pytest.raises(ValueError, match=r"mixture-of-experts GGUF files \(qwen2moe\) are not supported"):
         open_checkpoint(tmp_path / "q.gguf")
-    _write_tiny(tmp_path / "m.gguf", "llama", embd, extra_meta={"add_expert_count": 8})
-    with pytest.raises(ValueError, match=r"mixture-of-experts GGUF files \(llama\).*safetensors"):
+    _write_tiny(tmp_path / "m.gguf", "qwen2", embd, extra_meta={"add_expert_count": 8})
+    with pytest.raises(ValueError, match=r"mixture-of-experts GGUF files \(qwen2\).*safetensors"):
         open_checkpoint(tmp_path / "m.gguf")
+
+
+def _moe_to_gguf(hf_dir: str, path: Path, arch: str) -> None:
+    """A tiny HF MoE checkpoint written as llama.cpp's converter writes it: experts stacked into
+    ffn_{gate,up,down}_exps [E, ...], the router as ffn_gate_inp, Mixtral filed as llama (its q/k
+    rows in llama.cpp's rotary order), every tensor F32 except one stacked tensor in Q8_0."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    hf = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        hf.update(load_file(str(f)))
+    router, experts, gate, up, down = (("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")
+                                       if arch == "llama" else ("mlp.gate", "mlp.experts", "gate_proj", "up_proj",
+                                                                "down_proj"))
+    n_exp = cfg.get("num_local_experts") or cfg["num_experts"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny moe")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_rope_freq_base(float(cfg["rope_parameters"]["rope_theta"] if "rope_parameters" in cfg else cfg["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    tensors = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"],
+               "output.weight": hf["lm_head.weight"]}
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", router: "ffn_gate_inp"}
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_part, g_part in names.items():
+            if (key := f"model.layers.{i}.{hf_part}.weight") in hf:
+                arr = hf[key]
+                if arch == "llama" and hf_part in ("self_attn.q_proj", "self_attn.k_proj"):
+                    arr = _permute(arr, cfg["num_attention_heads" if "q_proj" in hf_part else "num_key_value_heads"])
+                tensors[f"blk.{i}.{g_part}.weight"] = arr
+        for part, kind in ((gate, "gate"), (up, "up"), (down, "down")):
+            tensors[f"blk.{i}.ffn_{kind}_exps.weight"] = np.stack(
+                [hf[f"model.layers.{i}.{experts}.{e}.{part}.weight"] for e in range(n_exp)])
+    for name, arr in tensors.items():
+        if name == "blk.0.ffn_up_exps.weight":  # a quantized stacked tensor: dequantized whole, then sliced
+            w.add_tensor(name, quantize(arr, Q.Q8_0), raw_shape=None, raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family,arch", [("mixtral", "llama"), ("qwen3-moe", "qwen3moe")])
+def test_mixture_of_experts_gguf_loads_as_its_safetensors(tmp_path: Path, family: str, arch: str) -> None:
+    """Mixtral (filed as llama) and qwen3moe GGUF files: the config and every parameter of the
+    loaded model equal those loaded from the same model's safetensors folder (the Q8_0 stacked
+    tensor within its quantization step)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxengine.models.checkpoint import open_checkpoint as open_ckpt
+    from jaxengine.models.loader import load_params
+    from jaxengine.models.weights import flatten_paths
+    from tests.tiny_checkpoints import make_checkpoint
+
+    extra = {"mlp_only_layers": [], "norm_topk_prob": True} if family == "qwen3-moe" else {}
+    hf_dir = make_checkpoint(family, str(tmp_path / "hf"), num_layers=2, vocab_size=256, **extra)
+    _moe_to_gguf(hf_dir, tmp_path / "m.gguf", arch)
+    from_hf, from_gguf = open_ckpt(hf_dir), open_ckpt(tmp_path / "m.gguf")
+    want_cfg = ModelConfig.from_hf_dict(from_hf.hf_config)
+    got_cfg = ModelConfig.from_hf_dict(from_gguf.hf_config)
+    assert got_cfg.norm_eps == pytest.approx(want_cfg.norm_eps)  # GGUF stores it as float32
+    assert dataclasses.replace(got_cfg, norm_eps=want_cfg.norm_eps) == want_cfg
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in from_gguf or arch == "llama"
+    _, want = load_params(from_hf, want_cfg, jnp.float32)
+    _, got = load_params(from_gguf, got_cfg, jnp.float32)
+    want, got = flatten_paths(nnx.to_pure_dict(want)), flatten_paths(nnx.to_pure_dict(got))
+    assert want.keys() == got.keys()
+    for path in want:
+        a, b = np.asarray(want[path]), np.asarray(got[path])
+        tol = 1e-2 * float(np.abs(a).max()) if "experts_up" in str(path) or "experts_gate_up" in str(path) else 0.0
+        np.testing.assert_allclose(b, a, rtol=0, atol=tol, err_msg=str(path))
 
 
 def test_qwen2_biases_not_permuted_and_qwen3_qk_norm(tmp_path: Path) -> None:
