@@ -54,7 +54,9 @@ PHASES = [
     ("collect (device wait)", "ModelRunner.collect: waiting for the step, device-to-host copy"),
     ("resolve", "EngineCore._resolve minus collect: sampled ids, Scheduler.resolve"),
     ("advance", "Scheduler.advance"),
-    ("process outputs", "EngineCore._outputs: detokenize, stop checks, RequestOutputs"),
+    ("process outputs", "EngineCore._outputs: the loop's part of output processing (all of it when inline)"),
+    ("output processing, any thread", "OutputProcessor.process: detokenize, stop checks, RequestOutputs, "
+                                      "in the loop or on the output worker thread (overlapping the device wait)"),
 ]
 
 
@@ -101,6 +103,10 @@ class Timer:
         outputs = "_outputs" if hasattr(core, "_outputs") else "_process_outputs"
         self._wrap(core, outputs, "process outputs", self._on_process)
         self.wrapped.append((core, outputs))
+        processor = getattr(engine, "outputs", None)
+        if processor is not None and hasattr(processor, "process"):
+            self._wrap(processor, "process", "output processing, any thread")
+            self.wrapped.append((processor, "process"))
 
     def _wrap(self, owner, name: str, phase: str, hook=None) -> None:
         orig = getattr(owner, name)
@@ -123,7 +129,9 @@ class Timer:
         self.sched_decode = sum(s.is_decode for s in out.seqs)
 
     def _on_process(self, args, out) -> None:
-        if len(args) == 1:  # EngineCore._outputs(ResolvedStep)
+        if len(args) == 1:  # EngineCore._outputs(ResolvedStep | None)
+            if args[0] is None:
+                return
             self.processed, self.finished_any = len(args[0].sched.seqs), bool(args[0].finished)
         else:  # LLMEngine._process_outputs(sched, out, sampled, finished)
             self.processed, self.finished_any = len(args[0].seqs), bool(args[3])
@@ -147,6 +155,7 @@ class Timer:
             "resolve": c["_resolve"] - c["collect (device wait)"],
             "advance": c["advance"],
             "process outputs": c["process outputs"],
+            "output processing, any thread": c["output processing, any thread"],
             "step total": total,
         }
         row["host (total - device wait)"] = total - c["collect (device wait)"]
