@@ -48,8 +48,9 @@ OUTPUT_LEN = 96
 # (phase, what it covers); `dispatch: launch` is the dispatch minus its timed parts.
 PHASES = [
     ("schedule", "Scheduler.schedule"),
-    ("dispatch: inputs", "InputBuilder.build: token ids, positions, slots, block tables"),
-    ("dispatch: sampling md", "SamplingMetadata from the scheduled rows"),
+    ("dispatch: inputs", "InputBuilder.build: token ids, positions, slots, block tables (the persistent "
+                         "batch's slot lookup is in launch)"),
+    ("dispatch: sampling md", "SamplingMetadata from the scheduled rows (or the persistent batch's slots)"),
     ("dispatch: launch", "the rest of ModelRunner.dispatch: bucket pick, compiled calls"),
     ("collect (device wait)", "ModelRunner.collect: waiting for the step, device-to-host copy"),
     ("resolve", "EngineCore._resolve minus collect: sampled ids, Scheduler.resolve"),
@@ -99,7 +100,9 @@ class Timer:
         import jaxengine.model_runner as mr
         self._wrap(r, "dispatch", "runner.dispatch")
         self._md_name = "batch_sampling_metadata" if hasattr(mr, "batch_sampling_metadata") else "build_sampling_metadata"
-        self._wrap(mr, self._md_name, "dispatch: sampling md")
+        self._md_names = [self._md_name] + (["rows_sampling_metadata"] if hasattr(mr, "rows_sampling_metadata") else [])
+        for name in self._md_names:  # the per-row builder, and the persistent batch's where there is one
+            self._wrap(mr, name, "dispatch: sampling md")
         outputs = "_outputs" if hasattr(core, "_outputs") else "_process_outputs"
         self._wrap(core, outputs, "process outputs", self._on_process)
         self.wrapped.append((core, outputs))
@@ -219,7 +222,8 @@ def run_mode(llm, mode: str, profile: bool = False) -> dict:
         owner.__dict__.pop(name, None)
     import jaxengine.model_runner as mr
     import jaxengine.sampler as sampler_mod
-    setattr(mr, timer._md_name, getattr(sampler_mod, timer._md_name))
+    for name in timer._md_names:
+        setattr(mr, name, getattr(sampler_mod, name))
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     steps = timer.steps

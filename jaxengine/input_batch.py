@@ -199,7 +199,7 @@ class InputBuilder:
         b["input_ids"][:n] = toks
         b["positions"][:n] = starts_a
         bt = b["block_tables"]
-        np.take(batch.block_tables, rows.slots, axis=0, out=bt[:n])
+        bt[:n] = batch.block_tables[rows.slots]
         bt[n:] = 0
         b["slot_mapping"][:n] = bt[np.arange(n), starts_a // bs] * bs + starts_a % bs
         b["kv_lens"].fill(0)

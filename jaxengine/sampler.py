@@ -207,7 +207,7 @@ def rows_sampling_metadata(batch: PersistentBatch, rows: BatchRows, num_rows: in
         return None
     values = np.empty((num_rows, len(_NEUTRAL_ROW)), np.float32)
     values[n:] = _NEUTRAL_ROW
-    np.take(batch.sampler_values, slots, axis=0, out=values[:n])
+    values[:n] = batch.sampler_values[slots]
     seeds_a = np.zeros((num_rows,), np.uint32)
     seeds_a[:n] = batch.seeds[slots]
     steps_a = np.zeros((num_rows,), np.int32)
