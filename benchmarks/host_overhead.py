@@ -12,7 +12,8 @@ Two modes: offline (`LLM.generate`, `emit_unfinished=False`: only final outputs)
 
     python benchmarks/host_overhead.py                        # measure the installed code
     python benchmarks/host_overhead.py --profile offline      # cProfile of the steady steps
-    mkdir /tmp/before && git archive <old commit> jaxengine | tar -x -C /tmp/before
+    mkdir /tmp/before && git archive <old commit> jaxengine models pallas_kernels server pyproject.toml \
+        | tar -x -C /tmp/before
     python benchmarks/host_overhead.py --before-tree /tmp/before   # old vs installed, alternating
                                                                    # processes; writes results/
 """

@@ -3,7 +3,8 @@
 Layout of one step (T = token bucket, R = row bucket = min(T, max_num_seqs), M = max blocks/seq):
 sequences in scheduler order (decode rows first, then prefill chunks), their new tokens laid out
 back to back from row 0, padding afterwards. Padding tokens write to the null block 0 and padded
-sequence slots have kv_len 0, so the attention ignores them.
+sequence slots have kv_len 0, so the attention ignores them. A step of one-token rows takes its
+block tables from the runner's persistent batch (jaxengine/persistent_batch.py) when it is given.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ bug and raises; with it off, each is compiled on its first use. Either way a pro
 start with the same key is loaded from the program bundle instead (jaxengine.program_bundle).
 The host waits once per step, for the sampler's output. A step is enqueued in one go (`dispatch`), or as its forward first and its
 sampler later (`dispatch_forward` then `dispatch_sampler`): the engine computes the bitmask of
-constrained rows while the forward runs.
+constrained rows while the forward runs. Steps of one-token rows (decode) build their inputs and
+sampling metadata from the persistent batch's slots (jaxengine/persistent_batch.py).
 """
 
 from __future__ import annotations
