@@ -49,8 +49,8 @@ OUTPUT_LEN = 96
 # (phase, what it covers); `dispatch: launch` is the dispatch minus its timed parts.
 PHASES = [
     ("schedule", "Scheduler.schedule"),
-    ("dispatch: inputs", "InputBuilder.build: token ids, positions, slots, block tables (the persistent "
-                         "batch's slot lookup is in launch)"),
+    ("dispatch: inputs", "InputBuilder.build: token ids, positions, slots, block tables (and "
+                         "PersistentBatch.rows where there is one)"),
     ("dispatch: sampling md", "SamplingMetadata from the scheduled rows (or the persistent batch's slots)"),
     ("dispatch: launch", "the rest of ModelRunner.dispatch: bucket pick, compiled calls"),
     ("collect (device wait)", "ModelRunner.collect: waiting for the step, device-to-host copy"),
@@ -97,6 +97,9 @@ class Timer:
             self._wrap(engine, "_dispatch", "_dispatch")
             self.wrapped.append((engine, "_dispatch"))
         self._wrap(r.builder, "build", "dispatch: inputs")
+        if hasattr(r, "batch"):  # the persistent batch's slot lookup belongs to the inputs too
+            self._wrap(r.batch, "rows", "dispatch: inputs")
+            self.wrapped.append((r.batch, "rows"))
         # the sampling-metadata builder: whichever the code in hand has
         import jaxengine.model_runner as mr
         self._wrap(r, "dispatch", "runner.dispatch")

@@ -64,19 +64,21 @@ class InputBuilder:
         A decode row whose token is still a placeholder (sampled by the step in flight) gets
         `prev_index` = that step's row for the request (`prev_rows`), and the device fills it in.
         `lora_slots`: each row's LoRA device slot (None: no adapters this step). `batch`: the
-        runner's persistent batch and this step's rows in it, for a step of one-token rows: block
-        tables are gathered from its slots instead of read from every row.
+        runner's persistent batch and this step's rows in it, given only for a step of one-token
+        rows: block tables are gathered from its slots instead of read from every row.
         """
         assert len(seqs) <= r, (len(seqs), r)
         b = self._bufs(t, r)
         bs, n_seqs = self.block_size, len(seqs)
-        lens = [s.num_new_tokens for s in seqs]
         b["lora_slot"].fill(0)
+        if batch is not None:  # one token per row (the runner checked)
+            if lora_slots is not None:
+                b["lora_slot"][:n_seqs] = lora_slots
+            return self._build_from_batch(seqs, b, prev_rows, *batch)
+        lens = [s.num_new_tokens for s in seqs]
         if lora_slots is not None:
             b["lora_slot"][:sum(lens)] = np.repeat(np.asarray(lora_slots, np.int32), lens)
         if sum(lens) == n_seqs and n_seqs:
-            if batch is not None:
-                return self._build_from_batch(seqs, b, prev_rows, *batch)
             return self._build_single_token_rows(seqs, b, prev_rows)
         # One pass of plain list work (C-speed extends), then a few vectorised numpy writes:
         # host time per step matters at hundreds of sequences.
