@@ -15,12 +15,11 @@ device:
    them for the placeholders and finishes requests on eos, stop token ids and length. A request
    that N finishes may hold a wasted row in N+1: its token is dropped, and its freed blocks are
    reused only by steps enqueued after N+1.
-4. outputs: N is held, and handed to the output worker (jaxengine/output_worker.py) when the
-   next step starts waiting for N+1: the worker's thread detokenizes, applies stop strings,
-   records logprobs and builds the `RequestOutput`s during that wait (the loop's Python is idle
-   then), and the loop takes N's outputs as soon as the wait ends, ending the requests N stopped
-   or failed in the scheduler before N+1's tokens are resolved (a request stopped by a string at
-   N still sampled in N+1 and N+2: those tokens are dropped). A step after which nothing is in
+4. outputs: N goes to the output worker (jaxengine/output_worker.py), whose thread
+   detokenizes, applies stop strings, records logprobs and builds the `RequestOutput`s while the
+   loop waits for N+1 in the next step; that step takes N's outputs after its own resolve and
+   ends the requests N stopped or failed in the scheduler (a request stopped by a string at N
+   still samples in N+1 and N+2: those tokens are dropped). A step after which nothing is in
    flight is processed at once, so the last outputs come without an extra step.
 A request whose sampling reads its output tokens (penalties, bad words of several tokens) does
 not make the step wait either: its history's last token, still being sampled by N, is written as
@@ -119,8 +118,6 @@ class EngineCore:
         self._spec_skip = 0
         self._spec_dry = 0
         self._inflight: _Dispatched | None = None  # the step running on the device
-        self._held: ResolvedStep | None = None  # resolved, handed to the output worker at the next wait
-        self._ready: list[RequestOutput] = []  # outputs taken from the worker during this step
         self._preempted_since_log = 0
         self._preemption_logged_at = float("-inf")
         # Where step time goes: waiting for the device vs everything else (host work).
@@ -183,8 +180,7 @@ class EngineCore:
             self.scheduler.abort_requests(children)
 
     def has_unfinished_requests(self) -> bool:
-        return (self._inflight is not None or self._held is not None or self.worker.busy
-                or self.scheduler.has_unfinished_requests())
+        return self._inflight is not None or self.worker.busy or self.scheduler.has_unfinished_requests()
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -308,14 +304,10 @@ class EngineCore:
 
     def _resolve(self, step: _Dispatched) -> ResolvedStep:
         """Waits for a dispatched step's tokens and hands them to the scheduler."""
-        if self._held is not None:  # processed by the worker while this waits for the device
-            self.worker.submit(self._held)
-            self._held = None
         t0 = time.perf_counter()
         out = self.runner.collect(step.handle)
         self.timing["device_wait_s"] += time.perf_counter() - t0
         self.timing["steps"] += 1
-        self._ready += self._finish_processed(self.worker.take())
         sched = step.sched
         if out.pooled is not None:
             self._pool(sched, out.pooled)
@@ -348,17 +340,14 @@ class EngineCore:
         return accepted
 
     def _outputs(self, done: ResolvedStep | None) -> list[RequestOutput]:
-        """The outputs taken from the worker during this step; `done` is held for the worker
-        until the next step waits for the device, or processed now when nothing is in flight to
-        overlap it with."""
+        """The outputs of the step handed to the worker before (processed while this step waited
+        for the device), then `done` handed over; `done` is waited for too when nothing is left in
+        flight to overlap it with."""
+        outputs = self._finish_processed(self.worker.take())
         if done is not None:
-            assert self._held is None, "a resolved step was never handed to the output worker"
-            self._held = done
-        if self._held is not None and self._inflight is None:
-            self.worker.submit(self._held)
-            self._held = None
-            self._ready += self._finish_processed(self.worker.take())
-        outputs, self._ready = self._ready, []
+            self.worker.submit(done)
+            if self._inflight is None:
+                outputs += self._finish_processed(self.worker.take())
         return outputs
 
     def _finish_processed(self, processed: ProcessedStep | None) -> list[RequestOutput]:

@@ -1,18 +1,18 @@
 """Output processing off the step loop: one worker thread runs `OutputProcessor.process`.
 
-The engine core hands a resolved step (plain data: the scheduler's rows, the runner's numpy
-output, the scheduler's finished ids) to `submit` just before it waits for the next step's tokens;
-the worker detokenizes, searches stop strings, records logprobs and builds the `RequestOutput`s
-during that wait (`ModelRunner.collect` waits with the GIL released, so the loop's Python and the
-worker's do not compete), and the loop takes the result (`take`) as soon as the wait ends. Steps
-are processed in order and at most one is pending.
+The engine core hands each resolved step (plain data: the scheduler's rows, the runner's numpy
+output, the scheduler's finished ids) to `submit` and goes on; the worker detokenizes, searches
+stop strings, records logprobs and builds the `RequestOutput`s while the loop waits for the next
+step's tokens (`ModelRunner.collect` waits with the GIL released). The loop takes the result one
+step later (`take`), before it hands over the next step, so steps are processed in order and at
+most one is pending.
 
 Every other use of the output processor from the loop (adding and aborting requests, prefix-cache
 counts) holds `lock`, as `process` does on the worker, so a request is never half added or half
 aborted while a step is being processed. What this changes for a request:
 
 - its outputs come back one `step()` later while steps overlap; a step after which nothing is in
-  flight on the device is processed at once;
+  flight on the device is processed at once (the caller drains with `take(wait=True)`);
 - a stop string found by the worker is reported then: the scheduler finishes the request one step
   later than before, and the tokens it sampled meanwhile are dropped (the processor ignores tokens
   of a finished child), so text and token ids are exactly what processing in the loop gives;
