@@ -304,9 +304,10 @@ class EngineCore:
 
     def _resolve(self, step: _Dispatched) -> ResolvedStep:
         """Waits for a dispatched step's tokens and hands them to the scheduler."""
-        t0 = time.perf_counter()
-        out = self.runner.collect(step.handle)
-        self.timing["device_wait_s"] += time.perf_counter() - t0
+        with self.worker.loop_waiting():  # the output worker processes the step before meanwhile
+            t0 = time.perf_counter()
+            out = self.runner.collect(step.handle)
+            self.timing["device_wait_s"] += time.perf_counter() - t0
         self.timing["steps"] += 1
         sched = step.sched
         if out.pooled is not None:
