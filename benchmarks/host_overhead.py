@@ -12,7 +12,8 @@ Two modes: offline (`LLM.generate`, `emit_unfinished=False`: only final outputs)
 
     python benchmarks/host_overhead.py                        # measure the installed code
     python benchmarks/host_overhead.py --profile offline      # cProfile of the steady steps
-    mkdir /tmp/before && git archive <old commit> jaxengine | tar -x -C /tmp/before
+    mkdir /tmp/before && git archive <old commit> jaxengine models pallas_kernels server pyproject.toml \
+        | tar -x -C /tmp/before
     python benchmarks/host_overhead.py --before-tree /tmp/before   # old vs installed, alternating
                                                                    # processes; writes results/
 """
@@ -48,13 +49,16 @@ OUTPUT_LEN = 96
 # (phase, what it covers); `dispatch: launch` is the dispatch minus its timed parts.
 PHASES = [
     ("schedule", "Scheduler.schedule"),
-    ("dispatch: inputs", "InputBuilder.build: token ids, positions, slots, block tables"),
-    ("dispatch: sampling md", "SamplingMetadata from the scheduled rows"),
+    ("dispatch: inputs", "InputBuilder.build: token ids, positions, slots, block tables (and "
+                         "PersistentBatch.rows where there is one)"),
+    ("dispatch: sampling md", "SamplingMetadata from the scheduled rows (or the persistent batch's slots)"),
     ("dispatch: launch", "the rest of ModelRunner.dispatch: bucket pick, compiled calls"),
     ("collect (device wait)", "ModelRunner.collect: waiting for the step, device-to-host copy"),
     ("resolve", "EngineCore._resolve minus collect: sampled ids, Scheduler.resolve"),
     ("advance", "Scheduler.advance"),
-    ("process outputs", "EngineCore._outputs: detokenize, stop checks, RequestOutputs"),
+    ("process outputs", "EngineCore._outputs: the loop's part of output processing (all of it when inline)"),
+    ("output processing, any thread", "OutputProcessor.process: detokenize, stop checks, RequestOutputs, "
+                                      "in the loop or on the output worker thread (overlapping the device wait)"),
 ]
 
 
@@ -93,14 +97,23 @@ class Timer:
             self._wrap(engine, "_dispatch", "_dispatch")
             self.wrapped.append((engine, "_dispatch"))
         self._wrap(r.builder, "build", "dispatch: inputs")
+        if hasattr(r, "batch"):  # the persistent batch's slot lookup belongs to the inputs too
+            self._wrap(r.batch, "rows", "dispatch: inputs")
+            self.wrapped.append((r.batch, "rows"))
         # the sampling-metadata builder: whichever the code in hand has
         import jaxengine.model_runner as mr
         self._wrap(r, "dispatch", "runner.dispatch")
         self._md_name = "batch_sampling_metadata" if hasattr(mr, "batch_sampling_metadata") else "build_sampling_metadata"
-        self._wrap(mr, self._md_name, "dispatch: sampling md")
+        self._md_names = [self._md_name] + (["rows_sampling_metadata"] if hasattr(mr, "rows_sampling_metadata") else [])
+        for name in self._md_names:  # the per-row builder, and the persistent batch's where there is one
+            self._wrap(mr, name, "dispatch: sampling md")
         outputs = "_outputs" if hasattr(core, "_outputs") else "_process_outputs"
         self._wrap(core, outputs, "process outputs", self._on_process)
         self.wrapped.append((core, outputs))
+        processor = getattr(engine, "outputs", None)
+        if processor is not None and hasattr(processor, "process"):
+            self._wrap(processor, "process", "output processing, any thread")
+            self.wrapped.append((processor, "process"))
 
     def _wrap(self, owner, name: str, phase: str, hook=None) -> None:
         orig = getattr(owner, name)
@@ -123,7 +136,9 @@ class Timer:
         self.sched_decode = sum(s.is_decode for s in out.seqs)
 
     def _on_process(self, args, out) -> None:
-        if len(args) == 1:  # EngineCore._outputs(ResolvedStep)
+        if len(args) == 1:  # EngineCore._outputs(ResolvedStep | None)
+            if args[0] is None:
+                return
             self.processed, self.finished_any = len(args[0].sched.seqs), bool(args[0].finished)
         else:  # LLMEngine._process_outputs(sched, out, sampled, finished)
             self.processed, self.finished_any = len(args[0].seqs), bool(args[3])
@@ -147,6 +162,7 @@ class Timer:
             "resolve": c["_resolve"] - c["collect (device wait)"],
             "advance": c["advance"],
             "process outputs": c["process outputs"],
+            "output processing, any thread": c["output processing, any thread"],
             "step total": total,
         }
         row["host (total - device wait)"] = total - c["collect (device wait)"]
@@ -210,7 +226,8 @@ def run_mode(llm, mode: str, profile: bool = False) -> dict:
         owner.__dict__.pop(name, None)
     import jaxengine.model_runner as mr
     import jaxengine.sampler as sampler_mod
-    setattr(mr, timer._md_name, getattr(sampler_mod, timer._md_name))
+    for name in timer._md_names:
+        setattr(mr, name, getattr(sampler_mod, name))
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     steps = timer.steps

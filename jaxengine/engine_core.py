@@ -15,9 +15,12 @@ device:
    them for the placeholders and finishes requests on eos, stop token ids and length. A request
    that N finishes may hold a wasted row in N+1: its token is dropped, and its freed blocks are
    reused only by steps enqueued after N+1.
-4. outputs: the output processor detokenizes, applies stop strings, records logprobs and builds
-   the `RequestOutput`s while the device runs N+1; requests it stops or fails are ended in the
-   scheduler.
+4. outputs: N goes to the output worker (jaxengine/output_worker.py), whose thread
+   detokenizes, applies stop strings, records logprobs and builds the `RequestOutput`s while the
+   loop waits for N+1 in the next step; that step takes N's outputs after its own resolve and
+   ends the requests N stopped or failed in the scheduler (a request stopped by a string at N
+   still samples in N+1 and N+2: those tokens are dropped). A step after which nothing is in
+   flight is processed at once, so the last outputs come without an extra step.
 A request whose sampling reads its output tokens (penalties, bad words of several tokens) does
 not make the step wait either: its history's last token, still being sampled by N, is written as
 a reference to N's row, and N+1's sampler reads it from N's tokens on the device
@@ -47,7 +50,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxengine.model_runner import InFlight, ModelRunner
-from jaxengine.output_processor import OutputProcessor, ResolvedStep
+from jaxengine.output_processor import OutputProcessor, ProcessedStep, ResolvedStep
+from jaxengine.output_worker import OutputWorker
 from jaxengine.outputs import RequestOutput
 from jaxengine.request import Request, RequestStatus
 from jaxengine.sampling_params import SamplingParams
@@ -104,6 +108,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.outputs = outputs
+        self.worker = OutputWorker(outputs)  # `outputs` is used only under `worker.lock` from here on
         self.grammar = grammar
         self.spec = runner.spec  # jaxengine.spec_decode.SpeculativeConfig, or None
         self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * (self.spec.num_speculative_tokens if self.spec else 0))
@@ -164,15 +169,18 @@ class EngineCore:
         except ValueError:
             self.scheduler.abort_requests(added)
             raise
-        self.outputs.add(request_id, prompt, prompt_token_ids, params,
-                         [(c.request_id, c.sampling_params) for c in children], children[0].arrival_time)
+        with self.worker.lock:
+            self.outputs.add(request_id, prompt, prompt_token_ids, params,
+                             [(c.request_id, c.sampling_params) for c in children], children[0].arrival_time)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
-            self.scheduler.abort_requests(self.outputs.abort(rid))
+            with self.worker.lock:
+                children = self.outputs.abort(rid)
+            self.scheduler.abort_requests(children)
 
     def has_unfinished_requests(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_unfinished_requests()
+        return self._inflight is not None or self.worker.busy or self.scheduler.has_unfinished_requests()
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -195,7 +203,8 @@ class EngineCore:
                 self.scheduled_tokens += sched.num_batched_tokens
                 self.scheduled_steps += 1
             if sched.num_cached_tokens:
-                self.outputs.scheduled(sched.num_cached_tokens, time.monotonic())
+                with self.worker.lock:
+                    self.outputs.scheduled(sched.num_cached_tokens, time.monotonic())
             if sched.preempted_ids:
                 self._log_preemptions(len(sched.preempted_ids))
             dispatched = None
@@ -216,7 +225,7 @@ class EngineCore:
             if dispatched is not None:
                 self.scheduler.advance(sched)
                 self._inflight = dispatched
-            return self._outputs(done) if done is not None else []
+            return self._outputs(done)
         finally:
             self.timing["step_s"] += time.perf_counter() - t_start
 
@@ -295,9 +304,10 @@ class EngineCore:
 
     def _resolve(self, step: _Dispatched) -> ResolvedStep:
         """Waits for a dispatched step's tokens and hands them to the scheduler."""
-        t0 = time.perf_counter()
-        out = self.runner.collect(step.handle)
-        self.timing["device_wait_s"] += time.perf_counter() - t0
+        with self.worker.loop_waiting():  # the output worker processes the step before meanwhile
+            t0 = time.perf_counter()
+            out = self.runner.collect(step.handle)
+            self.timing["device_wait_s"] += time.perf_counter() - t0
         self.timing["steps"] += 1
         sched = step.sched
         if out.pooled is not None:
@@ -330,8 +340,21 @@ class EngineCore:
                     st.accepted_per_pos[j] += 1
         return accepted
 
-    def _outputs(self, done: ResolvedStep) -> list[RequestOutput]:
-        processed = self.outputs.process(done)
+    def _outputs(self, done: ResolvedStep | None) -> list[RequestOutput]:
+        """The outputs of the step handed to the worker before (processed while this step waited
+        for the device), then `done` handed over; `done` is waited for too when nothing is left in
+        flight to overlap it with."""
+        outputs = self._finish_processed(self.worker.take())
+        if done is not None:
+            self.worker.submit(done)
+            if self._inflight is None:
+                outputs += self._finish_processed(self.worker.take())
+        return outputs
+
+    def _finish_processed(self, processed: ProcessedStep | None) -> list[RequestOutput]:
+        """Ends in the scheduler what output processing stopped (a stop string) or failed."""
+        if processed is None:
+            return []
         if processed.stopped:
             self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
         if processed.failed:

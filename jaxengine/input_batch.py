@@ -3,7 +3,8 @@
 Layout of one step (T = token bucket, R = row bucket = min(T, max_num_seqs), M = max blocks/seq):
 sequences in scheduler order (decode rows first, then prefill chunks), their new tokens laid out
 back to back from row 0, padding afterwards. Padding tokens write to the null block 0 and padded
-sequence slots have kv_len 0, so the attention ignores them.
+sequence slots have kv_len 0, so the attention ignores them. A step of one-token rows takes its
+block tables from the runner's persistent batch (jaxengine/persistent_batch.py) when it is given.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxengine.models.attention import AttentionMetadata
+from jaxengine.persistent_batch import BatchRows, PersistentBatch
 from jaxengine.scheduler import PLACEHOLDER, ScheduledSeq
 
 
@@ -55,18 +57,25 @@ class InputBuilder:
         return self._buffers[key]
 
     def build(self, seqs: list[ScheduledSeq], t: int, r: int, prev_rows: dict[str, int] | None = None,
-              lora_slots: list[int] | None = None) -> StepInputs:
+              lora_slots: list[int] | None = None, batch: tuple[PersistentBatch, BatchRows] | None = None
+              ) -> StepInputs:
         """`seqs`: one step's rows in scheduler order (decode rows first).
 
         A decode row whose token is still a placeholder (sampled by the step in flight) gets
         `prev_index` = that step's row for the request (`prev_rows`), and the device fills it in.
-        `lora_slots`: each row's LoRA device slot (None: no adapters this step).
+        `lora_slots`: each row's LoRA device slot (None: no adapters this step). `batch`: the
+        runner's persistent batch and this step's rows in it, given only for a step of one-token
+        rows: block tables are gathered from its slots instead of read from every row.
         """
         assert len(seqs) <= r, (len(seqs), r)
         b = self._bufs(t, r)
         bs, n_seqs = self.block_size, len(seqs)
-        lens = [s.num_new_tokens for s in seqs]
         b["lora_slot"].fill(0)
+        if batch is not None:  # one token per row (the runner checked)
+            if lora_slots is not None:
+                b["lora_slot"][:n_seqs] = lora_slots
+            return self._build_from_batch(seqs, b, prev_rows, *batch)
+        lens = [s.num_new_tokens for s in seqs]
         if lora_slots is not None:
             b["lora_slot"][:sum(lens)] = np.repeat(np.asarray(lora_slots, np.int32), lens)
         if sum(lens) == n_seqs and n_seqs:
@@ -169,6 +178,40 @@ class InputBuilder:
             bt[:n, :tl[0]] = flat.reshape(n, tl[0])
         else:
             bt[np.repeat(np.arange(n), tl), np.arange(len(flat)) - np.repeat(np.cumsum(tl) - tl, tl)] = flat
+        b["num_seqs"][0] = n
+        return self._inputs(b)
+
+    def _build_from_batch(self, seqs: list[ScheduledSeq], b: dict[str, np.ndarray], prev_rows: dict[str, int] | None,
+                          batch: PersistentBatch, rows: BatchRows) -> StepInputs:
+        """`_build_single_token_rows` with block tables gathered from the persistent batch: the
+        same arrays, reading only each row's first token besides what `rows` holds."""
+        bs, n = self.block_size, len(seqs)
+        starts_a = rows.starts
+        toks = np.asarray([s.token_ids[0] for s in seqs], np.int32)
+        pending = np.flatnonzero(toks == PLACEHOLDER)  # sampled by the step in flight
+        b["prev_index"].fill(-1)
+        if len(pending):
+            assert prev_rows is not None, seqs[int(pending[0])].request_id
+            if len(pending) == n:
+                b["prev_index"][:n] = [prev_rows[s.request_id] for s in seqs]
+            else:
+                b["prev_index"][pending] = [prev_rows[seqs[i].request_id] for i in pending.tolist()]
+            toks[pending] = 0
+        for name in ("input_ids", "positions", "slot_mapping"):
+            b[name][n:] = 0
+        b["input_ids"][:n] = toks
+        b["positions"][:n] = starts_a
+        bt = b["block_tables"]
+        bt[:n] = batch.block_tables[rows.slots]
+        bt[n:] = 0
+        b["slot_mapping"][:n] = bt[np.arange(n), starts_a // bs] * bs + starts_a % bs
+        b["kv_lens"].fill(0)
+        b["kv_lens"][:n] = starts_a + 1
+        qsl = b["query_start_loc"]
+        qsl[:n + 1] = np.arange(n + 1, dtype=np.int32)
+        qsl[n + 1:] = n
+        b["logits_indices"].fill(0)
+        b["logits_indices"][:n] = qsl[1:n + 1] - 1
         b["num_seqs"][0] = n
         return self._inputs(b)
 

@@ -9,7 +9,8 @@ bug and raises; with it off, each is compiled on its first use. Either way a pro
 start with the same key is loaded from the program bundle instead (jaxengine.program_bundle).
 The host waits once per step, for the sampler's output. A step is enqueued in one go (`dispatch`), or as its forward first and its
 sampler later (`dispatch_forward` then `dispatch_sampler`): the engine computes the bitmask of
-constrained rows while the forward runs.
+constrained rows while the forward runs. Steps of one-token rows (decode) build their inputs and
+sampling metadata from the persistent batch's slots (jaxengine/persistent_batch.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.lora import TP_AXIS, LoRAInputs, layer_shapes, token_mask, write_slot
 from jaxengine.models.quantization import compiler_options
 from jaxengine.packing import Layout, pack, unpack
-from jaxengine.sampler import batch_sampling_metadata, build_sampling_metadata, resolve_history, sample
+from jaxengine.persistent_batch import BatchRows, PersistentBatch
+from jaxengine.sampler import (batch_sampling_metadata, build_sampling_metadata, resolve_history,
+                               rows_sampling_metadata, sample)
 from jaxengine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -261,6 +264,8 @@ class ModelRunner:
         self.dtype = dtype
         self.token_buckets = token_buckets(config.max_num_batched_tokens, jax.default_backend())
         self.builder = InputBuilder(config.max_blocks_per_seq, config.block_size)
+        # Row-stable state of the running requests: decode steps gather from it (jaxengine/persistent_batch.py).
+        self.batch = PersistentBatch(config.max_num_seqs, config.max_blocks_per_seq)
         self.num_blocks = config.num_kv_blocks
         self.plan = plan
         self.kv_sharding = plan.kv_sharding() if plan is not None else None
@@ -522,7 +527,13 @@ class ModelRunner:
         t = pick_bucket(self.token_buckets, sched.num_batched_tokens)
         r = self.rows_for(t)
         lora_slots = self._lora_slots(seqs)
-        inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None else None, lora_slots)
+        self.batch.release(sched.finished_ids)
+        self.batch.release(sched.preempted_ids)
+        rows = None
+        if seqs and sched.num_batched_tokens == len(seqs):  # one token per row: the decode steady state
+            rows = self.batch.rows(seqs)
+        inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None else None, lora_slots,
+                                    (self.batch, rows) if rows is not None else None)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         # Each numpy argument is its own host-to-device copy: one packed buffer per program.
         if lora_slots is None:  # the base model's program: steps without adapters pay nothing for LoRA
@@ -543,14 +554,18 @@ class ModelRunner:
             pooled = self._get(self._pool_fns, t, self._compile_pool, "pooling program for bucket")(
                 hidden, np.array(inputs.logits_indices), np.array(inputs.attn.query_start_loc))
         return PendingStep(seqs, r, logits, prompt_lp, pooled, hidden, t, prev_tokens,
-                           prev.rows if prev is not None else None)
+                           prev.rows if prev is not None else None, rows)
 
     def dispatch_sampler(self, step: PendingStep, bitmask: np.ndarray | None = None) -> InFlight:
         """Enqueues the sampler of a step whose forward is enqueued. `bitmask` [R, mask_words]
         int32: the structured-output bitmask of the step's rows (None: no row is constrained)."""
         seqs, r = step.seqs, step.num_rows
-        md, processors, truncate = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True),
-                                                           prev_rows=step.prev_rows)
+        fast = rows_sampling_metadata(self.batch, step.rows, r) if step.rows is not None else None
+        if fast is not None:
+            (md, truncate), processors = fast, False
+        else:
+            md, processors, truncate = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True),
+                                                               prev_rows=step.prev_rows)
         masked = bitmask is not None or processors  # the processors program always reads a bitmask
         if masked:
             md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
@@ -617,6 +632,7 @@ class PendingStep:
     num_tokens: int  # T, the step's token bucket
     prev_tokens: jax.Array  # [max_num_seqs] the tokens of the step before (placeholders read them)
     prev_rows: dict[str, int] | None  # each request's row in the step before, if one was in flight
+    rows: BatchRows | None = None  # a step of one-token rows: their slots in the runner's persistent batch
 
 
 @dataclasses.dataclass

@@ -10,7 +10,8 @@ request goes on.
 A user request with n > 1 fans out into n child requests (ids "<i>_<parent id>") that share the
 prompt (and so its prefix-cache blocks); their completions are gathered into one RequestOutput.
 This module reads no `Request`: only the scheduler's output, the runner's output and what the
-scheduler reported finished, so it could run away from the step loop.
+scheduler reported finished, so it runs away from the step loop, on the output worker's thread
+(jaxengine/output_worker.py).
 """
 
 from __future__ import annotations

@@ -89,6 +89,11 @@ class Request:
     # next proposal compares them with the tokens). A preemption resets both.
     draft_computed: int = field(default=0, repr=False)
     draft_written: list[int] = field(default_factory=list, repr=False)
+    # Set by the scheduler when it accepts the request: the output length at which it ends
+    # (max_tokens or max_model_len) and the ids that can end it (eos unless ignored, stop ids), so
+    # resolving a token that ends nothing reads two attributes.
+    stop_at_outputs: int = field(default=0, repr=False)
+    stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
     spec: RequestSpec = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

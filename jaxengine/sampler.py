@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxengine.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
                                        MAX_LOGPROBS, SamplingParams)
+from jaxengine.persistent_batch import BatchRows, PersistentBatch
 from jaxengine.scheduler import PLACEHOLDER, ScheduledSeq
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,38 @@ def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequenc
     return (_metadata(params, [sp.seed for sp in specs], steps, row, num_rows,
                       processors_history_len if processors else 1, processors, mask_words), processors,
             needs_truncation(params))
+
+
+def rows_sampling_metadata(batch: PersistentBatch, rows: BatchRows, num_rows: int,
+                           mask_words: int = 1) -> tuple[SamplingMetadata, bool] | None:
+    """`batch_sampling_metadata` of a step of one-token rows (each samples the token after its
+    `start`) from the persistent batch's columns, and whether any row truncates; None when a row
+    needs more than the columns hold (logits processors, or ids banned before min_tokens): the
+    caller builds it from the rows then. Equal arrays to `batch_sampling_metadata`'s."""
+    slots, n = rows.slots, len(rows.slots)
+    if n > num_rows:
+        raise ValueError(f"{n} sampling rows do not fit in a bucket of {num_rows}")
+    steps = rows.starts + 1 - batch.prompt_len[slots]
+    if batch.needs_processors[slots].any() or (steps < batch.min_tokens[slots]).any():
+        return None
+    values = np.empty((num_rows, len(_NEUTRAL_ROW)), np.float32)
+    values[n:] = _NEUTRAL_ROW
+    values[:n] = batch.sampler_values[slots]
+    seeds_a = np.zeros((num_rows,), np.uint32)
+    seeds_a[:n] = batch.seeds[slots]
+    steps_a = np.zeros((num_rows,), np.int32)
+    steps_a[:n] = steps
+    columns = values.T
+    md = SamplingMetadata(
+        temperature=columns[0].copy(), top_p=columns[1].copy(), top_k=columns[2].astype(np.int32),
+        min_p=columns[3].copy(), presence_penalty=columns[4].copy(), frequency_penalty=columns[5].copy(),
+        repetition_penalty=columns[6].copy(), seeds=seeds_a, steps=steps_a,
+        history=np.full((num_rows, 1), -1, np.int32), num_prompt=np.zeros((num_rows,), np.int32),
+        banned_ids=np.full((num_rows, MAX_BANNED_IDS), -1, np.int32),
+        bias_ids=np.full((num_rows, 1), -1, np.int32), bias_values=np.zeros((num_rows, 1), np.float32),
+        allowed_ids=np.full((num_rows, 1), -1, np.int32), bad_prefix=np.full((num_rows, 1, 1), -1, np.int32),
+        bad_last=np.full((num_rows, 1), -1, np.int32), bitmask=np.full((num_rows, mask_words), -1, np.int32))
+    return md, bool(batch.truncates[slots].any())
 
 
 def _fill_logit_edits(md: dict[str, np.ndarray], rows: Sequence[SamplingRow]) -> None:

@@ -137,6 +137,10 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} has already been scheduled")
+        sp = request.sampling_params
+        limit = self.config.max_model_len - n
+        request.stop_at_outputs = limit if sp.max_tokens is None else min(limit, sp.max_tokens)
+        request.stop_ids = frozenset(() if sp.ignore_eos else request.eos_token_ids) | frozenset(sp.stop_token_ids or ())
         self._requests[request.request_id] = request
         self.waiting.append(request)
         if _reads_history(request):
@@ -383,6 +387,8 @@ class Scheduler:
                 status = self._resolve_tokens(req, seq, token)
             else:
                 outs[-1] = token
+                if len(outs) < req.stop_at_outputs and token not in req.stop_ids:
+                    continue  # ends nothing (what `_check_stop` would find, without the call)
                 status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status, now)

@@ -209,6 +209,38 @@ def test_stop_strings_and_token_limits(family_llm):
     assert len(short[0].outputs[0].token_ids) == 3 and short[0].outputs[0].finish_reason == "length"
 
 
+def test_stop_strings_in_a_batch_trim_exactly(family_llm):
+    """Stop strings are found on the output worker while later steps are already in flight (the
+    other rows keep the steps overlapping): each request still ends at the token that completed
+    its stop, with the text and token ids that processing in the loop gives; the tokens sampled
+    after it are dropped."""
+    from jaxengine.detokenizer import IncrementalDetokenizer
+
+    _, _, llm = family_llm
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    params, want = [], []
+    for out in base:
+        text, ids = out.outputs[0].text, out.outputs[0].token_ids
+        at = next((i for i in range(len(text) // 3, len(text) - 2) if text[i:i + 3].strip()), None)
+        if at is None:  # too little text for a stop string: runs to its length
+            params.append(greedy)
+            want.append((text, ids, "length"))
+            continue
+        sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[text[at:at + 3]])
+        detok = IncrementalDetokenizer(llm.get_tokenizer(), out.prompt_token_ids, sp)
+        k = next(i for i, t in enumerate(ids) if detok.update_one(t) is not None)
+        params.append(sp)
+        want.append((detok.output_text, ids[:k + 1], "stop"))
+    assert sum(w[2] == "stop" for w in want) >= 4
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for out, (text, ids, reason) in zip(outs, want):
+        c = out.outputs[0]
+        assert (c.text, c.token_ids, c.finish_reason) == (text, ids, reason)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.scheduler.block_manager.num_usable_blocks
+
+
 def test_no_compile_after_warmup(family_llm):
     _, _, llm = family_llm
     before = compile_count()
