@@ -123,6 +123,7 @@ class ProgramBundle:
         self.loaded = 0  # programs read back
         self.saved = 0  # programs written
         self.refused = 0  # program files that were unreadable or did not match
+        self.skipped = 0  # programs not written: read from JAX's persistent cache (see fresh_compile)
         self.load_s = 0.0  # seconds spent reading and deserializing
 
     # -- the KV-cache size a start chose ------------------------------------------------------
@@ -195,23 +196,42 @@ class ProgramBundle:
         return compiled
 
     @staticmethod
-    def fresh_compile() -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def fresh_compile():
         """JAX's persistent compilation cache off for this thread while a program bound for the
         bundle compiles: an executable read from that cache does not serialize whole (on CPU a
         reloaded copy fails with "Function wrapped_compare.2 not found": its sort comparators are
         missing), so the bundle's programs are compiled afresh, and the bundle takes the cache's
-        place for them."""
+        place for them.
+
+        The switch only holds until JAX has opened its cache: JAX decides once per process
+        whether the cache is used (`compilation_cache.is_cache_used`) and, once opened, reads it
+        whatever this thread's setting, so a program compiled after any other compile of the
+        process can still come from the cache. The yielded record's `from_cache` says whether
+        this thread read the cache meanwhile; `save` refuses such a program (`from_cache=True`)."""
         from jax._src import config as jax_config
 
-        state = getattr(jax_config, "enable_compilation_cache", None)
-        return state(False) if state is not None else contextlib.nullcontext()
+        from jaxengine.compile_monitor import thread_cache_hits
 
-    def save(self, name: str, compiled: jax.stages.Compiled) -> None:
+        state = getattr(jax_config, "enable_compilation_cache", None)
+        record = _CompileRecord()
+        hits = thread_cache_hits()
+        with state(False) if state is not None else contextlib.nullcontext():
+            yield record
+        record.from_cache = thread_cache_hits() > hits
+
+    def save(self, name: str, compiled: jax.stages.Compiled, from_cache: bool = False) -> None:
         """Adds a compiled program; a program that cannot be serialized is only logged (the
-        next start compiles it again)."""
+        next start compiles it again). `from_cache`: the executable was read from JAX's
+        persistent cache (see fresh_compile), so it is not kept: its reloaded copy may lack
+        functions; a later start gets it from that cache again."""
         assert self.dir is not None, "bind() first"
         from jax.experimental.serialize_executable import serialize
 
+        if from_cache:
+            self.skipped += 1
+            logger.debug("program bundle: not keeping %s (read from the persistent compilation cache)", name)
+            return
         try:
             payload = pickle.dumps(serialize(compiled))
             record = {"format": BUNDLE_FORMAT, "key": self.key, "name": name, "payload": payload,
@@ -222,6 +242,11 @@ class ProgramBundle:
             logger.warning("program bundle: could not save %s (%s: %s)", name, type(e).__name__, e)
             return
         self.saved += 1
+
+
+@dataclasses.dataclass
+class _CompileRecord:
+    from_cache: bool = False  # set when the fresh_compile block ends
 
 
 def _device_ids(compiled: jax.stages.Compiled) -> list[int]:

@@ -107,3 +107,27 @@ def test_changed_config_and_corrupt_bundle_are_rebuilt(tiny_model_factory, tmp_p
     healed = LLM(path, compilation_cache_dir=cache, **ENGINE)  # the rebuilt files are whole again
     assert _tokens(healed) == want
     assert (healed.llm_engine.runner.bundle.loaded, healed.llm_engine.runner.bundle.refused) == (saved, 0)
+
+
+def test_program_read_from_the_persistent_cache_is_not_bundled(tmp_path):
+    """JAX opens its persistent cache once per process and then reads it whatever the thread's
+    setting, so a bundle program can still come from that cache (whose executables do not
+    re-serialize whole on CPU): such a program is not written to the bundle; a compiled one is."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxengine.program_bundle import ProgramBundle
+
+    bundle = ProgramBundle(str(tmp_path), {"test": 1})
+    bundle.bind(8)
+    compile_fn = jax.jit(lambda x: jnp.sort(x)).lower(jnp.ones(4)).compile
+    with bundle.fresh_compile() as record:
+        fn = compile_fn()
+    assert not record.from_cache
+    bundle.save("fresh", fn, from_cache=record.from_cache)
+    with bundle.fresh_compile() as record:
+        jax.monitoring.record_event("/jax/compilation_cache/cache_hits")  # what JAX records on a cache read
+    assert record.from_cache
+    bundle.save("read", fn, from_cache=record.from_cache)
+    assert (bundle.saved, bundle.skipped) == (1, 1)
+    assert bundle.load("read") is None and bundle.load("fresh") is not None
