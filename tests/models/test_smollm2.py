@@ -3,19 +3,15 @@ loading the same GGUF (both dequantize to float32)."""
 
 from __future__ import annotations
 
-import os
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 
-from jaxengine.default_model import DEFAULT_MODEL_FILE, default_model_path
+from jaxengine.default_model import default_model_path
 from jaxengine.models.checkpoint import open_checkpoint
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import load_params
-from tests.hf_gguf import cached_gguf_name_map
 from tests.model_harness import PagedRunner
 
 PROMPTS = [
@@ -27,15 +23,11 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    path = default_model_path()
-    ckpt = open_checkpoint(path)
+def smollm2(smollm2_reference):
+    ckpt = open_checkpoint(default_model_path())
     cfg = ModelConfig.from_hf_dict(ckpt.hf_config)
     graphdef, state = load_params(ckpt, cfg, jnp.float32)
-    with cached_gguf_name_map():  # the same model, loaded faster
-        ref = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()
-    return ckpt, cfg, graphdef, state, ref
+    return ckpt, cfg, graphdef, state, smollm2_reference
 
 
 def test_config(smollm2):
