@@ -15,6 +15,13 @@ from flax import nnx
 from jaxengine import LLM, SamplingParams
 from jaxengine.model_runner import profile_step_bytes
 from jaxengine.sharding import LOGICAL_AXES
+from jaxengine import model_runner
+from jaxengine.config import token_buckets
+
+# Tensor parallelism is a GPU configuration: the GPU's token buckets (16 and up), without the CPU's
+# one-row bucket, which every engine here would compile a second forward for (the batch's last rows
+# finish alone), on simulated devices
+model_runner.token_buckets = lambda n, platform="gpu": token_buckets(n)
 
 args = sys.argv[1:]
 assert args and len(args) % 2 == 0, __doc__
