@@ -32,6 +32,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -204,11 +205,13 @@ class ProgramBundle:
         missing), so the bundle's programs are compiled afresh, and the bundle takes the cache's
         place for them.
 
-        The switch only holds until JAX has opened its cache: JAX decides once per process
-        whether the cache is used (`compilation_cache.is_cache_used`) and, once opened, reads it
-        whatever this thread's setting, so a program compiled after any other compile of the
-        process can still come from the cache. The yielded record's `from_cache` says whether
-        this thread read the cache meanwhile; `save` refuses such a program (`from_cache=True`)."""
+        The thread's switch alone only holds until JAX has opened its cache: JAX decides once
+        per process whether the cache is used (`compilation_cache.is_cache_used`) and, once
+        opened, reads it whatever the thread's setting, so a program compiled after any other
+        compile of the process could still come from the cache. While any fresh_compile block
+        runs, the opened cache is therefore also put aside (`_suspend_persistent_cache`: no read,
+        no write, for every thread of the process meanwhile). The yielded record's `from_cache`
+        says whether this thread read the cache all the same; `save` refuses such a program."""
         from jax._src import config as jax_config
 
         from jaxengine.compile_monitor import thread_cache_hits
@@ -216,7 +219,7 @@ class ProgramBundle:
         state = getattr(jax_config, "enable_compilation_cache", None)
         record = _CompileRecord()
         hits = thread_cache_hits()
-        with state(False) if state is not None else contextlib.nullcontext():
+        with _suspend_persistent_cache(), state(False) if state is not None else contextlib.nullcontext():
             yield record
         record.from_cache = thread_cache_hits() > hits
 
@@ -242,6 +245,39 @@ class ProgramBundle:
             logger.warning("program bundle: could not save %s (%s: %s)", name, type(e).__name__, e)
             return
         self.saved += 1
+
+
+_suspend_lock = threading.Lock()
+_suspended = {"depth": 0, "cache": None}
+
+
+@contextlib.contextmanager
+def _suspend_persistent_cache():
+    """JAX's opened persistent cache (`jax._src.compilation_cache._cache`) set aside while the
+    block runs: with it None, JAX neither reads nor writes the cache (its lookup finds it
+    initialized and gets None). Nested and concurrent blocks share one suspension; the last to
+    leave puts the cache back. Does nothing where that private attribute is missing."""
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:  # pragma: no cover - another JAX layout: the thread's switch alone
+        yield
+        return
+    if not hasattr(cc, "_cache"):  # pragma: no cover
+        yield
+        return
+    with _suspend_lock:
+        if _suspended["depth"] == 0:
+            _suspended["cache"], cc._cache = cc._cache, None
+        _suspended["depth"] += 1
+    try:
+        yield
+    finally:
+        with _suspend_lock:
+            _suspended["depth"] -= 1
+            if _suspended["depth"] == 0:
+                if cc._cache is None:
+                    cc._cache = _suspended["cache"]
+                _suspended["cache"] = None
 
 
 @dataclasses.dataclass
