@@ -48,6 +48,7 @@ class _Counter:
         self.seconds = {_TRACE: 0.0, _LOWER: 0.0, _BACKEND_COMPILE: 0.0}
         self._lock = threading.Lock()
         self._installed = False
+        self._local = threading.local()  # this thread's persistent-cache hits (thread_cache_hits)
 
     def install(self) -> None:
         with self._lock:
@@ -70,6 +71,7 @@ class _Counter:
 
     def _on_event(self, event: str, **kwargs) -> None:
         if event == _CACHE_HIT:
+            self._local.hits = getattr(self._local, "hits", 0) + 1  # JAX records it in the compiling thread
             with self._lock:
                 self.compiles += 1
                 self.cache_hits += 1
@@ -91,3 +93,10 @@ def snapshot() -> CompileStats:
     with c._lock:
         return CompileStats(c.traces, c.seconds[_TRACE], c.seconds[_LOWER], c.backend_compiles,
                             c.seconds[_BACKEND_COMPILE], c.cache_hits)
+
+
+def thread_cache_hits() -> int:
+    """Executables the calling thread has read from JAX's persistent compilation cache (counting
+    starts at the first call of any function here): a compile that raised it was a cache read."""
+    COMPILES.install()
+    return getattr(COMPILES._local, "hits", 0)

@@ -481,10 +481,10 @@ class ModelRunner:
         name = f"{kind}:{key!r}"
         fn = self.bundle.load(name) if self.bundle is not None else None
         if fn is None:
-            with self.bundle.fresh_compile() if self.bundle is not None else contextlib.nullcontext():
+            with self.bundle.fresh_compile() if self.bundle is not None else contextlib.nullcontext() as record:
                 fn = compile_fn(*key) if isinstance(key, tuple) else compile_fn(key)
             if self.bundle is not None:
-                self.bundle.save(name, fn)
+                self.bundle.save(name, fn, from_cache=record.from_cache)
         return fn
 
     def _get(self, table: dict, key, compile_fn, what: str) -> jax.stages.Compiled:

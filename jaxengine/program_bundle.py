@@ -32,6 +32,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,7 @@ class ProgramBundle:
         self.loaded = 0  # programs read back
         self.saved = 0  # programs written
         self.refused = 0  # program files that were unreadable or did not match
+        self.skipped = 0  # programs not written: read from JAX's persistent cache (see fresh_compile)
         self.load_s = 0.0  # seconds spent reading and deserializing
 
     # -- the KV-cache size a start chose ------------------------------------------------------
@@ -195,23 +197,44 @@ class ProgramBundle:
         return compiled
 
     @staticmethod
-    def fresh_compile() -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def fresh_compile():
         """JAX's persistent compilation cache off for this thread while a program bound for the
         bundle compiles: an executable read from that cache does not serialize whole (on CPU a
         reloaded copy fails with "Function wrapped_compare.2 not found": its sort comparators are
         missing), so the bundle's programs are compiled afresh, and the bundle takes the cache's
-        place for them."""
+        place for them.
+
+        The thread's switch alone only holds until JAX has opened its cache: JAX decides once
+        per process whether the cache is used (`compilation_cache.is_cache_used`) and, once
+        opened, reads it whatever the thread's setting, so a program compiled after any other
+        compile of the process could still come from the cache. While any fresh_compile block
+        runs, the opened cache is therefore also put aside (`_suspend_persistent_cache`: no read,
+        no write, for every thread of the process meanwhile). The yielded record's `from_cache`
+        says whether this thread read the cache all the same; `save` refuses such a program."""
         from jax._src import config as jax_config
 
-        state = getattr(jax_config, "enable_compilation_cache", None)
-        return state(False) if state is not None else contextlib.nullcontext()
+        from jaxengine.compile_monitor import thread_cache_hits
 
-    def save(self, name: str, compiled: jax.stages.Compiled) -> None:
+        state = getattr(jax_config, "enable_compilation_cache", None)
+        record = _CompileRecord()
+        hits = thread_cache_hits()
+        with _suspend_persistent_cache(), state(False) if state is not None else contextlib.nullcontext():
+            yield record
+        record.from_cache = thread_cache_hits() > hits
+
+    def save(self, name: str, compiled: jax.stages.Compiled, from_cache: bool = False) -> None:
         """Adds a compiled program; a program that cannot be serialized is only logged (the
-        next start compiles it again)."""
+        next start compiles it again). `from_cache`: the executable was read from JAX's
+        persistent cache (see fresh_compile), so it is not kept: its reloaded copy may lack
+        functions; a later start gets it from that cache again."""
         assert self.dir is not None, "bind() first"
         from jax.experimental.serialize_executable import serialize
 
+        if from_cache:
+            self.skipped += 1
+            logger.debug("program bundle: not keeping %s (read from the persistent compilation cache)", name)
+            return
         try:
             payload = pickle.dumps(serialize(compiled))
             record = {"format": BUNDLE_FORMAT, "key": self.key, "name": name, "payload": payload,
@@ -222,6 +245,44 @@ class ProgramBundle:
             logger.warning("program bundle: could not save %s (%s: %s)", name, type(e).__name__, e)
             return
         self.saved += 1
+
+
+_suspend_lock = threading.Lock()
+_suspended = {"depth": 0, "cache": None}
+
+
+@contextlib.contextmanager
+def _suspend_persistent_cache():
+    """JAX's opened persistent cache (`jax._src.compilation_cache._cache`) set aside while the
+    block runs: with it None, JAX neither reads nor writes the cache (its lookup finds it
+    initialized and gets None). Nested and concurrent blocks share one suspension; the last to
+    leave puts the cache back. Does nothing where that private attribute is missing."""
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:  # pragma: no cover - another JAX layout: the thread's switch alone
+        yield
+        return
+    if not hasattr(cc, "_cache"):  # pragma: no cover
+        yield
+        return
+    with _suspend_lock:
+        if _suspended["depth"] == 0:
+            _suspended["cache"], cc._cache = cc._cache, None
+        _suspended["depth"] += 1
+    try:
+        yield
+    finally:
+        with _suspend_lock:
+            _suspended["depth"] -= 1
+            if _suspended["depth"] == 0:
+                if cc._cache is None:
+                    cc._cache = _suspended["cache"]
+                _suspended["cache"] = None
+
+
+@dataclasses.dataclass
+class _CompileRecord:
+    from_cache: bool = False  # set when the fresh_compile block ends
 
 
 def _device_ids(compiled: jax.stages.Compiled) -> list[int]:

@@ -44,3 +44,19 @@ def tiny_model_factory(tmp_path_factory, smollm2_tokenizer_dir):
         return made[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """transformers' SmolLM2-135M-Instruct from the embedded GGUF (float32, eval mode), loaded once
+    for the real-model tests that compare against it (read only: forward and generate)."""
+    import torch
+    import transformers
+
+    from jaxengine.default_model import DEFAULT_MODEL_FILE, default_model_path
+    from tests.hf_gguf import cached_gguf_name_map
+
+    path = default_model_path()
+    with cached_gguf_name_map():  # the same model, loaded faster
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()

@@ -132,3 +132,26 @@ def test_device_pool_is_sized_to_gpu_memory_utilization(monkeypatch):
     assert loading.device_memory_budget(75 * 2**30, 0.9) == keep * 75 * 2**30  # capped by the pool
     assert loading.device_memory_budget(75 * 2**30, 0.6) == keep * 60 * 2**30  # 0.6 of the 100 GiB card
 
+
+def test_program_read_from_the_persistent_cache_is_not_bundled(tmp_path):
+    """JAX opens its persistent cache once per process and then reads it whatever the thread's
+    setting, so a bundle program can still come from that cache (whose executables do not
+    re-serialize whole on CPU): such a program is not written to the bundle; a compiled one is."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxengine.program_bundle import ProgramBundle
+
+    bundle = ProgramBundle(str(tmp_path), {"test": 1})
+    bundle.bind(8)
+    compile_fn = jax.jit(lambda x: jnp.sort(x)).lower(jnp.ones(4)).compile
+    with bundle.fresh_compile() as record:
+        fn = compile_fn()
+    assert not record.from_cache
+    bundle.save("fresh", fn, from_cache=record.from_cache)
+    with bundle.fresh_compile() as record:
+        jax.monitoring.record_event("/jax/compilation_cache/cache_hits")  # what JAX records on a cache read
+    assert record.from_cache
+    bundle.save("read", fn, from_cache=record.from_cache)
+    assert (bundle.saved, bundle.skipped) == (1, 1)
+    assert bundle.load("read") is None and bundle.load("fresh") is not None

@@ -16,9 +16,8 @@ import pytest
 import torch
 import transformers
 
-from jaxengine.default_model import DEFAULT_MODEL_FILE, default_model_path
+from jaxengine.default_model import DEFAULT_MODEL_FILE
 from tests.engine.test_beam_search import reference_beams
-from tests.hf_gguf import cached_gguf_name_map
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +25,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 WIDTH, NEW_TOKENS = 3, 8
 
 
-def test_beams_equal_transformers(xla_cache_dir):
+def test_beams_equal_transformers(xla_cache_dir, smollm2_reference):
     from jaxengine import LLM, BeamSearchParams
 
-    path = default_model_path()
-    with cached_gguf_name_map():  # the same model, loaded faster
-        ref = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()
+    ref = smollm2_reference
     llm = LLM(dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64,
               compilation_cache_dir=xla_cache_dir)
     eos = list(llm.llm_engine.eos_token_ids)

@@ -18,8 +18,7 @@ import pytest
 import torch
 import transformers
 
-from jaxengine.default_model import DEFAULT_MODEL_FILE, default_model_path
-from tests.hf_gguf import cached_gguf_name_map
+from jaxengine.default_model import DEFAULT_MODEL_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +27,10 @@ PROMPTS = ["The capital of France is Paris.", "Paris is the capital city of Fran
            "The quick brown fox jumps over the lazy dog."]
 
 
-def test_last_token_embeddings_equal_transformers(xla_cache_dir):
+def test_last_token_embeddings_equal_transformers(xla_cache_dir, smollm2_reference):
     from jaxengine import LLM
 
-    path = default_model_path()
-    with cached_gguf_name_map():
-        ref = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()
+    ref = smollm2_reference
     llm = LLM(runner="pooling", dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
               num_kv_blocks=64, compilation_cache_dir=xla_cache_dir)
     tok = llm.get_tokenizer()

@@ -9,6 +9,13 @@ import sys
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.lora import LoRARequest
+from jaxengine import model_runner
+from jaxengine.config import token_buckets
+
+# Tensor parallelism is a GPU configuration: the GPU's token buckets (16 and up), without the CPU's
+# one-row bucket, which every engine here would compile a second forward for (the batch's last rows
+# finish alone), on simulated devices
+model_runner.token_buckets = lambda n, platform="gpu": token_buckets(n)
 
 path, a1, a2, sizes = sys.argv[1:5]
 prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(3)]

@@ -17,6 +17,13 @@ distributed.initialize(distributed.MultiHostConfig(num_hosts, rank, coordinator)
 from jaxengine import LLM, SamplingParams  # noqa: E402
 
 from tests.parallel.multihost_common import ENGINE_KW, MAX_TOKENS, PROMPTS  # noqa: E402
+from jaxengine import model_runner  # noqa: E402
+from jaxengine.config import token_buckets  # noqa: E402
+
+# A multi-host run is a GPU configuration: the GPU's token buckets (one, 16, as multihost_common
+# says), without the CPU's one-row bucket, which would compile a second forward (the batch's last
+# rows finish alone)
+model_runner.token_buckets = lambda n, platform="gpu": token_buckets(n)
 
 llm = LLM(path, tensor_parallel_size=jax.device_count(), **ENGINE_KW)
 outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],

@@ -1,7 +1,8 @@
 """Run in a subprocess with simulated CPU devices: greedy outputs and parameter shardings at each
 tensor-parallel size given, for each checkpoint given; prints one JSON line
 {checkpoint: {tp: result}}. One process serves every checkpoint, so the interpreter, JAX and the
-tokenizer start once.
+tokenizer start once. The KV-sizing profile's step bytes are measured only for checkpoints run at
+TP=1 too (None otherwise).
 
     python tp_worker.py CHECKPOINT TP[,TP ...] [CHECKPOINT TP[,TP ...] ...]
 """
@@ -14,6 +15,13 @@ from flax import nnx
 from jaxengine import LLM, SamplingParams
 from jaxengine.model_runner import profile_step_bytes
 from jaxengine.sharding import LOGICAL_AXES
+from jaxengine import model_runner
+from jaxengine.config import token_buckets
+
+# Tensor parallelism is a GPU configuration: the GPU's token buckets (16 and up), without the CPU's
+# one-row bucket, which every engine here would compile a second forward for (the batch's last rows
+# finish alone), on simulated devices
+model_runner.token_buckets = lambda n, platform="gpu": token_buckets(n)
 
 args = sys.argv[1:]
 assert args and len(args) % 2 == 0, __doc__
@@ -41,7 +49,9 @@ for path, sizes in jobs:
                    "top5": [[sorted(d) for d in o.outputs[0].logprobs] for o in outs], "bad_shardings": bad,
                    "kv_spec": str(kv), "kv_heads": llm.llm_engine.model_config.num_kv_heads,
                    "kv_shard_heads": r.kv_caches[0][0].addressable_shards[0].data.shape[1],
+                   # the KV-sizing profile (one more compile of the step): only where a TP=1 run
+                   # of the checkpoint gives it something to be compared with
                    "step_bytes": profile_step_bytes(r.config, r.model_config, r.graphdef, r.state, r.dtype, r.plan,
-                                                   r.attention)}
+                                                   r.attention) if 1 in sizes else None}
         del llm
 print(json.dumps(out))
