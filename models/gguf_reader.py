@@ -431,8 +431,17 @@ def _load_disk_cached_tokenizer(key: tuple) -> "PreTrainedTokenizerBase | None":
     if not (folder / "tokenizer_config.json").is_file():
         return None
     try:
+        import json
+
+        cls = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        if cls in ("PreTrainedTokenizerFast", "TokenizersBackend") and (folder / "tokenizer.json").is_file():
+            # the class the saved tokenizer already is; AutoTokenizer would resolve it through
+            # transformers' model registry, which imports PyTorch (seconds of a CPU start)
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(folder))
         return load_hf_tokenizer(str(folder))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # a JSONDecodeError is a ValueError
         logger.warning("ignoring unreadable cached tokenizer %s: %s", folder, e)
         return None
 
