@@ -66,8 +66,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
     import jax
 
     from jaxengine.benchmarks.ceilings import copy_bandwidth
+    from jaxengine.loading import size_device_pool
     from jaxengine.model_runner import kv_bytes_per_block
 
+    size_device_pool(args.gpu_memory_utilization)  # as the engine would: the ceiling below starts the backend
     on_cpu = jax.default_backend() == "cpu"
     nbytes = args.bandwidth_bytes or ((256 << 20) if on_cpu else (2 << 30))
     bw = copy_bandwidth(nbytes)
