@@ -149,27 +149,10 @@ class InputBuilder:
         bs, n = self.block_size, len(seqs)
         starts = [s.start for s in seqs]
         tables = [s.block_ids for s in seqs]
-        toks = np.asarray([s.token_ids[0] for s in seqs], np.int32)
         starts_a = np.asarray(starts, np.int32)
-        pending = np.flatnonzero(toks == PLACEHOLDER)  # sampled by the step in flight
-        b["prev_index"].fill(-1)
-        if len(pending):
-            assert prev_rows is not None, seqs[int(pending[0])].request_id
-            b["prev_index"][pending] = [prev_rows[seqs[i].request_id] for i in pending.tolist()]
-            toks[pending] = 0
-        for name in ("input_ids", "positions", "slot_mapping"):
-            b[name][n:] = 0
-        b["input_ids"][:n] = toks
-        b["positions"][:n] = starts_a
+        self._single_token_rows(seqs, b, prev_rows, starts_a)
         blocks = np.asarray([tbl[p // bs] for tbl, p in zip(tables, starts)], np.int32)
         b["slot_mapping"][:n] = blocks * bs + starts_a % bs
-        b["kv_lens"].fill(0)
-        b["kv_lens"][:n] = starts_a + 1
-        qsl = b["query_start_loc"]
-        qsl[:n + 1] = np.arange(n + 1, dtype=np.int32)
-        qsl[n + 1:] = n
-        b["logits_indices"].fill(0)
-        b["logits_indices"][:n] = qsl[1:n + 1] - 1
         tl = np.asarray([len(tbl) for tbl in tables])
         flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(tl.sum()))
         bt = b["block_tables"]
@@ -187,6 +170,21 @@ class InputBuilder:
         same arrays, reading only each row's first token besides what `rows` holds."""
         bs, n = self.block_size, len(seqs)
         starts_a = rows.starts
+        self._single_token_rows(seqs, b, prev_rows, starts_a)
+        bt = b["block_tables"]
+        bt[:n] = batch.block_tables[rows.slots]
+        bt[n:] = 0
+        b["slot_mapping"][:n] = bt[np.arange(n), starts_a // bs] * bs + starts_a % bs
+        b["num_seqs"][0] = n
+        return self._inputs(b)
+
+    @staticmethod
+    def _single_token_rows(seqs: list[ScheduledSeq], b: dict[str, np.ndarray], prev_rows: dict[str, int] | None,
+                           starts_a: np.ndarray) -> None:
+        """What both one-token-per-row builders fill alike: token ids (a token still in flight as
+        its row of the previous step's samples), positions, KV lengths, query starts and logits
+        rows; the slots past the rows zeroed (slot_mapping's included)."""
+        n = len(seqs)
         toks = np.asarray([s.token_ids[0] for s in seqs], np.int32)
         pending = np.flatnonzero(toks == PLACEHOLDER)  # sampled by the step in flight
         b["prev_index"].fill(-1)
@@ -201,10 +199,6 @@ class InputBuilder:
             b[name][n:] = 0
         b["input_ids"][:n] = toks
         b["positions"][:n] = starts_a
-        bt = b["block_tables"]
-        bt[:n] = batch.block_tables[rows.slots]
-        bt[n:] = 0
-        b["slot_mapping"][:n] = bt[np.arange(n), starts_a // bs] * bs + starts_a % bs
         b["kv_lens"].fill(0)
         b["kv_lens"][:n] = starts_a + 1
         qsl = b["query_start_loc"]
@@ -212,8 +206,6 @@ class InputBuilder:
         qsl[n + 1:] = n
         b["logits_indices"].fill(0)
         b["logits_indices"][:n] = qsl[1:n + 1] - 1
-        b["num_seqs"][0] = n
-        return self._inputs(b)
 
     @staticmethod
     def _inputs(b: dict[str, np.ndarray]) -> StepInputs:
