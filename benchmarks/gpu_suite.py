@@ -342,13 +342,13 @@ class StepCapture:
                 return fn(params, kv, inputs, prev)
             return call
 
-        def get_sampler(r, penalties):
-            fn = orig_samp(r, penalties)
+        def get_sampler(*variant):
+            fn = orig_samp(*variant)
 
-            def call(logits, md):
+            def call(logits, *rest):
                 if self._pending is not None and "md" not in self._pending:
-                    self._pending.update(md=copy(md), r=r, penalties=penalties)
-                return fn(logits, md)
+                    self._pending.update(md=copy(rest), variant=variant)
+                return fn(logits, *rest)
             return call
 
         runner._get_forward, runner._get_sampler = get_forward, get_sampler
@@ -371,12 +371,12 @@ class StepCapture:
                 samples = [samples[i] for i in idx]
             times = []
             for s in samples:
-                fwd, samp = runner._get_forward(t), runner._get_sampler(s["r"], s["penalties"])
+                fwd, samp = runner._get_forward(t), runner._get_sampler(*s["variant"])
                 inputs, md = jax.device_put(s["inputs"]), jax.device_put(s["md"])
 
                 def once():
                     runner.kv_caches, logits, _ = fwd(runner.param_leaves, runner.kv_caches, inputs, s["prev"])
-                    return samp(logits, md)
+                    return samp(logits, *md)
 
                 jax.block_until_ready(once())
                 t0 = time.perf_counter()

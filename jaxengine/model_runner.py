@@ -158,28 +158,29 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
                               sharding=plan.kv_sharding() if plan is not None else None)
 
     layout = Layout.of(abstract_inputs(t, r, config.max_blocks_per_seq))
-    fwd = jax.jit(functools.partial(_forward, graphdef, layout=layout, attention=attention),
-                  donate_argnums=(1,)).lower(
+    lowerings = [lambda: jax.jit(functools.partial(_forward, graphdef, layout=layout, attention=attention),
+                                 donate_argnums=(1,)).lower(
         _abstract(state), [(kv, kv)] * c.num_layers, layout.abstract(rep),
         jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile(
-        compiler_options=compiler_options(state))
+        compiler_options=compiler_options(state))]
     md = Layout.of(build_sampling_metadata([], r, config.max_model_len, processors=True,
                                            mask_words=-(-c.vocab_size // 32)))
-    smp = jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True, pad_to=config.max_num_seqs,
-                                    use_bitmask=True)).lower(
+    lowerings.append(lambda: jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True,
+                                                       pad_to=config.max_num_seqs, use_bitmask=True)).lower(
         jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32, sharding=rep), md.abstract(rep),
-        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile()
-    programs = [fwd, smp]
+        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile())
     spec = config.speculative_config
     if spec is not None:  # the verify program of speculative steps (its logits, and any weight copy XLA makes)
         rv, k = min(r, spec.disable_by_batch_size), spec.num_speculative_tokens
         spec_layout = Layout.of(SpecInputs(np.zeros((rv, k + 1), np.int32), np.zeros((rv, k), np.int32),
                                            np.zeros(rv, np.int32)))
         md_v = Layout.of(build_sampling_metadata([], rv, 1, processors=False))
-        programs.append(jax.jit(functools.partial(_verify_step, graphdef, spec_layout=spec_layout, md_layout=md_v,
-                                                  truncate=True)).lower(
+        lowerings.append(lambda: jax.jit(functools.partial(_verify_step, graphdef, spec_layout=spec_layout,
+                                                           md_layout=md_v, truncate=True)).lower(
             _abstract(state), jax.ShapeDtypeStruct((t, c.hidden_size), dtype, sharding=rep),
             spec_layout.abstract(rep), md_v.abstract(rep)).compile())
+    with concurrent.futures.ThreadPoolExecutor(len(lowerings)) as pool:  # the programs compile side by side
+        programs = list(pool.map(lambda build: build(), lowerings))
     total = 0
     for compiled in programs:
         ma = compiled.memory_analysis()

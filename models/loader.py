@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
@@ -231,10 +233,15 @@ def dummy_params(cfg: ModelConfig, dtype: jnp.dtype, *, seed: int = 0,
     graphdef, abs_state = abstract_model(cfg, dtype)
     pure = nnx.to_pure_dict(abs_state)
     key, qkey = jax.random.key(seed), jax.random.key(seed + 1)
-    for i, (path, sds) in enumerate(flatten_paths(pure).items()):
-        shape, sharding = tuple(sds.shape), sharding_of(path) if sharding_of is not None else None
-        fill = "ones" if path[-1] == "weight" else "normal"  # norms are ones
-        value = _dummy_fn(shape, jnp.dtype(dtype), fill, sharding)(jax.random.fold_in(key, i))
+    kinds = {}
+    for path, sds in flatten_paths(pure).items():
+        kinds[path] = (tuple(sds.shape), jnp.dtype(dtype), "ones" if path[-1] == "weight" else "normal",  # norms are ones
+                       sharding_of(path) if sharding_of is not None else None)
+    distinct = list(dict.fromkeys(kinds.values()))
+    with ThreadPoolExecutor(max_workers=min(len(distinct), os.cpu_count() or 1) or 1) as pool:
+        list(pool.map(lambda kind: _dummy_fn(*kind), distinct))  # compiled side by side, not one after another
+    for i, path in enumerate(kinds):
+        value = _dummy_fn(*kinds[path])(jax.random.fold_in(key, i))
         set_path(pure, path, dummy_quantized(path, value, quantization, jax.random.fold_in(qkey, i)))
     nnx.replace_by_pure_dict(abs_state, pure)
     return graphdef, abs_state
@@ -247,4 +254,4 @@ def _dummy_fn(shape: tuple[int, ...], dtype: jnp.dtype, fill: str, sharding) -> 
         if fill == "ones":
             return jnp.ones(shape, dtype)
         return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    return jax.jit(make, out_shardings=sharding)
+    return jax.jit(make, out_shardings=sharding).lower(jax.eval_shape(lambda: jax.random.key(0))).compile()

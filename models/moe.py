@@ -19,7 +19,7 @@ expert weights: gate/up [E, D, F] (one fused [E, D, 2F] on one device, as the de
 them), down [E, F, D]. The rows are then put back in token order and summed with their routing
 weights. The bucket's padding rows (after the step's real tokens) are left out: they would
 otherwise read experts no real token uses.
-At decode (at most 64 rows) on an sm_80+ GPU the grouped matmul reads only the experts that
+At decode (at most 256 rows) on an sm_80+ GPU the grouped matmul reads only the experts that
 rows were routed to (the gathered kernel, pallas_kernels/grouped_matmul_gpu.py); the other paths
 read every expert's weight.
 

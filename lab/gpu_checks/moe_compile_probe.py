@@ -8,8 +8,10 @@ is allocated) at one token bucket for several layer counts and variants, and pri
 of each: whether compile time grows with the layers (one compile per Mosaic kernel call site?)
 and which variant removes it:
 
-- auto: the engine's path (above 64 rows on Hopper: jax's bundled Mosaic grouped matmul);
+- auto: the engine's path (above 256 rows on Hopper: jax's bundled Mosaic grouped matmul);
+- unjitted: auto with the Mosaic kernel called unjitted (each call site lowered on its own);
 - ragged_dot: `lax.ragged_dot` for every grouped matmul;
+- gathered: the Triton-lowered gathered kernel for every grouped matmul;
 - no_triton_gemm: auto, compiled with xla_gpu_enable_triton_gemm=false (what fixed fp8's stall).
 
     python -m lab.gpu_checks.moe_compile_probe [--tokens 128] [--layers 1,2,4] [--variants auto,ragged_dot,no_triton_gemm]
@@ -42,8 +44,10 @@ def one(variant: str, layers: int, tokens: int) -> dict:
     from jaxengine.packing import Layout
     from jaxengine.pallas_kernels import grouped_matmul as gm
 
-    if variant == "ragged_dot":
-        moe.grouped_matmul = functools.partial(gm.grouped_matmul, impl="ragged_dot")
+    if variant in ("ragged_dot", "gathered"):
+        moe.grouped_matmul = functools.partial(gm.grouped_matmul, impl=variant)
+    if variant == "unjitted":  # each call site lowers its own copy of the Mosaic kernel (before 2026-11-27)
+        gm._mgpu = gm._mgpu_call
     mc = ModelConfig.from_hf_dict(dict(PRESETS["qwen3-30b-a3b"], num_hidden_layers=layers)).with_max_model_len(1024)
     graphdef, state = abstract_model(mc, jnp.bfloat16)
     attention = select_attention_backend("auto", mc, jnp.bfloat16, 16)
