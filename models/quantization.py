@@ -6,7 +6,9 @@ model's structure does not change:
 
 - `Fp8Weight`: float8_e4m3fn weights `[N, K]` (output-major, the layout the FP8 GEMM wants) with a
   float32 scale per output channel; activations are quantized per token (or with a static scale
-  from the checkpoint) and the matmul is an e4m3 x e4m3 `dot_general` accumulating in float32.
+  from the checkpoint) and the matmul is an e4m3 x e4m3 `dot_general` accumulating in float32;
+  on GPU, calls of a decode step's few rows keep bf16 activations and run the fp8-weight kernel
+  (pallas_kernels/fp8_matmul_gpu.py), which converts the weight in registers.
 - `PackedWeight`: weight-only 4- or 8-bit integers packed into int32 along the input axis
   (`[K / (32 / bits), N]`, value j of word i is input row i * (32 / bits) + j, lowest bits first),
   per-group scales and unsigned zero points `[K / group, N]`; dequantized inside the compiled step
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.pallas_kernels import fp8_matmul_gpu as fp8_kernel
 from jaxengine.pallas_kernels import weight_only_matmul_gpu as kernel
 from jaxengine.pallas_kernels.weight_only_matmul_gpu import dequantize_packed, unpack_rows  # noqa: F401
 # the reference path: unpack, dequantize in float32, float matmul (it lives beside the kernel)
@@ -127,7 +130,26 @@ def qeinsum(spec: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Arra
     return y.reshape((t,) + tuple(w.shape[w.in_ndim:]))
 
 
+# Rows up to which fp8 weights meet the activations in the fp8-weight kernel
+# (pallas_kernels/fp8_matmul_gpu.py: W8A16, the weight converted in registers) on GPU; above, the
+# activations are quantized too and XLA's FP8 GEMM runs (W8A8). On the H100 at 16 rows the kernel
+# took Llama-3-8B's four linears in 202 us against 255 for W8A8; at 64 rows it lost 2.3x on gate/up
+# (benchmarks/results/quant_h100.md).
+FP8_KERNEL_MAX_ROWS = 16
+
+
 def fp8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: jax.Array | None) -> jax.Array:
+    """x [T, K] (any float) @ dequant(qweight [N, K] e4m3, scale [N]).T -> [T, N] in x's dtype:
+    on GPU the fp8-weight kernel for at most FP8_KERNEL_MAX_ROWS rows where it takes the shape
+    (the activations stay in their dtype), else `fp8_matmul_w8a8`."""
+    if jax.default_backend() == "gpu" and x.shape[0] <= FP8_KERNEL_MAX_ROWS and \
+            fp8_kernel.supported(x.shape[0], x.shape[1], qweight.shape[0]):
+        # narrow outputs (o_proj, down_proj): 8 warps measured 7-15% faster at 16 rows
+        return fp8_kernel.fp8_weight_matmul(x, qweight, scale, num_warps=8 if qweight.shape[0] <= 4096 else 4)
+    return fp8_matmul_w8a8(x, qweight, scale, input_scale)
+
+
+def fp8_matmul_w8a8(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: jax.Array | None) -> jax.Array:
     """x [T, K] (any float) @ dequant(qweight [N, K] e4m3, scale [N]).T -> [T, N] in x's dtype.
 
     Activations are quantized to e4m3 per row (absmax / 448), or with the static `input_scale`;

@@ -34,8 +34,11 @@ import numpy as np
 
 # engine part -> (quantization, kv_cache_dtype)
 ENGINES = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "w4a16": ("gptq", "auto"), "fp8kv": (None, "fp8")}
-TIME_LIMIT_S = {"micro": 170, "bf16": 150, "fp8": 200, "w4a16": 110, "fp8kv": 130}
-PARTS = ("micro", *ENGINES)
+TIME_LIMIT_S = {"micro": 170, "micro_fp8": 150, "bf16": 150, "fp8": 200, "w4a16": 110, "fp8kv": 130}
+PARTS = ("micro", "micro_fp8", *ENGINES)
+# fp8-weight kernel configurations (block_n, num_stages, num_warps, splits or None)
+FP8_CONFIGS = [(64, 3, 4, None), (128, 3, 4, None), (128, 4, 4, None), (256, 3, 4, None), (128, 3, 8, None),
+               (128, 3, 4, 1), (256, 4, 8, None)]
 KV_PROMPTS = 500  # 1024/128 prompts for the KV-cache dtype comparison
 
 
@@ -129,6 +132,63 @@ def micro() -> dict:
         shape_res["int4_reference_max_abs"] = float(jnp.max(jnp.abs(ref)))
         res[name] = shape_res
         print(f"micro {name} done", flush=True)
+    return res
+
+
+def micro_fp8() -> dict:
+    """One fp8 linear at decode rows: bf16, the W8A8 path (activations quantized, XLA's FP8 GEMM)
+    and the fp8-weight kernel (W8A16) at each configuration, timed as `micro` times them."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxengine.benchmarks import ceilings
+    from jaxengine.models.quantization import fp8_matmul, fp8_matmul_w8a8
+    from jaxengine.pallas_kernels import fp8_matmul_gpu as fk
+
+    res: dict = {"ceilings": ceilings.measure(), "shapes": SHAPES, "configs": FP8_CONFIGS}
+    key = jax.random.key(1)
+    for name, (k, n) in SHAPES.items():
+        layers = max(4, min(16, int(2e9 // (2 * k * n))))
+        kb, kq = jax.random.split(jax.random.fold_in(key, k * n))
+        wb = [(0.02 * jax.random.normal(jax.random.fold_in(kb, i), (k, n), jnp.float32)).astype(jnp.bfloat16)
+              for i in range(layers)]
+        qw = [jnp.clip(16 * jax.random.normal(jax.random.fold_in(kq, i), (n, k), jnp.float32), -448, 448)
+              .astype(jnp.float8_e4m3fn) for i in range(layers)]
+        qs = jnp.full((n,), 0.02 / 16, jnp.float32)
+        shape_res: dict = {"K": k, "N": n, "layers_in_stack": layers}
+        for rows in (1, 16, 64):
+            x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.float32).astype(jnp.bfloat16)
+            cells: dict = {}
+
+            def put(label, fn, ws, nbytes):
+                try:
+                    t = _per_call(fn, x, ws)
+                    cells[label] = {"us": 1e6 * t, "weight_GBps": nbytes / t / 1e9}
+                except Exception as e:
+                    cells[label] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+
+            put("bf16", lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype), wb, 2 * k * n)
+            put("fp8_w8a8", lambda x, w: fp8_matmul_w8a8(x, w, qs, None), qw, k * n + 4 * n)
+            put("fp8_engine", lambda x, w: fp8_matmul(x, w, qs, None), qw, k * n + 4 * n)
+            for bn, st, nw, sp in FP8_CONFIGS:
+                put(f"fp8_kernel bn{bn} st{st} w{nw} s{sp or 'auto'}",
+                    lambda x, w, bn=bn, st=st, nw=nw, sp=sp: fk.fp8_weight_matmul(
+                        x, w, qs, block_n=bn, num_stages=st, num_warps=nw, splits=sp), qw, k * n + 4 * n)
+            ok = {lab: c["us"] for lab, c in cells.items() if lab.startswith("fp8_kernel") and "us" in c}
+            if ok:
+                best = min(ok, key=ok.get)
+                cells["fp8_kernel_best"] = dict(cells[best], config=best)
+            shape_res[f"rows_{rows}"] = cells
+            print(f"{name:<8} rows {rows:>3}: " + ", ".join(
+                f"{lab} {c['us']:.1f} us" for lab, c in cells.items()
+                if lab in ("bf16", "fp8_w8a8", "fp8_engine", "fp8_kernel_best") and "us" in c)
+                + f" [{cells.get('fp8_kernel_best', {}).get('config', '')}]", flush=True)
+        x = jax.random.normal(key, (16, k), jnp.float32).astype(jnp.bfloat16)
+        want = fk.fp8_matmul_reference(x, qw[0], qs).astype(jnp.float32)
+        got = fk.fp8_weight_matmul(x, qw[0], qs).astype(jnp.float32)
+        shape_res["kernel_max_abs_err"] = float(jnp.max(jnp.abs(got - want)))
+        shape_res["reference_max_abs"] = float(jnp.max(jnp.abs(want)))
+        res[name] = shape_res
     return res
 
 
@@ -254,6 +314,8 @@ def main() -> int:
     if args.part is not None:
         if args.part == "micro":
             out = micro()
+        elif args.part == "micro_fp8":
+            out = micro_fp8()
         else:
             import faulthandler  # the Python stacks shortly before the parent's limit: where a slow part was
             faulthandler.dump_traceback_later(TIME_LIMIT_S[args.part] - 10, exit=False)
