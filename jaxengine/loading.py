@@ -279,8 +279,11 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graph
         n = int((free - step) // per_block)
         logger.info("KV cache: %.2f GiB free after weights, %.2f GiB profiled step peak",
                     free / 2**30, step / 2**30)
-    else:
+    elif jax.default_backend() == "cpu":
         n = int(config.cpu_kv_cache_bytes // per_block)
+    else:  # e.g. XLA_PYTHON_CLIENT_ALLOCATOR=vmm, whose allocator reports no memory statistics
+        raise ValueError(f"the {jax.default_backend()} backend reports no device memory statistics, so the KV "
+                         "cache cannot be sized from gpu_memory_utilization: give num_kv_blocks (--num-kv-blocks)")
     n = agree_min(min(n, most_useful))  # every process of a multi-host job allocates the same pool
     if (n - 1) * config.block_size < config.max_model_len:
         raise ValueError(

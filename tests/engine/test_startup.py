@@ -133,6 +133,27 @@ def test_device_pool_is_sized_to_gpu_memory_utilization(monkeypatch):
     assert loading.device_memory_budget(75 * 2**30, 0.6) == keep * 60 * 2**30  # 0.6 of the 100 GiB card
 
 
+def test_accelerator_without_memory_statistics_asks_for_num_kv_blocks(monkeypatch):
+    """An accelerator whose allocator reports no memory statistics (XLA's VMM allocator) cannot be
+    sized from gpu_memory_utilization: a clear error names num_kv_blocks, instead of the CPU's
+    fixed KV budget chosen silently."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxengine import loading
+    from jaxengine.attention_backend import select_attention_backend
+    from jaxengine.models.config import ModelConfig
+    from jaxengine.models.presets import PRESETS
+
+    mc = ModelConfig.from_hf_dict(PRESETS["smollm2-135m"]).with_max_model_len(256)
+    attention = select_attention_backend("auto", mc, jnp.float32, 16)
+    config = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    monkeypatch.setattr(loading.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(type(jax.local_devices()[0]), "memory_stats", lambda self: None)
+    with pytest.raises(ValueError, match="no device memory statistics.*give num_kv_blocks"):
+        loading.num_kv_blocks(config, mc, jnp.float32, None, {}, attention)
+
+
 def test_program_read_from_the_persistent_cache_is_not_bundled(tmp_path):
     """JAX opens its persistent cache once per process and then reads it whatever the thread's
     setting, so a bundle program can still come from that cache (whose executables do not
