@@ -20,6 +20,7 @@ on the common path: top logprobs come from a two-stage top-k.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -216,13 +217,22 @@ def rows_sampling_metadata(batch: PersistentBatch, rows: BatchRows, num_rows: in
     md = SamplingMetadata(
         temperature=columns[0].copy(), top_p=columns[1].copy(), top_k=columns[2].astype(np.int32),
         min_p=columns[3].copy(), presence_penalty=columns[4].copy(), frequency_penalty=columns[5].copy(),
-        repetition_penalty=columns[6].copy(), seeds=seeds_a, steps=steps_a,
-        history=np.full((num_rows, 1), -1, np.int32), num_prompt=np.zeros((num_rows,), np.int32),
-        banned_ids=np.full((num_rows, MAX_BANNED_IDS), -1, np.int32),
-        bias_ids=np.full((num_rows, 1), -1, np.int32), bias_values=np.zeros((num_rows, 1), np.float32),
-        allowed_ids=np.full((num_rows, 1), -1, np.int32), bad_prefix=np.full((num_rows, 1, 1), -1, np.int32),
-        bad_last=np.full((num_rows, 1), -1, np.int32), bitmask=np.full((num_rows, mask_words), -1, np.int32))
+        repetition_penalty=columns[6].copy(), seeds=seeds_a, steps=steps_a, **_unused_columns(num_rows, mask_words))
     return md, bool(batch.truncates[slots].any())
+
+
+@functools.lru_cache(maxsize=64)
+def _unused_columns(num_rows: int, mask_words: int) -> dict[str, np.ndarray]:
+    """The columns that a step without logits processors or bitmask leaves at their neutral
+    values, built once per shape and shared by every such step (read only)."""
+    cols = dict(history=np.full((num_rows, 1), -1, np.int32), num_prompt=np.zeros((num_rows,), np.int32),
+                banned_ids=np.full((num_rows, MAX_BANNED_IDS), -1, np.int32),
+                bias_ids=np.full((num_rows, 1), -1, np.int32), bias_values=np.zeros((num_rows, 1), np.float32),
+                allowed_ids=np.full((num_rows, 1), -1, np.int32), bad_prefix=np.full((num_rows, 1, 1), -1, np.int32),
+                bad_last=np.full((num_rows, 1), -1, np.int32), bitmask=np.full((num_rows, mask_words), -1, np.int32))
+    for a in cols.values():
+        a.flags.writeable = False
+    return cols
 
 
 def _fill_logit_edits(md: dict[str, np.ndarray], rows: Sequence[SamplingRow]) -> None:
