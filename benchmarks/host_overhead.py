@@ -51,7 +51,8 @@ PHASES = [
     ("schedule", "Scheduler.schedule"),
     ("dispatch: inputs", "InputBuilder.build: token ids, positions, slots, block tables (and "
                          "PersistentBatch.rows where there is one)"),
-    ("dispatch: sampling md", "SamplingMetadata from the scheduled rows (or the persistent batch's slots)"),
+    ("dispatch: sampling md", "SamplingMetadata from the scheduled rows (or the persistent batch's slots, "
+                              "packed where the code has rows_sampling_packed)"),
     ("dispatch: launch", "the rest of ModelRunner.dispatch: bucket pick, compiled calls"),
     ("collect (device wait)", "ModelRunner.collect: waiting for the step, device-to-host copy"),
     ("resolve", "EngineCore._resolve minus collect: sampled ids, Scheduler.resolve"),
@@ -104,7 +105,8 @@ class Timer:
         import jaxengine.model_runner as mr
         self._wrap(r, "dispatch", "runner.dispatch")
         self._md_name = "batch_sampling_metadata" if hasattr(mr, "batch_sampling_metadata") else "build_sampling_metadata"
-        self._md_names = [self._md_name] + (["rows_sampling_metadata"] if hasattr(mr, "rows_sampling_metadata") else [])
+        self._md_names = [self._md_name] + [name for name in ("rows_sampling_metadata", "rows_sampling_packed")
+                                            if hasattr(mr, name)]
         for name in self._md_names:  # the per-row builder, and the persistent batch's where there is one
             self._wrap(mr, name, "dispatch: sampling md")
         outputs = "_outputs" if hasattr(core, "_outputs") else "_process_outputs"

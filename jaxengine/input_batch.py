@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxengine.models.attention import AttentionMetadata
+from jaxengine.packing import Layout
 from jaxengine.persistent_batch import BatchRows, PersistentBatch
 from jaxengine.scheduler import PLACEHOLDER, ScheduledSeq
 
@@ -47,11 +48,12 @@ class InputBuilder:
         self.m = max_blocks_per_seq
         self.block_size = block_size
         self._buffers: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._flat: dict[tuple[int, int], np.ndarray] = {}  # the packed buffer each bucket's buffers view
 
     def _bufs(self, t: int, r: int) -> dict[str, np.ndarray]:
         key = (t, r)
         if key not in self._buffers:
-            self._buffers[key] = {
+            bufs = {
                 "input_ids": np.zeros(t, np.int32), "positions": np.zeros(t, np.int32),
                 "slot_mapping": np.zeros(t, np.int32), "kv_lens": np.zeros(r, np.int32),
                 "block_tables": np.zeros((r, self.m), np.int32),
@@ -59,7 +61,23 @@ class InputBuilder:
                 "logits_indices": np.zeros(r, np.int32), "prev_index": np.full(t, -1, np.int32),
                 "lora_slot": np.zeros(t, np.int32),
             }
+            # Each buffer becomes a view into one flat buffer laid out as `pack` lays out the
+            # step's inputs, so `packed` is one copy instead of a pack per step.
+            layout = Layout.of(self._inputs(bufs))
+            at = {id(leaf): off for leaf, off in zip(jax.tree.leaves(self._inputs(bufs)), layout.offsets)}
+            flat = np.zeros(layout.size, np.int32)
+            for name, a in bufs.items():
+                view = flat[at[id(a)]:at[id(a)] + a.size].reshape(a.shape)
+                view[...] = a
+                bufs[name] = view
+            self._flat[key] = flat
+            self._buffers[key] = bufs
         return self._buffers[key]
+
+    def packed(self, t: int, r: int) -> np.ndarray:
+        """`pack` of the inputs that `build` last returned for bucket (t, r): a copy of that
+        bucket's flat buffer (the device gets a copy, so the next build may refill it)."""
+        return self._flat[(t, r)].copy()
 
     def build(self, seqs: list[ScheduledSeq], t: int, r: int, prev_rows: dict[str, int] | None = None,
               lora_slots: list[int] | None = None, batch: tuple[PersistentBatch, BatchRows] | None = None,

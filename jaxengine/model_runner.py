@@ -41,7 +41,7 @@ from jaxengine.models.quantization import compiler_options
 from jaxengine.packing import Layout, pack, unpack
 from jaxengine.persistent_batch import BatchRows, PersistentBatch
 from jaxengine.sampler import (batch_sampling_metadata, build_sampling_metadata, resolve_history,
-                               rows_sampling_metadata, sample)
+                               rows_sampling_metadata, rows_sampling_packed, sample)
 from jaxengine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -541,13 +541,13 @@ class ModelRunner:
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         # Each numpy argument is its own host-to-device copy: one packed buffer per program.
         if lora_slots is None:  # the base model's program: steps without adapters pay nothing for LoRA
-            self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches, pack(inputs),
-                                                                  prev_tokens)
+            self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches,
+                                                                  self.builder.packed(t, r), prev_tokens)
         else:
             fwd = self._get(self._forward_lora_fns, t, lambda t_: self._compile_forward(t_, lora=True),
                             "LoRA token bucket")
-            self.kv_caches, logits, hidden = fwd(self.param_leaves, self.kv_caches, pack(inputs), prev_tokens,
-                                                 self.lora_layers)
+            self.kv_caches, logits, hidden = fwd(self.param_leaves, self.kv_caches, self.builder.packed(t, r),
+                                                 prev_tokens, self.lora_layers)
         prompt_lp = None
         # (a step of persistent-batch rows none of which asked for them has no targets)
         targets = None
@@ -567,16 +567,23 @@ class ModelRunner:
         """Enqueues the sampler of a step whose forward is enqueued. `bitmask` [R, mask_words]
         int32: the structured-output bitmask of the step's rows (None: no row is constrained)."""
         seqs, r = step.seqs, step.num_rows
-        fast = rows_sampling_metadata(self.batch, step.rows, r) if step.rows is not None else None
-        if fast is not None:
-            (md, truncate), processors = fast, False
+        packed = None
+        if step.rows is not None and bitmask is None:  # the decode steady state: packed from the batch's columns
+            packed = rows_sampling_packed(self.batch, step.rows, r)
+        if packed is not None:
+            (packed_md, truncate), processors, masked = packed, False, False
         else:
-            md, processors, truncate = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True),
-                                                               prev_rows=step.prev_rows)
-        masked = bitmask is not None or processors  # the processors program always reads a bitmask
-        if masked:
-            md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
-        sampler_out, tokens, nan_rows = self._get_sampler(r, processors, masked, truncate)(step.logits, pack(md),
+            fast = rows_sampling_metadata(self.batch, step.rows, r) if step.rows is not None else None
+            if fast is not None:
+                (md, truncate), processors = fast, False
+            else:
+                md, processors, truncate = batch_sampling_metadata(seqs, self.eos_token_ids, r,
+                                                                   self._history_len(True), prev_rows=step.prev_rows)
+            masked = bitmask is not None or processors  # the processors program always reads a bitmask
+            if masked:
+                md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
+            packed_md = pack(md)
+        sampler_out, tokens, nan_rows = self._get_sampler(r, processors, masked, truncate)(step.logits, packed_md,
                                                                                            step.prev_tokens)
         return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, seqs, nan_rows, step.pooled,
                         row_ids=step.row_ids)
