@@ -369,6 +369,7 @@ class Scheduler:
         gets a PLACEHOLDER output token, so the next step can be scheduled before this one's
         tokens are known (the runner feeds them from the device)."""
         bm, bs, running = self.block_manager, self.config.block_size, RequestStatus.RUNNING
+        all_sample = out.all_sample
         for seq, req in zip(out.seqs, out._requests):
             if req.status is not running:
                 continue
@@ -377,7 +378,7 @@ class Scheduler:
             req.num_computed_tokens = end
             if end // bs != start // bs:  # a block was filled: offer it to the prefix cache
                 bm.cache_full_blocks(req)
-            if seq.samples:
+            if all_sample or seq.samples:
                 req.output_token_ids.append(PLACEHOLDER)
 
     def resolve(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
