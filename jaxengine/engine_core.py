@@ -318,7 +318,8 @@ class EngineCore:
                        for s, toks, n in zip(sched.seqs, out.token_ids.tolist(), out.num_tokens.tolist())]
             accepted = self._count_accepted(sched, sampled)
         else:
-            sampled = [tok if s.samples else None for s, tok in zip(sched.seqs, out.token_ids.tolist())]
+            tokens = out.token_ids.tolist()
+            sampled = tokens if sched.all_sample else [tok if s.samples else None for s, tok in zip(sched.seqs, tokens)]
         constrained = self.scheduler.num_constrained
         finished = {r.request_id: (r.status.finish_reason, r.stop_reason)
                     for r in self.scheduler.resolve(sched, sampled)}

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 
 import jax
 import numpy as np
 
 from jaxengine.models.attention import AttentionMetadata
+from jaxengine.packing import Layout
 from jaxengine.persistent_batch import BatchRows, PersistentBatch
 from jaxengine.scheduler import PLACEHOLDER, ScheduledSeq
+
+
+_token_ids = operator.attrgetter("token_ids")
+_first = operator.itemgetter(0)
 
 
 @jax.tree_util.register_dataclass
@@ -42,11 +48,12 @@ class InputBuilder:
         self.m = max_blocks_per_seq
         self.block_size = block_size
         self._buffers: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._flat: dict[tuple[int, int], np.ndarray] = {}  # the packed buffer each bucket's buffers view
 
     def _bufs(self, t: int, r: int) -> dict[str, np.ndarray]:
         key = (t, r)
         if key not in self._buffers:
-            self._buffers[key] = {
+            bufs = {
                 "input_ids": np.zeros(t, np.int32), "positions": np.zeros(t, np.int32),
                 "slot_mapping": np.zeros(t, np.int32), "kv_lens": np.zeros(r, np.int32),
                 "block_tables": np.zeros((r, self.m), np.int32),
@@ -54,18 +61,36 @@ class InputBuilder:
                 "logits_indices": np.zeros(r, np.int32), "prev_index": np.full(t, -1, np.int32),
                 "lora_slot": np.zeros(t, np.int32),
             }
+            # Each buffer becomes a view into one flat buffer laid out as `pack` lays out the
+            # step's inputs, so `packed` is one copy instead of a pack per step.
+            layout = Layout.of(self._inputs(bufs))
+            at = {id(leaf): off for leaf, off in zip(jax.tree.leaves(self._inputs(bufs)), layout.offsets)}
+            flat = np.zeros(layout.size, np.int32)
+            for name, a in bufs.items():
+                view = flat[at[id(a)]:at[id(a)] + a.size].reshape(a.shape)
+                view[...] = a
+                bufs[name] = view
+            self._flat[key] = flat
+            self._buffers[key] = bufs
         return self._buffers[key]
 
+    def packed(self, t: int, r: int) -> np.ndarray:
+        """`pack` of the inputs that `build` last returned for bucket (t, r): a copy of that
+        bucket's flat buffer (the device gets a copy, so the next build may refill it)."""
+        return self._flat[(t, r)].copy()
+
     def build(self, seqs: list[ScheduledSeq], t: int, r: int, prev_rows: dict[str, int] | None = None,
-              lora_slots: list[int] | None = None, batch: tuple[PersistentBatch, BatchRows] | None = None
-              ) -> StepInputs:
+              lora_slots: list[int] | None = None, batch: tuple[PersistentBatch, BatchRows] | None = None,
+              same_rows: bool = False) -> StepInputs:
         """`seqs`: one step's rows in scheduler order (decode rows first).
 
         A decode row whose token is still a placeholder (sampled by the step in flight) gets
         `prev_index` = that step's row for the request (`prev_rows`), and the device fills it in.
         `lora_slots`: each row's LoRA device slot (None: no adapters this step). `batch`: the
         runner's persistent batch and this step's rows in it, given only for a step of one-token
-        rows: block tables are gathered from its slots instead of read from every row.
+        rows: block tables are gathered from its slots instead of read from every row. `same_rows`
+        (with `batch` only): the step in flight had these rows in this order, each sampling, so a
+        row's token in flight is the same row of its samples and `prev_rows` is not read.
         """
         assert len(seqs) <= r, (len(seqs), r)
         b = self._bufs(t, r)
@@ -74,7 +99,7 @@ class InputBuilder:
         if batch is not None:  # one token per row (the runner checked)
             if lora_slots is not None:
                 b["lora_slot"][:n_seqs] = lora_slots
-            return self._build_from_batch(seqs, b, prev_rows, *batch)
+            return self._build_from_batch(seqs, b, prev_rows, *batch, same_rows)
         lens = [s.num_new_tokens for s in seqs]
         if lora_slots is not None:
             b["lora_slot"][:sum(lens)] = np.repeat(np.asarray(lora_slots, np.int32), lens)
@@ -165,12 +190,12 @@ class InputBuilder:
         return self._inputs(b)
 
     def _build_from_batch(self, seqs: list[ScheduledSeq], b: dict[str, np.ndarray], prev_rows: dict[str, int] | None,
-                          batch: PersistentBatch, rows: BatchRows) -> StepInputs:
+                          batch: PersistentBatch, rows: BatchRows, same_rows: bool = False) -> StepInputs:
         """`_build_single_token_rows` with block tables gathered from the persistent batch: the
         same arrays, reading only each row's first token besides what `rows` holds."""
         bs, n = self.block_size, len(seqs)
         starts_a = rows.starts
-        self._single_token_rows(seqs, b, prev_rows, starts_a)
+        self._single_token_rows(seqs, b, prev_rows, starts_a, same_rows)
         bt = b["block_tables"]
         bt[:n] = batch.block_tables[rows.slots]
         bt[n:] = 0
@@ -180,19 +205,22 @@ class InputBuilder:
 
     @staticmethod
     def _single_token_rows(seqs: list[ScheduledSeq], b: dict[str, np.ndarray], prev_rows: dict[str, int] | None,
-                           starts_a: np.ndarray) -> None:
+                           starts_a: np.ndarray, same_rows: bool = False) -> None:
         """What both one-token-per-row builders fill alike: token ids (a token still in flight as
         its row of the previous step's samples), positions, KV lengths, query starts and logits
         rows; the slots past the rows zeroed (slot_mapping's included)."""
         n = len(seqs)
-        toks = np.asarray([s.token_ids[0] for s in seqs], np.int32)
+        toks = np.fromiter(map(_first, map(_token_ids, seqs)), np.int32, n)
         pending = np.flatnonzero(toks == PLACEHOLDER)  # sampled by the step in flight
         b["prev_index"].fill(-1)
         if len(pending):
-            assert prev_rows is not None, seqs[int(pending[0])].request_id
-            if len(pending) == n:
+            if same_rows:  # the step in flight had these rows in this order
+                b["prev_index"][pending] = pending
+            elif len(pending) == n:
+                assert prev_rows is not None, seqs[0].request_id
                 b["prev_index"][:n] = [prev_rows[s.request_id] for s in seqs]
             else:
+                assert prev_rows is not None, seqs[int(pending[0])].request_id
                 b["prev_index"][pending] = [prev_rows[seqs[i].request_id] for i in pending.tolist()]
             toks[pending] = 0
         for name in ("input_ids", "positions", "slot_mapping"):

@@ -41,7 +41,7 @@ from jaxengine.models.quantization import compiler_options
 from jaxengine.packing import Layout, pack, unpack
 from jaxengine.persistent_batch import BatchRows, PersistentBatch
 from jaxengine.sampler import (batch_sampling_metadata, build_sampling_metadata, resolve_history,
-                               rows_sampling_metadata, sample)
+                               rows_sampling_metadata, rows_sampling_packed, sample)
 from jaxengine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -533,20 +533,26 @@ class ModelRunner:
         rows = None
         if seqs and sched.num_batched_tokens == len(seqs):  # one token per row: the decode steady state
             rows = self.batch.rows(seqs)
-        inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None else None, lora_slots,
-                                    (self.batch, rows) if rows is not None else None)
+        # The steady state: the step in flight had these rows in this order, each sampling, so a
+        # row's token in flight is the same row of its samples (no id lookups).
+        same_rows = prev is not None and rows is not None and prev.row_ids is not None and prev.row_ids == rows.ids
+        inputs = self.builder.build(seqs, t, r, prev.rows if prev is not None and not same_rows else None, lora_slots,
+                                    (self.batch, rows) if rows is not None else None, same_rows)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         # Each numpy argument is its own host-to-device copy: one packed buffer per program.
         if lora_slots is None:  # the base model's program: steps without adapters pay nothing for LoRA
-            self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches, pack(inputs),
-                                                                  prev_tokens)
+            self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches,
+                                                                  self.builder.packed(t, r), prev_tokens)
         else:
             fwd = self._get(self._forward_lora_fns, t, lambda t_: self._compile_forward(t_, lora=True),
                             "LoRA token bucket")
-            self.kv_caches, logits, hidden = fwd(self.param_leaves, self.kv_caches, pack(inputs), prev_tokens,
-                                                 self.lora_layers)
+            self.kv_caches, logits, hidden = fwd(self.param_leaves, self.kv_caches, self.builder.packed(t, r),
+                                                 prev_tokens, self.lora_layers)
         prompt_lp = None
-        targets = prompt_logprob_targets(seqs, t)
+        # (a step of persistent-batch rows none of which asked for them has no targets)
+        targets = None
+        if rows is None or self.batch.prompt_logprobs[rows.slots].any():
+            targets = prompt_logprob_targets(seqs, t)
         if targets is not None:
             prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, targets)
         pooled = None
@@ -554,26 +560,33 @@ class ModelRunner:
             # a copy: the builder reuses its buffers, and the CPU backend may read numpy memory late
             pooled = self._get(self._pool_fns, t, self._compile_pool, "pooling program for bucket")(
                 hidden, np.array(inputs.logits_indices), np.array(inputs.attn.query_start_loc))
-        return PendingStep(seqs, r, logits, prompt_lp, pooled, hidden, t, prev_tokens,
-                           prev.rows if prev is not None else None, rows)
+        return PendingStep(seqs, r, logits, prompt_lp, pooled, hidden, t, prev_tokens, prev, rows,
+                           rows.ids if rows is not None and sched.all_sample else None)
 
     def dispatch_sampler(self, step: PendingStep, bitmask: np.ndarray | None = None) -> InFlight:
         """Enqueues the sampler of a step whose forward is enqueued. `bitmask` [R, mask_words]
         int32: the structured-output bitmask of the step's rows (None: no row is constrained)."""
         seqs, r = step.seqs, step.num_rows
-        fast = rows_sampling_metadata(self.batch, step.rows, r) if step.rows is not None else None
-        if fast is not None:
-            (md, truncate), processors = fast, False
+        packed = None
+        if step.rows is not None and bitmask is None:  # the decode steady state: packed from the batch's columns
+            packed = rows_sampling_packed(self.batch, step.rows, r)
+        if packed is not None:
+            (packed_md, truncate), processors, masked = packed, False, False
         else:
-            md, processors, truncate = batch_sampling_metadata(seqs, self.eos_token_ids, r, self._history_len(True),
-                                                               prev_rows=step.prev_rows)
-        masked = bitmask is not None or processors  # the processors program always reads a bitmask
-        if masked:
-            md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
-        sampler_out, tokens, nan_rows = self._get_sampler(r, processors, masked, truncate)(step.logits, pack(md),
+            fast = rows_sampling_metadata(self.batch, step.rows, r) if step.rows is not None else None
+            if fast is not None:
+                (md, truncate), processors = fast, False
+            else:
+                md, processors, truncate = batch_sampling_metadata(seqs, self.eos_token_ids, r,
+                                                                   self._history_len(True), prev_rows=step.prev_rows)
+            masked = bitmask is not None or processors  # the processors program always reads a bitmask
+            if masked:
+                md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
+            packed_md = pack(md)
+        sampler_out, tokens, nan_rows = self._get_sampler(r, processors, masked, truncate)(step.logits, packed_md,
                                                                                            step.prev_tokens)
-        rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
-        return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, rows_of, nan_rows, step.pooled)
+        return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, seqs, nan_rows, step.pooled,
+                        row_ids=step.row_ids)
 
     def dispatch_spec(self, sched: SchedulerOutput) -> InFlight:
         """Enqueues a speculative step (rows with draft tokens; nothing in flight before it): the
@@ -601,8 +614,7 @@ class ModelRunner:
         spec = SpecInputs(positions, drafts, num)
         out, nan_rows = self._get(self._verify_fns, (t, bool(truncate)), self._compile_verify, "verify program")(
             self.param_leaves, pending.hidden, pack(spec), pack(md))
-        rows_of = {s.request_id: i for i, s in enumerate(seqs) if s.samples}
-        return InFlight(out, len(seqs), pending.prompt_lp, self._no_prev, rows_of, nan_rows, pending.pooled,
+        return InFlight(out, len(seqs), pending.prompt_lp, self._no_prev, seqs, nan_rows, pending.pooled,
                         spec=True)
 
     @staticmethod
@@ -632,8 +644,14 @@ class PendingStep:
     hidden: jax.Array  # [T, D] the final hidden states (speculative steps verify from them)
     num_tokens: int  # T, the step's token bucket
     prev_tokens: jax.Array  # [max_num_seqs] the tokens of the step before (placeholders read them)
-    prev_rows: dict[str, int] | None  # each request's row in the step before, if one was in flight
+    prev: InFlight | None  # the step before, if one was in flight
     rows: BatchRows | None = None  # a step of one-token rows: their slots in the runner's persistent batch
+    row_ids: list[str] | None = None  # `rows.ids` when every row samples, else None
+
+    @property
+    def prev_rows(self) -> dict[str, int] | None:
+        """Each request's row in the step before, if one was in flight."""
+        return self.prev.rows if self.prev is not None else None
 
 
 @dataclasses.dataclass
@@ -644,7 +662,13 @@ class InFlight:
     num_seqs: int
     prompt_lp: tuple | None  # device (logprob, rank, top_ids, top_logprobs), each [T, ...]
     tokens: jax.Array  # [max_num_seqs] int32 sampled tokens, on the device, for the next step's inputs
-    rows: dict[str, int]  # request id -> its row in this step's samples
+    seqs: list  # the step's rows (ScheduledSeq)
     nan_rows: jax.Array  # [R] bool, on the device
     pooled: tuple | None = None  # pooling engines: ([R, D] f32 last, first and summed hidden states)
     spec: bool = False  # a speculative step: sampler_out is a rejection_sampler.VerifyOutput
+    row_ids: list[str] | None = None  # a step of one-token rows that all sample: each row's request id
+
+    @functools.cached_property
+    def rows(self) -> dict[str, int]:
+        """Request id -> its row in this step's samples (built when a step after it first asks)."""
+        return {s.request_id: i for i, s in enumerate(self.seqs) if s.samples}

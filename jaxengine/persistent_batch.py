@@ -25,6 +25,9 @@ import numpy as np
 from jaxengine.scheduler import ScheduledSeq
 
 _SAMPLER_WIDTH = 7  # columns of SamplingParams.sampler_row_f32
+_request_id = operator.attrgetter("request_id")
+_block_ids = operator.attrgetter("block_ids")
+_start = operator.attrgetter("start")
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,6 +36,7 @@ class BatchRows:
 
     slots: np.ndarray  # [n] int64 slot of each row
     starts: np.ndarray  # [n] int32 position of each row's first new token
+    ids: list[str]  # [n] each row's request id
 
 
 class PersistentBatch:
@@ -53,6 +57,10 @@ class PersistentBatch:
         self.min_tokens = np.zeros(cap, np.int32)
         self.needs_processors = np.zeros(cap, bool)  # penalties or logit edits: the full metadata path
         self.truncates = np.zeros(cap, bool)
+        self.prompt_logprobs = np.zeros(cap, bool)  # asked for prompt logprobs
+        # The last `rows` call's (ids, tables, slots, slots array), while no slot was released
+        # since: a step with the same rows and table lists has the same slots (the steady state).
+        self._last: tuple[list[str], list[list[int]], list[int], np.ndarray] | None = None
 
     def release(self, request_ids: list[str]) -> None:
         """Frees the slots of requests that stopped running (finished, aborted, preempted)."""
@@ -61,21 +69,29 @@ class PersistentBatch:
             if slot is not None:
                 self._table_of[slot] = None
                 self._free.append(slot)
+                self._last = None
 
     def rows(self, seqs: list[ScheduledSeq]) -> BatchRows:
         """The slots of `seqs`, filling the rows that are new and the block tables that grew."""
-        ids = [s.request_id for s in seqs]
-        tables = [s.block_ids for s in seqs]
-        sentinel = self.capacity
-        slots = [self._slot_of.get(rid, sentinel) for rid in ids]
-        table_of = self._table_of
-        if not all(map(operator.is_, [table_of[j] for j in slots], tables)):
-            slots = self._assign(seqs, ids, tables, slots)
-        slots_a = np.asarray(slots, np.int64)
-        lens = np.fromiter(map(len, tables), np.int64, len(tables))
+        n = len(seqs)
+        ids = list(map(_request_id, seqs))
+        tables = list(map(_block_ids, seqs))
+        last = self._last
+        if last is not None and ids == last[0] and all(map(operator.is_, tables, last[1])):
+            slots, slots_a = last[2], last[3]  # each slot still holds its row's table
+        else:
+            sentinel = self.capacity
+            slots = [self._slot_of.get(rid, sentinel) for rid in ids]
+            table_of = self._table_of
+            if not all(map(operator.is_, [table_of[j] for j in slots], tables)):
+                slots = self._assign(seqs, ids, tables, slots)
+            slots_a = np.asarray(slots, np.int64)
+            slots_a.flags.writeable = False  # shared with the next step's rows while they are the same
+            self._last = (ids, tables, slots, slots_a)
+        lens = np.fromiter(map(len, tables), np.int64, n)
         for i in np.flatnonzero(lens != self.table_len[slots_a]).tolist():
             self._write_table(slots[i], tables[i])
-        return BatchRows(slots_a, np.asarray([s.start for s in seqs], np.int32))
+        return BatchRows(slots_a, np.fromiter(map(_start, seqs), np.int32, n), ids)
 
     def _assign(self, seqs: list[ScheduledSeq], ids: list[str], tables: list[list[int]],
                 slots: list[int]) -> list[int]:
@@ -107,6 +123,7 @@ class PersistentBatch:
         self.min_tokens[slot] = p.min_tokens
         self.needs_processors[slot] = p.uses_penalties or p.uses_logit_edits
         self.truncates[slot] = p.truncates
+        self.prompt_logprobs[slot] = p.prompt_logprobs is not None
 
     def _write_table(self, slot: int, table: list[int]) -> None:
         row = self.block_tables[slot]
@@ -115,6 +132,7 @@ class PersistentBatch:
         self.table_len[slot] = len(table)
 
     def reset(self) -> None:
+        self._last = None
         self._slot_of.clear()
         self._free = list(range(self.capacity - 1, -1, -1))
         self._table_of = [None] * (self.capacity + 1)

@@ -20,6 +20,7 @@ on the common path: top logprobs come from a two-stage top-k.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.packing import Layout, pack
 from jaxengine.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
                                        MAX_LOGPROBS, SamplingParams)
 from jaxengine.persistent_batch import BatchRows, PersistentBatch
@@ -216,13 +218,64 @@ def rows_sampling_metadata(batch: PersistentBatch, rows: BatchRows, num_rows: in
     md = SamplingMetadata(
         temperature=columns[0].copy(), top_p=columns[1].copy(), top_k=columns[2].astype(np.int32),
         min_p=columns[3].copy(), presence_penalty=columns[4].copy(), frequency_penalty=columns[5].copy(),
-        repetition_penalty=columns[6].copy(), seeds=seeds_a, steps=steps_a,
-        history=np.full((num_rows, 1), -1, np.int32), num_prompt=np.zeros((num_rows,), np.int32),
-        banned_ids=np.full((num_rows, MAX_BANNED_IDS), -1, np.int32),
-        bias_ids=np.full((num_rows, 1), -1, np.int32), bias_values=np.zeros((num_rows, 1), np.float32),
-        allowed_ids=np.full((num_rows, 1), -1, np.int32), bad_prefix=np.full((num_rows, 1, 1), -1, np.int32),
-        bad_last=np.full((num_rows, 1), -1, np.int32), bitmask=np.full((num_rows, mask_words), -1, np.int32))
+        repetition_penalty=columns[6].copy(), seeds=seeds_a, steps=steps_a, **_unused_columns(num_rows, mask_words))
     return md, bool(batch.truncates[slots].any())
+
+
+def rows_sampling_packed(batch: PersistentBatch, rows: BatchRows, num_rows: int) -> tuple[np.ndarray, bool] | None:
+    """`pack` of `rows_sampling_metadata`'s metadata (mask width 1) and whether any row
+    truncates, written straight into a copy of the packed neutral metadata; None where
+    `rows_sampling_metadata` is None."""
+    slots, n = rows.slots, len(rows.slots)
+    if n > num_rows:
+        raise ValueError(f"{n} sampling rows do not fit in a bucket of {num_rows}")
+    steps = rows.starts + 1 - batch.prompt_len[slots]
+    if batch.needs_processors[slots].any() or (steps < batch.min_tokens[slots]).any():
+        return None
+    template, value_at, seeds_at, steps_at = _packed_template(num_rows)
+    buf = template.copy()
+    as_f32 = buf.view(np.float32)
+    values = batch.sampler_values[slots]  # [n, 7] in SamplingMetadata's field order
+    for k, at in enumerate(value_at):
+        if k == 2:  # top_k is an int32 column
+            buf[at:at + n] = values[:, k].astype(np.int32)
+        else:
+            as_f32[at:at + n] = values[:, k]
+    buf.view(np.uint32)[seeds_at:seeds_at + n] = batch.seeds[slots]
+    buf[steps_at:steps_at + n] = steps
+    return buf, bool(batch.truncates[slots].any())
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_template(num_rows: int) -> tuple[np.ndarray, tuple[int, ...], int, int]:
+    """The packed metadata of `num_rows` neutral rows (read only), and where the sampler
+    values' seven columns, the seeds and the steps start in it."""
+    values = np.tile(np.asarray(_NEUTRAL_ROW, np.float32), (num_rows, 1)).T
+    md = SamplingMetadata(
+        temperature=values[0].copy(), top_p=values[1].copy(), top_k=values[2].astype(np.int32),
+        min_p=values[3].copy(), presence_penalty=values[4].copy(), frequency_penalty=values[5].copy(),
+        repetition_penalty=values[6].copy(), seeds=np.zeros((num_rows,), np.uint32),
+        steps=np.zeros((num_rows,), np.int32), **_unused_columns(num_rows, 1))
+    at = dict(zip(map(id, jax.tree.leaves(md)), Layout.of(md).offsets))
+    value_at = tuple(at[id(getattr(md, name))] for name in (
+        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"))
+    template = pack(md)
+    template.flags.writeable = False
+    return template, value_at, at[id(md.seeds)], at[id(md.steps)]
+
+
+@functools.lru_cache(maxsize=64)
+def _unused_columns(num_rows: int, mask_words: int) -> dict[str, np.ndarray]:
+    """The columns that a step without logits processors or bitmask leaves at their neutral
+    values, built once per shape and shared by every such step (read only)."""
+    cols = dict(history=np.full((num_rows, 1), -1, np.int32), num_prompt=np.zeros((num_rows,), np.int32),
+                banned_ids=np.full((num_rows, MAX_BANNED_IDS), -1, np.int32),
+                bias_ids=np.full((num_rows, 1), -1, np.int32), bias_values=np.zeros((num_rows, 1), np.float32),
+                allowed_ids=np.full((num_rows, 1), -1, np.int32), bad_prefix=np.full((num_rows, 1, 1), -1, np.int32),
+                bad_last=np.full((num_rows, 1), -1, np.int32), bitmask=np.full((num_rows, mask_words), -1, np.int32))
+    for a in cols.values():
+        a.flags.writeable = False
+    return cols
 
 
 def _fill_logit_edits(md: dict[str, np.ndarray], rows: Sequence[SamplingRow]) -> None:

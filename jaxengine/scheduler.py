@@ -100,6 +100,9 @@ class SchedulerOutput:
     # The scheduler's own handle on each row's request, for `advance` and `resolve` (an id alone
     # could name a newer request by then). Not the runner's: it reads `seqs` only.
     _requests: list[Request] = field(default_factory=list, repr=False)
+    # Every row samples (a step of decodes and last prompt chunks): the sampled ids need no
+    # per-row check against `seqs`. False is always safe.
+    all_sample: bool = False
 
 
 class Scheduler:
@@ -202,13 +205,29 @@ class Scheduler:
         decode_reqs: list[Request] = []
         prefill_reqs: list[Request] = []
         any_history = self._num_reading_history > 0  # else no row needs a copy of its outputs
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
+        add_decode_req = decode_reqs.append
+        # `running` may lose its tail to preemption inside the loop: iteration ends at its new length.
+        for req in running:
+            if budget <= 0:
+                break
             start = req.num_computed_tokens
+            outs = req.output_token_ids
             num_prompt = len(req.prompt_token_ids)
-            total = num_prompt + len(req.output_token_ids)
+            total = num_prompt + len(outs)
             n = total - start
+            if n == 1 and start >= num_prompt and not req.draft_token_ids:
+                # A plain decode (the steady state): one token, which samples; a new block only
+                # when the slot is past the table.
+                table = tables.get(req.request_id)
+                if table is None or start >= len(table) * bs:
+                    if not bm.allocate_slots(req, 1) and not self._preempt_for(req, 1, preempted):
+                        break  # `req` itself was preempted: it was the last one
+                    table = tables[req.request_id]
+                add_decode(ScheduledSeq(req.request_id, start, 1, outs[-1:], table, True, req.spec,
+                                        outs[:] if any_history and req.sampling_params.reads_history else None))
+                add_decode_req(req)
+                budget -= 1
+                continue
             assert n > 0, "schedule() called again before update_from_output()"
             if n > budget:
                 n = budget
@@ -217,28 +236,19 @@ class Scheduler:
                 if not bm.allocate_slots(req, n) and not self._preempt_for(req, n, preempted):
                     break  # `req` itself was preempted: it was the last one
                 table = tables[req.request_id]
-            samples = start + n == total
-            if samples and n == 1 and start >= num_prompt:
-                outs = req.output_token_ids
-                drafts = req.draft_token_ids
-                if drafts:  # speculative decoding: the drafts ride along as extra tokens of the row
-                    req.draft_token_ids = []
-                    seq = self._with_drafts(req, start, table, drafts[: budget - 1], preempted)
-                    if seq is None:
-                        break  # `req` itself was preempted: it was the last one
-                    add_decode(seq)
-                    decode_reqs.append(req)
-                    budget -= seq.num_new_tokens
-                    i += 1
-                    continue
-                add_decode(ScheduledSeq(req.request_id, start, 1, outs[-1:], table, True, req.spec,
-                                        outs[:] if any_history and req.sampling_params.reads_history else None))
-                decode_reqs.append(req)
-            else:
-                add_prefill(self._scheduled(req, n, table))
-                prefill_reqs.append(req)
+            if start + n == total and n == 1 and start >= num_prompt:
+                # speculative decoding: the drafts ride along as extra tokens of the row
+                drafts, req.draft_token_ids = req.draft_token_ids, []
+                seq = self._with_drafts(req, start, table, drafts[: budget - 1], preempted)
+                if seq is None:
+                    break  # `req` itself was preempted: it was the last one
+                add_decode(seq)
+                add_decode_req(req)
+                budget -= seq.num_new_tokens
+                continue
+            add_prefill(self._scheduled(req, n, table))
+            prefill_reqs.append(req)
             budget -= n
-            i += 1
         num_cached: dict[str, int] = {}
         if not preempted:  # memory is short: let the running requests drain first
             # LoRA: at most max_loras distinct adapters run at once; a request whose adapter would
@@ -263,10 +273,12 @@ class Scheduler:
             self.waiting.extendleft(reversed(skipped))
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget
+        all_sample = True  # decode rows always sample
         if prefills:
+            all_sample = all(s.samples for s in prefills)
             decodes += prefills
             decode_reqs += prefill_reqs
-        return SchedulerOutput(decodes, num_batched, preempted, finished, num_cached, decode_reqs)
+        return SchedulerOutput(decodes, num_batched, preempted, finished, num_cached, decode_reqs, all_sample)
 
     def draft_room(self, req: Request) -> int:
         """Drafts a decoding request's next step can carry: what max_tokens and max_model_len
@@ -357,6 +369,7 @@ class Scheduler:
         gets a PLACEHOLDER output token, so the next step can be scheduled before this one's
         tokens are known (the runner feeds them from the device)."""
         bm, bs, running = self.block_manager, self.config.block_size, RequestStatus.RUNNING
+        all_sample = out.all_sample
         for seq, req in zip(out.seqs, out._requests):
             if req.status is not running:
                 continue
@@ -365,7 +378,7 @@ class Scheduler:
             req.num_computed_tokens = end
             if end // bs != start // bs:  # a block was filled: offer it to the prefix cache
                 bm.cache_full_blocks(req)
-            if seq.samples:
+            if all_sample or seq.samples:
                 req.output_token_ids.append(PLACEHOLDER)
 
     def resolve(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
@@ -375,8 +388,11 @@ class Scheduler:
             raise ValueError(f"{len(sampled)} sampled tokens for {len(out.seqs)} scheduled rows")
         finished: list[Request] = []
         now = time.monotonic()
+        running = RequestStatus.RUNNING
+        check_samples = not out.all_sample
         for seq, req, token in zip(out.seqs, out._requests, sampled):
-            if not seq.samples or req.status.is_finished:
+            status = req.status
+            if (check_samples and not seq.samples) or (status is not running and status.is_finished):
                 continue
             assert token is not None, f"no token sampled for {req.request_id}"
             outs = req.output_token_ids

@@ -18,6 +18,7 @@ import random
 import numpy as np
 import pytest
 
+from jaxengine.packing import pack
 from jaxengine.output_processor import OutputProcessor
 from jaxengine.request import Request, RequestSpec
 from jaxengine.sampler import SamplingRow, batch_sampling_metadata, build_sampling_metadata
@@ -186,3 +187,4 @@ def test_single_token_rows_build_equals_reference(seed: int) -> None:
         for k, v in want.items():
             np.testing.assert_array_equal(got[k], v, err_msg=k)
         assert int(inputs.attn.num_seqs[0]) == len(seqs)
+        np.testing.assert_array_equal(builder.packed(16, 8), pack(inputs))  # the runner sends this copy

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxengine.input_batch import InputBuilder
+from jaxengine.packing import pack
 from jaxengine.scheduler import PLACEHOLDER
 
 BS, M = 16, 12
@@ -73,3 +74,4 @@ def test_builder_matches_reference(seed):
         for k, v in want.items():
             np.testing.assert_array_equal(got[k], v, err_msg=k)
         assert int(inputs.attn.num_seqs[0]) == len(seqs)
+        np.testing.assert_array_equal(builder.packed(64, 8), pack(inputs))  # the runner sends this copy

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from jaxengine.input_batch import InputBuilder
+from jaxengine.packing import pack
 from jaxengine.persistent_batch import PersistentBatch
 from jaxengine.request import Request
-from jaxengine.sampler import batch_sampling_metadata, rows_sampling_metadata
+from jaxengine.sampler import batch_sampling_metadata, rows_sampling_metadata, rows_sampling_packed
 from jaxengine.scheduler import Scheduler, SchedulerConfig
 from tests.engine.test_host_fast_paths import EOS, _random_params
 from tests.engine.test_input_batch import BS, M, reference
@@ -86,6 +87,11 @@ def test_persistent_rows_equal_per_row_build(seed: int) -> None:
                     a, b = getattr(fmd, f.name), getattr(md, f.name)
                     assert a.dtype == b.dtype and a.shape == b.shape, f.name
                     np.testing.assert_array_equal(a, b, err_msg=f.name)
+                packed, ptrunc = rows_sampling_packed(batch, rows, MAX_SEQS)  # what the runner sends
+                assert ptrunc == truncate
+                np.testing.assert_array_equal(packed, pack(md))
+            else:
+                assert rows_sampling_packed(batch, rows, MAX_SEQS) is None
         sched.update_from_output(out, [rng.randrange(10, 90) if s.samples else None for s in seqs])
         if step >= 80 and not sched.has_unfinished_requests():
             break
