@@ -195,18 +195,29 @@ def batch_sampling_metadata(seqs: Sequence[ScheduledSeq], eos_token_ids: Sequenc
             needs_truncation(params))
 
 
-def rows_sampling_metadata(batch: PersistentBatch, rows: BatchRows, num_rows: int,
-                           mask_words: int = 1) -> tuple[SamplingMetadata, bool] | None:
-    """`batch_sampling_metadata` of a step of one-token rows (each samples the token after its
-    `start`) from the persistent batch's columns, and whether any row truncates; None when a row
-    needs more than the columns hold (logits processors, or ids banned before min_tokens): the
-    caller builds it from the rows then. Equal arrays to `batch_sampling_metadata`'s."""
+def _column_rows(batch: PersistentBatch, rows: BatchRows, num_rows: int) -> tuple[np.ndarray, int, np.ndarray] | None:
+    """(slots, row count, each row's output step) of a step of one-token rows, or None when a row
+    needs more than the persistent batch's columns hold (logits processors, or ids banned before
+    min_tokens)."""
     slots, n = rows.slots, len(rows.slots)
     if n > num_rows:
         raise ValueError(f"{n} sampling rows do not fit in a bucket of {num_rows}")
     steps = rows.starts + 1 - batch.prompt_len[slots]
     if batch.needs_processors[slots].any() or (steps < batch.min_tokens[slots]).any():
         return None
+    return slots, n, steps
+
+
+def rows_sampling_metadata(batch: PersistentBatch, rows: BatchRows, num_rows: int,
+                           mask_words: int = 1) -> tuple[SamplingMetadata, bool] | None:
+    """`batch_sampling_metadata` of a step of one-token rows (each samples the token after its
+    `start`) from the persistent batch's columns, and whether any row truncates; None when a row
+    needs more than the columns hold (logits processors, or ids banned before min_tokens): the
+    caller builds it from the rows then. Equal arrays to `batch_sampling_metadata`'s."""
+    found = _column_rows(batch, rows, num_rows)
+    if found is None:
+        return None
+    slots, n, steps = found
     values = np.empty((num_rows, len(_NEUTRAL_ROW)), np.float32)
     values[n:] = _NEUTRAL_ROW
     values[:n] = batch.sampler_values[slots]
@@ -226,12 +237,10 @@ def rows_sampling_packed(batch: PersistentBatch, rows: BatchRows, num_rows: int)
     """`pack` of `rows_sampling_metadata`'s metadata (mask width 1) and whether any row
     truncates, written straight into a copy of the packed neutral metadata; None where
     `rows_sampling_metadata` is None."""
-    slots, n = rows.slots, len(rows.slots)
-    if n > num_rows:
-        raise ValueError(f"{n} sampling rows do not fit in a bucket of {num_rows}")
-    steps = rows.starts + 1 - batch.prompt_len[slots]
-    if batch.needs_processors[slots].any() or (steps < batch.min_tokens[slots]).any():
+    found = _column_rows(batch, rows, num_rows)
+    if found is None:
         return None
+    slots, n, steps = found
     template, value_at, seeds_at, steps_at = _packed_template(num_rows)
     buf = template.copy()
     as_f32 = buf.view(np.float32)

@@ -23,6 +23,7 @@ Writes $OUT/quant.json (and one JSON per part) and prints a short table. Sized t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -67,6 +68,16 @@ def _per_call(fn, x, ws, repeats: int = 7) -> float:
     return float(np.median(times)) / n
 
 
+def _put(cells: dict, x, label: str, fn, ws, nbytes: int) -> None:
+    """cells[label]: `_per_call`'s time and the weight bytes' rate, or the error of a variant that
+    does not lower here (recorded; the others still run)."""
+    try:
+        t = _per_call(fn, x, ws)
+        cells[label] = {"us": 1e6 * t, "weight_GBps": nbytes / t / 1e9}
+    except Exception as e:
+        cells[label] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+
+
 def micro() -> dict:
     import jax
     import jax.numpy as jnp
@@ -96,13 +107,7 @@ def micro() -> dict:
         for rows in (1, 16, 256):
             x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.float32).astype(jnp.bfloat16)
             cells: dict = {}
-
-            def put(label, fn, ws, nbytes):
-                try:
-                    s = _per_call(fn, x, ws)
-                    cells[label] = {"us": 1e6 * s, "weight_GBps": nbytes / s / 1e9}
-                except Exception as e:  # a variant that does not lower here: recorded, the others still run
-                    cells[label] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+            put = functools.partial(_put, cells, x)
 
             put("bf16", lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype), wb, 2 * k * n)
             put("fp8", lambda x, w: fp8_matmul(x, w, qs, None), qw, k * n + 4 * n)
@@ -159,13 +164,7 @@ def micro_fp8() -> dict:
         for rows in (1, 16, 64):
             x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.float32).astype(jnp.bfloat16)
             cells: dict = {}
-
-            def put(label, fn, ws, nbytes):
-                try:
-                    t = _per_call(fn, x, ws)
-                    cells[label] = {"us": 1e6 * t, "weight_GBps": nbytes / t / 1e9}
-                except Exception as e:
-                    cells[label] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+            put = functools.partial(_put, cells, x)
 
             put("bf16", lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype), wb, 2 * k * n)
             put("fp8_w8a8", lambda x, w: fp8_matmul_w8a8(x, w, qs, None), qw, k * n + 4 * n)
