@@ -431,7 +431,10 @@ def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
                          "num_kv_blocks": eng.config.num_kv_blocks, "block_size": eng.config.block_size,
                          "attention_impl": eng.runner.attention_impl, "token_buckets": list(eng.runner.token_buckets),
                          "weight_bytes": wbytes, "decode_weight_bytes": read_bytes, "kv_bytes_per_token": kv_tok,
-                         "tokenizer": "synthetic word-level (see the module docstring)"}
+                         "tokenizer": "synthetic word-level (see the module docstring)",
+                         # as the engine left them (jaxengine.device_memory chooses the allocator on GPUs)
+                         "xla_allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"),
+                         "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(f"[engine] {spec.label}: start-up {r8['startup_s']:.1f} s, attention {r8['attention_impl']}", flush=True)
 
     d = st["decode"]
@@ -548,7 +551,8 @@ def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
     md = [f"# Engine: {spec.label}; {sspec.label}", "", device_line(payload), "",
           f"Engine: attention `{r8['attention_impl']}`, max_model_len {spec.max_model_len}, max_num_seqs "
           f"{spec.max_num_seqs}, max_num_batched_tokens {spec.max_num_batched_tokens}, block size "
-          f"{r8['block_size']}, {r8['num_kv_blocks']} KV blocks. Ceilings measured in the same run.", "",
+          f"{r8['block_size']}, {r8['num_kv_blocks']} KV blocks; allocator {r8['xla_allocator']}, XLA_FLAGS "
+          f"`{r8['xla_flags'] or '(none)'}`. Ceilings measured in the same run.", "",
           "| figure | measured | ceiling / peer (same run) | ratio |", "|---|---|---|---|", *ceilings_md(ceil),
           f"| start-up (dummy weights) | {r8['startup_s']:.1f} s (compile {r8['compile_s']:.1f} s) | | |",
           f"| batch-1 decode ({il} in, {ol} out) | {db['ms_per_token']:.2f} ms/token ({db['tok_per_s']:.1f} tok/s) | "

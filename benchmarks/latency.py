@@ -66,7 +66,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     import jax
 
     from jaxengine.benchmarks.ceilings import copy_bandwidth
-    from jaxengine.loading import size_device_pool
+    from jaxengine.device_memory import size_device_pool
     from jaxengine.model_runner import kv_bytes_per_block
 
     size_device_pool(args.gpu_memory_utilization)  # as the engine would: the ceiling below starts the backend

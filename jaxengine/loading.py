@@ -22,6 +22,7 @@ from flax import nnx
 from jaxengine.attention_backend import AttentionBackend, select_attention_backend
 from jaxengine.config import EngineConfig
 from jaxengine.default_model import default_model_path
+from jaxengine.device_memory import free_for_kv_and_step, prepare_gpu_backend
 from jaxengine.distributed import agree_min
 from jaxengine.draft_model import LoadedDraft
 from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
@@ -63,7 +64,7 @@ def load_model(config: EngineConfig, timings: StartupTimings | None = None) -> L
         logger.info("enforce_eager: the engine still runs compiled programs, one per token bucket (XLA has no "
                     "eager step); each is compiled on its first use, none ahead")
     enable_compilation_cache(config.compilation_cache_dir)
-    size_device_pool(config.gpu_memory_utilization)
+    prepare_gpu_backend(config.gpu_memory_utilization, config.tensor_parallel_size)
     with timings.phase("device_init"):
         config = config.resolve_warmup(jax.default_backend())
     with timings.phase("weight_load"):
@@ -222,42 +223,12 @@ def derive_config(config: EngineConfig, mc: ModelConfig) -> EngineConfig:
     return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget)
 
 
-JAX_DEFAULT_POOL_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default on GPUs
-
-
-def size_device_pool(gpu_memory_utilization: float) -> None:
-    """Sizes JAX's GPU memory pool to `gpu_memory_utilization` of the card, as vLLM's flag means,
-    while the backend is not yet started and the user has not set XLA_PYTHON_CLIENT_MEM_FRACTION.
-
-    Why: JAX's pool is 75% of the card by default, and a share of that pool (0.9 x 0.75) would
-    leave a quarter of an H100 unused, or refuse a model whose weights fit the card. What stays
-    outside the pool serves cuBLAS workspaces, kernel modules and NCCL."""
-    from jax._src import xla_bridge
-
-    if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ or xla_bridge.backends_are_initialized():
-        return
-    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{gpu_memory_utilization:.4f}"
-
-
-POOL_HEADROOM = 0.1  # share of the budget left free in the pool for XLA's compile-time scratch
-
-
-def device_memory_budget(bytes_limit: int, gpu_memory_utilization: float) -> float:
-    """Bytes the engine's weights, KV cache and step may hold on one device:
-    `gpu_memory_utilization` of the card, within the pool (`bytes_limit`,
-    XLA_PYTHON_CLIENT_MEM_FRACTION of the card), less POOL_HEADROOM. The headroom stays free
-    because XLA's autotuning allocates its scratch from the same pool while programs compile (on
-    an H100 a compile failed for want of 1 GiB when the budget was the whole pool)."""
-    pool_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_POOL_FRACTION))
-    return (1 - POOL_HEADROOM) * min(bytes_limit, bytes_limit / pool_fraction * gpu_memory_utilization)
-
-
 def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graphdef, state,
                   attention: AttentionBackend, plan: ShardingPlan | None = None, draft_bytes_per_block: int = 0) -> int:
     """Blocks that fit in free device memory (or the CPU budget), never more than useful.
     `draft_bytes_per_block`: a draft model's KV of one block, which every block also holds.
 
-    On accelerators: gpu_memory_utilization of the card (within JAX's pool, `size_device_pool`),
+    On accelerators: gpu_memory_utilization of the card (`jaxengine.device_memory`),
     minus what is in use after the weights, minus the profiled peak of one step of the largest bucket.
     """
     if config.num_kv_blocks is not None:
@@ -268,22 +239,23 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graph
     most_useful = config.max_num_seqs * config.max_blocks_per_seq + 1
     jax.block_until_ready(state)  # the weights' initialisers done and their temporaries freed
     gc.collect()
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
+    free = free_for_kv_and_step(jax.local_devices()[0], config.gpu_memory_utilization)
+    if free is not None:
+        free, source = free
         step = profile_step_bytes(config, mc, graphdef, state, dtype, plan, attention)
         if step is None:  # no buffer analysis: a rough bound (activations, logits, sampler copies)
             t, r = config.max_num_batched_tokens, min(config.max_num_batched_tokens, config.max_num_seqs)
             step = 2 * (t * (4 * mc.hidden_size + 3 * mc.intermediate_size) * jnp.dtype(dtype).itemsize
                         + 4 * r * mc.vocab_size * 4)
-        free = device_memory_budget(stats["bytes_limit"], config.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
         n = int((free - step) // per_block)
-        logger.info("KV cache: %.2f GiB free after weights, %.2f GiB profiled step peak",
-                    free / 2**30, step / 2**30)
+        logger.info("KV cache: %.2f GiB free after weights (%s), %.2f GiB profiled step peak",
+                    free / 2**30, source, step / 2**30)
     elif jax.default_backend() == "cpu":
         n = int(config.cpu_kv_cache_bytes // per_block)
-    else:  # e.g. XLA_PYTHON_CLIENT_ALLOCATOR=vmm, whose allocator reports no memory statistics
+    else:  # e.g. the VMM allocator, which reports no memory statistics, without NVML to ask
         raise ValueError(f"the {jax.default_backend()} backend reports no device memory statistics, so the KV "
-                         "cache cannot be sized from gpu_memory_utilization: give num_kv_blocks (--num-kv-blocks)")
+                         "cache cannot be sized from gpu_memory_utilization: give num_kv_blocks (--num-kv-blocks), "
+                         "or install nvidia-ml-py")
     n = agree_min(min(n, most_useful))  # every process of a multi-host job allocates the same pool
     if (n - 1) * config.block_size < config.max_model_len:
         raise ValueError(

@@ -30,7 +30,7 @@ CONFIGS = {"llama-bf16": ("llama-3-8b", None), "llama-fp8": ("llama-3-8b", "fp8"
 
 
 def one(name: str) -> dict:
-    from jaxengine.loading import size_device_pool
+    from jaxengine.device_memory import size_device_pool
 
     size_device_pool(0.9)
     import numpy as np

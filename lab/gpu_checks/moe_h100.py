@@ -289,7 +289,7 @@ def main() -> int:
 
         faulthandler.dump_traceback_later(args.dump_after, exit=False)
 
-    from jaxengine.loading import size_device_pool
+    from jaxengine.device_memory import size_device_pool
 
     size_device_pool(0.9)  # the pool the engine would size, before this process starts the backend
     import jax

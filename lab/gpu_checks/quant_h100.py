@@ -192,7 +192,7 @@ def micro_fp8() -> dict:
 
 
 def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-8b") -> dict:
-    from jaxengine.loading import size_device_pool
+    from jaxengine.device_memory import size_device_pool
 
     size_device_pool(0.9)  # the pool the engine would size, before the ceilings start the backend
     import jax
