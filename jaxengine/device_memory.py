@@ -1,38 +1,22 @@
-"""The GPU backend's memory set-up, chosen before JAX starts its backend, and the memory budget
-the KV cache is sized from.
+"""The GPU backend's memory: the pool JAX reserves, chosen before JAX starts its backend, and the
+budget the KV cache is sized from.
 
-Two settings are made through the environment, because JAX reads them once, when its GPU client
-is created:
-
-- The pool (`XLA_PYTHON_CLIENT_MEM_FRACTION`): `gpu_memory_utilization` of the card, as vLLM's
-  flag means (`size_device_pool`).
-- Stable temporaries for the step's command buffers (`use_stable_temp`): XLA replays each program
-  as CUDA graphs, but updates every command whose buffers moved since the last call, and by
-  default a program's temp buffer moves on every call, so every command is updated on every
-  step. `--xla_gpu_command_buffer_update_mode=SKIP_TEMP` with JAX's VMM allocator
-  (`XLA_PYTHON_CLIENT_ALLOCATOR=vmm`) keeps each temp at one virtual address, and XLA then skips
-  the commands that touch only temporaries (docs/design.md, "The launch of a step"). The VMM
-  allocator reports no memory statistics, so the budget then comes from the card itself
-  (`card_memory`, NVIDIA's NVML through `pynvml`).
-
-The user's own settings always stand: any XLA_PYTHON_CLIENT_ALLOCATOR, or an XLA_FLAGS that names
-the update mode, turns the default off (`XLA_PYTHON_CLIENT_ALLOCATOR=default` keeps JAX's own).
+- The pool (`XLA_PYTHON_CLIENT_MEM_FRACTION`) is `gpu_memory_utilization` of the card, as vLLM's
+  flag means (`size_device_pool`); JAX reads it once, when its GPU client is created.
+- The budget (`free_for_kv_and_step`) comes from JAX's pool statistics. JAX's VMM allocator
+  (`XLA_PYTHON_CLIENT_ALLOCATOR=vmm`, which XLA's SKIP_TEMP command-buffer mode needs: see
+  docs/design.md, "The launch of a step") reports none, so there the card itself is asked, through
+  NVIDIA's NVML (`pynvml`, installed with the cuda12/cuda13 extras).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
 import os
-
-logger = logging.getLogger(__name__)
 
 JAX_DEFAULT_POOL_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default on GPUs
 POOL_HEADROOM = 0.1  # share of the budget left free for XLA's compile-time scratch
-STABLE_TEMP_FLAG = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
-STABLE_TEMP_MIN_JAXLIB = (0, 11, 2)  # the first release measured with the mode (docs/design.md)
-CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 
 def _installed(module: str) -> bool:
@@ -55,58 +39,6 @@ def size_device_pool(gpu_memory_utilization: float) -> None:
     if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ or _backend_started():
         return
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{gpu_memory_utilization:.4f}"
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
-def stable_temp_blocker(tensor_parallel_size: int) -> str | None:
-    """Why the stable-temp default cannot be used in this process (None: it can)."""
-    import jaxlib
-
-    if "XLA_PYTHON_CLIENT_ALLOCATOR" in os.environ:
-        return f"XLA_PYTHON_CLIENT_ALLOCATOR={os.environ['XLA_PYTHON_CLIENT_ALLOCATOR']} is set"
-    if "command_buffer_update_mode" in os.environ.get("XLA_FLAGS", ""):
-        return "XLA_FLAGS sets the command buffer update mode"
-    if os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower() in ("cpu", "tpu"):
-        return f"JAX_PLATFORMS={os.environ['JAX_PLATFORMS']}"
-    if not any(_installed(name) for name in CUDA_PLUGINS):
-        return "no CUDA plugin is installed"
-    if _version_tuple(jaxlib.__version__) < STABLE_TEMP_MIN_JAXLIB:
-        return f"jaxlib {jaxlib.__version__} predates the update mode"
-    if tensor_parallel_size != 1:  # NCCL under the VMM allocator is not measured yet
-        return "tensor_parallel_size > 1"
-    if not _installed("pynvml"):
-        return "pynvml (nvidia-ml-py) is not installed, and the KV cache is sized from NVML under this allocator"
-    if _backend_started():
-        return "the backend has already started"
-    return None
-
-
-def use_stable_temp(tensor_parallel_size: int) -> bool:
-    """Selects the VMM allocator and SKIP_TEMP command-buffer updates for this process when
-    `stable_temp_blocker` finds nothing against it; returns whether the process runs that way
-    (also when the user chose it)."""
-    blocker = stable_temp_blocker(tensor_parallel_size)
-    if blocker is None:
-        os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "vmm"
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {STABLE_TEMP_FLAG}".strip()
-        logger.info("GPU: VMM allocator with %s (stable temp buffers in the steps' command buffers)",
-                    STABLE_TEMP_FLAG)
-        return True
-    logger.debug("GPU: stable temp buffers not chosen: %s", blocker)
-    return os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "vmm"
-
-
-def prepare_gpu_backend(gpu_memory_utilization: float, tensor_parallel_size: int) -> None:
-    """The environment JAX's GPU client is made from (nothing happens once the backend started)."""
-    size_device_pool(gpu_memory_utilization)
-    use_stable_temp(tensor_parallel_size)
 
 
 def device_memory_budget(bytes_limit: int, gpu_memory_utilization: float) -> float:

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxengine.attention_backend import AttentionBackend, select_attention_backend
 from jaxengine.config import EngineConfig
 from jaxengine.default_model import default_model_path
-from jaxengine.device_memory import free_for_kv_and_step, prepare_gpu_backend
+from jaxengine.device_memory import free_for_kv_and_step, size_device_pool
 from jaxengine.distributed import agree_min
 from jaxengine.draft_model import LoadedDraft
 from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
@@ -64,7 +64,7 @@ def load_model(config: EngineConfig, timings: StartupTimings | None = None) -> L
         logger.info("enforce_eager: the engine still runs compiled programs, one per token bucket (XLA has no "
                     "eager step); each is compiled on its first use, none ahead")
     enable_compilation_cache(config.compilation_cache_dir)
-    prepare_gpu_backend(config.gpu_memory_utilization, config.tensor_parallel_size)
+    size_device_pool(config.gpu_memory_utilization)
     with timings.phase("device_init"):
         config = config.resolve_warmup(jax.default_backend())
     with timings.phase("weight_load"):

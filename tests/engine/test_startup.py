@@ -154,55 +154,6 @@ def test_accelerator_without_memory_statistics_asks_for_num_kv_blocks(monkeypatc
         loading.num_kv_blocks(config, mc, jnp.float32, None, {}, attention)
 
 
-def _gpu_ready_process(monkeypatch, jaxlib_version="0.11.2", installed=("jax_cuda12_plugin", "pynvml")):
-    """A process as on a GPU machine before the backend starts: a CUDA plugin and pynvml found."""
-    import jaxlib
-    from jax._src import xla_bridge
-
-    from jaxengine import device_memory
-
-    monkeypatch.setattr(device_memory, "_installed", lambda name: name in installed)
-    monkeypatch.setattr(jaxlib, "__version__", jaxlib_version)
-    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
-    for var in ("XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-
-
-def test_stable_temp_buffers_are_the_gpu_default_unless_the_user_chose(monkeypatch):
-    """On a GPU process with a recent jaxlib, one device and NVML, the engine picks the VMM allocator
-    and SKIP_TEMP updates (the step's launch skips the commands that touch only temporaries); the
-    user's allocator or update mode, tensor parallelism, an older jaxlib, a started backend or a
-    missing pynvml leave JAX's defaults, each for a stated reason."""
-    import os
-
-    from jaxengine import device_memory
-
-    _gpu_ready_process(monkeypatch)
-    assert device_memory.use_stable_temp(1)
-    assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "vmm"
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + device_memory.STABLE_TEMP_FLAG
-    assert "XLA_PYTHON_CLIENT_ALLOCATOR=vmm is set" in device_memory.stable_temp_blocker(1)  # a second engine
-    assert device_memory.use_stable_temp(1)  # the flag is not added twice, and the process still runs that way
-    assert os.environ["XLA_FLAGS"].count("SKIP_TEMP") == 1
-
-    _gpu_ready_process(monkeypatch)
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "default")
-    assert not device_memory.use_stable_temp(1) and os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
-    cases = {"tensor_parallel_size": (2, {}), "predates": (1, {"jaxlib_version": "0.10.2"}),
-             "no CUDA plugin": (1, {"installed": ("pynvml",)}), "pynvml": (1, {"installed": ("jax_cuda13_plugin",)})}
-    for reason, (tp, kw) in cases.items():
-        _gpu_ready_process(monkeypatch, **kw)
-        assert reason in device_memory.stable_temp_blocker(tp)
-        assert not device_memory.use_stable_temp(tp) and "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ
-    _gpu_ready_process(monkeypatch)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE")
-    assert "update mode" in device_memory.stable_temp_blocker(1)
-    _gpu_ready_process(monkeypatch)
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert "JAX_PLATFORMS" in device_memory.stable_temp_blocker(1)
-
-
 def test_kv_budget_comes_from_nvml_when_the_allocator_reports_nothing(monkeypatch):
     """Under the VMM allocator `memory_stats()` is None: the budget is gpu_memory_utilization of the
     card (less the compile headroom) less what the card already holds, for the GPU that
@@ -223,7 +174,7 @@ def test_kv_budget_comes_from_nvml_when_the_allocator_reports_nothing(monkeypatc
         nvmlDeviceGetHandleByUUID=lambda u: calls.append(("uuid", u)) or u,
         nvmlDeviceGetMemoryInfo=lambda h: Info)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    _gpu_ready_process(monkeypatch)
+    monkeypatch.setattr(device_memory, "_installed", lambda name: name == "pynvml")
     gpu = types.SimpleNamespace(platform="gpu", local_hardware_id=1, memory_stats=lambda: None)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
     free, source = device_memory.free_for_kv_and_step(gpu, 0.5)
