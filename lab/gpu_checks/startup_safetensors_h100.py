@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/llama3-8b-random")
     ap.add_argument("--warm-runs", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--reuse", action="store_true", help="keep a checkpoint already in --dir (from an earlier run)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -101,12 +102,17 @@ def main() -> int:
 
     cfg = dict(PRESETS["llama-3-8b"])
     t0 = time.perf_counter()
-    size = write_checkpoint(args.dir, cfg)
-    tok = synthetic_tokenizer(tempfile.mkdtemp(prefix="tok-"), cfg["vocab_size"])
-    for f in os.listdir(tok):
-        shutil.copy(os.path.join(tok, f), args.dir)
-    write_s = time.perf_counter() - t0
-    print(f"wrote {size / 1e9:.2f} GB in {write_s:.1f} s to {args.dir}", flush=True)
+    if args.reuse and os.path.exists(os.path.join(args.dir, "model.safetensors.index.json")):
+        size = sum(int(np.prod(shape)) * 2 for _, shape in tensors(cfg))
+        write_s = None
+        print(f"reusing the {size / 1e9:.2f} GB checkpoint in {args.dir}", flush=True)
+    else:
+        size = write_checkpoint(args.dir, cfg)
+        tok = synthetic_tokenizer(tempfile.mkdtemp(prefix="tok-"), cfg["vocab_size"])
+        for f in os.listdir(tok):
+            shutil.copy(os.path.join(tok, f), args.dir)
+        write_s = time.perf_counter() - t0
+        print(f"wrote {size / 1e9:.2f} GB in {write_s:.1f} s to {args.dir}", flush=True)
     cache = tempfile.mkdtemp(prefix="jaxengine-startup-st-")
     try:
         res = measure(args.dir, {}, "Hello", 8, 1, args.warm_runs, cache, args.timeout)
