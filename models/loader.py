@@ -96,28 +96,6 @@ class _ExpertStacks:
                 for e in range(stack.shape[0]) for i, part in enumerate(parts) if (e, i) not in filled]
 
 
-READ_AHEAD = 4  # tensors read from the checkpoint ahead of the one being placed
-
-
-def _read_ahead(checkpoint, names: list[str]):
-    """`checkpoint.get_tensor` of each name in order, the next READ_AHEAD read on a thread
-    meanwhile (file reads release the GIL), so reading overlaps placing."""
-    with ThreadPoolExecutor(1, thread_name_prefix="jaxengine-read") as pool:
-        pending = [pool.submit(checkpoint.get_tensor, n) for n in names[:READ_AHEAD]]
-        for i in range(len(names)):
-            if i + READ_AHEAD < len(names):
-                pending.append(pool.submit(checkpoint.get_tensor, names[i + READ_AHEAD]))
-            yield pending[i].result()
-            pending[i] = None  # the array is the caller's now
-
-
-def _cast(arr, dtype: jnp.dtype):
-    """`arr` in the model's dtype, where it lives (a placed array is cast on its device)."""
-    if isinstance(arr, jax.Array):
-        return arr.astype(dtype)
-    return np.asarray(arr).astype(dtype, copy=False)
-
-
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
     if dtype == "auto":
         return DTYPES[cfg.torch_dtype]
@@ -138,18 +116,15 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
                 quantization: QuantScheme | None = None):
     """Reads every tensor of `checkpoint` into a new state; returns (graphdef, state).
 
-    `put(path, array)` places one parameter on device(s), so a sharded placement can load each
-    tensor straight into its shards. Without it (one device) each tensor is placed as stored and
-    its layout transform, dtype cast and fused concatenation run on the device: the host then only
-    reads and copies bytes (numpy's strided transposes and bf16 casts were most of a load), while
-    the next tensors are read ahead on a thread. `quantization`: the linear weights are read from
-    the scheme's tensors (a quantized checkpoint) or quantized once placed (fp8 at load time); see
-    models/quant_formats.py.
+    `put(path, array)` places one parameter on device(s) (default: `jax.device_put`), so a
+    sharded placement can load each tensor straight into its shards. A fused parameter (q/k/v,
+    gate/up) is joined and placed as soon as its last part is read, so the host holds the parts of
+    one layer at a time. `quantization`: the linear weights are read from the scheme's tensors (a
+    quantized checkpoint) or quantized once placed (fp8 at load time); see models/quant_formats.py.
     """
     graphdef, abs_state = abstract_model(cfg, dtype)
     pure = nnx.to_pure_dict(abs_state)
     expected = flatten_paths(pure)
-    on_device = put is None
     plain_put = put or (lambda path, arr: jax.device_put(arr))
 
     def put(path: Path, arr):
@@ -165,16 +140,14 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
         try:
             if any(is_quantized(a) for a in pieces):
                 arr = with_model_shape(concat_outputs(pieces), str(path[-1]), want, dtype)
-            elif any(isinstance(a, jax.Array) for a in pieces):
-                arr = jnp.concatenate(pieces, axis)
             else:
                 arr = np.concatenate(pieces, axis)
-        except (ValueError, TypeError):
+        except ValueError:
             arr = None
         if arr is None or tuple(arr.shape) != want:
             shapes = ", ".join(f"{got[p][0]} {tuple(got[p][1].shape)}" for p in parts)
             return f"{shapes}: do not fit fused parameter {want}"
-        set_path(pure, path, put(path, arr if is_quantized(arr) else _cast(arr, dtype)))
+        set_path(pure, path, put(path, arr if is_quantized(arr) else np.asarray(arr).astype(dtype, copy=False)))
         return None
 
     if quantization is not None and quantization.from_checkpoint:
@@ -197,17 +170,13 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             unexpected.append(name)
             continue
         to_read.append((name, hits, experts))
-    for (name, hits, experts), raw in zip(to_read, _read_ahead(checkpoint, [n for n, _, _ in to_read])):
+    for name, hits, experts in to_read:
+        raw = checkpoint.get_tensor(name)
         raw = raw if is_quantized(raw) else np.asarray(raw)
-        stored = None  # the tensor placed as stored, once for all the parameters it fills
         for path, fn, fused in hits:
-            src = raw
-            if on_device and not is_quantized(raw) and experts[path] is None:  # expert stacks fill on the host
-                stored = jax.device_put(raw) if stored is None else stored
-                src = stored
             try:
-                arr = raw if is_quantized(raw) else fn(src, cfg)  # quantized: flat (K, N), no layout change
-            except (ValueError, TypeError):  # numpy and jax say a reshape does not fit in these two ways
+                arr = raw if is_quantized(raw) else fn(raw, cfg)  # quantized: flat (K, N), no layout change
+            except ValueError:
                 arr = None
             if experts[path] is not None:
                 error = stacks.add(name, path, experts[path], arr, tuple(raw.shape))
@@ -234,7 +203,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             elif arr is None or tuple(arr.shape) != want:
                 bad_shapes.append(f"{name}: checkpoint shape {tuple(raw.shape)} does not fit parameter {want}")
                 continue
-            set_path(pure, path, put(path, arr if is_quantized(arr) else _cast(arr, dtype)))
+            set_path(pure, path, put(path, arr if is_quantized(arr) else np.asarray(arr).astype(dtype, copy=False)))
             seen.add(path)
     missing_parts = []
     for path in [p for p in expected if str(p[-1]) in FUSED and p not in stacks.targets and p not in seen]:

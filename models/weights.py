@@ -21,8 +21,6 @@ import numpy as np
 from jaxengine.models.config import ModelConfig
 
 Path = tuple[str | int, ...]
-# A layout transform takes a numpy or a jax array (the loader applies it on the device when it can), so
-# it uses array methods and attributes only (.T, .reshape, .repeat, slicing), never numpy functions.
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 
 
