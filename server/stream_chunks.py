@@ -42,8 +42,7 @@ def _opt(value: int | str | None) -> str:
         return "null"
     if isinstance(value, str):
         return encode_basestring(value)
-    assert type(value) is int, value  # noqa: E721 - a bool would dump as true/false
-    return str(value)
+    return str(int(value))  # a token id (a numpy integer would pass too)
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:

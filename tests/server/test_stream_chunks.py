@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxengine.server.protocol import (ChatCompletionStreamResponse, ChatStreamChoice, CompletionChoice,
@@ -19,8 +20,8 @@ NAMES = ["tiny", 'we"ird \\ "choices":[] \u00e9']
 
 @pytest.mark.parametrize("model", NAMES)
 @pytest.mark.parametrize("text", TEXTS)
-@pytest.mark.parametrize("finish,stop", [(None, None), ("length", None), ("stop", 2), ("stop", "END\n\"x\""),
-                                         ("abort", None)])
+@pytest.mark.parametrize("finish,stop", [(None, None), ("length", None), ("stop", 2), ("stop", np.int64(7)),
+                                         ("stop", "END\n\"x\""), ("abort", None)])
 def test_completion_chunk_equals_pydantic(model: str, text: str, finish: str | None, stop: int | str | None) -> None:
     full = CompletionStreamResponse(id="cmpl-1-0", created=1700000000, model=model,
                                     choices=[CompletionChoice(index=3, text=text, finish_reason=finish,
