@@ -181,6 +181,9 @@ md.append(f"| after + httptools 0.9.0 installed (uvicorn picks it over h11) | 3 
 c_old = [round(r['out_tok_s']) for r in client if 'committed' in r['config']]; c_new = [round(r['out_tok_s']) for r in client if 'tried' in r['config']]
 md.append(f"| client splitting SSE lines from raw bytes instead of httpx `aiter_lines` | 3 vs 3 | {'/'.join(map(str, c_new))} vs {'/'.join(map(str, c_old))} | client CPU not lower (2.72-3.00 s vs 2.59-2.83 s): the cost is httpx's read path, not line splitting; reverted |")
 md += ["", "## What is left", "",
+       "- On one H100 the gap is not there at main (serve_vs_offline_h100.md: 0.93-1.03 of offline, Llama-3-8B shape, 800 x 1024/128, "
+       "switch interval 5 ms or 0.5 ms alike); what remains is a CPU-machine and small-model effect, where the per-chunk work is large "
+       "against the step.",
        "- On this 2-core machine the serve run is CPU-bound (server about 3.4-4.1 s CPU, client 2.5-3.2 s, another session 1-2 cores): "
        "any CPU taken off the per-chunk path shows up, but the ratio depends on the load as much as on the code.",
        "- The per-chunk cost that remains is mostly outside the server's own code (uvloop's write, h11, Starlette's send wrappers, "
