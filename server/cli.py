@@ -50,8 +50,9 @@ METRICS_VLLM_NAMES_ENV = "JAXENGINE_METRICS_VLLM_NAMES"
 # How long CPython lets one thread hold the GIL while another waits for it (its default: 5 ms). The
 # engine thread gives the GIL up at every device call and wait of a step and must get it back from
 # the event loop, which streams one chunk per request per step: with 5 ms, each of those hand-backs
-# may wait 5 ms behind the loop. At rate inf on the CPU (256 streams) 0.5 ms gave about 1.3x the
-# output tok/s (benchmarks/results/serve_vs_offline_cpu.md).
+# may wait 5 ms behind the loop. At rate inf on the 2-core CPU (256 streams, tiny model) 0.5 ms gave
+# 1.2-1.5x the output tok/s in alternating rounds; on one H100 (Llama-3-8B shape, 48 ms steps) it made
+# no difference (benchmarks/results/serve_vs_offline_{cpu,h100}.md).
 SERVER_SWITCH_INTERVAL_S = 0.0005
 _NOT_CONFIGURABLE = {"help", "config", "func", "_serve_actions"}
 
