@@ -47,6 +47,13 @@ logger = logging.getLogger(__name__)
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 API_KEY_ENV = "JAXENGINE_API_KEY"
 METRICS_VLLM_NAMES_ENV = "JAXENGINE_METRICS_VLLM_NAMES"
+# How long CPython lets one thread hold the GIL while another waits for it (its default: 5 ms). The
+# engine thread gives the GIL up at every device call and wait of a step and must get it back from
+# the event loop, which streams one chunk per request per step: with 5 ms, each of those hand-backs
+# may wait 5 ms behind the loop. At rate inf on the 2-core CPU (256 streams, tiny model) 0.5 ms gave
+# 1.2-1.5x the output tok/s in alternating rounds; on one H100 (Llama-3-8B shape, 48 ms steps) it made
+# no difference (benchmarks/results/serve_vs_offline_{cpu,h100}.md).
+SERVER_SWITCH_INTERVAL_S = 0.0005
 _NOT_CONFIGURABLE = {"help", "config", "func", "_serve_actions"}
 
 
@@ -336,6 +343,7 @@ def run_server(engine: LLMEngine | PoolingEngineBase, settings: ServerSettings,
     # walk only what requests allocate (vLLM does the same after its start-up).
     gc.collect()
     gc.freeze()
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)  # process-wide: this process serves one engine
     with _quiet_signals():
         server.run(sockets=list(sockets) if sockets else None)
     if async_engine.error is not None:

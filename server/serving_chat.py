@@ -27,14 +27,15 @@ from jaxengine.async_engine import RequestStream
 from jaxengine.server.errors import EngineDeadError, OpenAIError
 from jaxengine.server.reasoning_parsers import REASONING_PARSERS
 from jaxengine.server.serving_beam import beam_chat
+from jaxengine.server.stream_chunks import ChunkTemplate, chat_content_choice
 from jaxengine.server.serving_tools import (OutputDelta, OutputParser, chat_constraint, plan_tools, template_tools,
                                             whole_message)
 from jaxengine.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice, ChoiceLogprobs,
                                        DeltaMessage)
 from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, chat_logprobs,
-                                             chat_logprobs_setting, open_streams, prompt_logprobs_json,
-                                             reject_unsupported, stream_error_event,
+                                             chat_logprobs_setting, close_all_on_loop, open_streams,
+                                             prompt_logprobs_json, reject_unsupported, stream_error_event,
                                              sampling_params, sse, until_disconnected, usage)
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.stream:
         return StreamingResponse(_stream(req, model, request_id, stream, len(ids), top_logprobs,
                                          params.output_text_buffer_length, parser), media_type="text/event-stream",
-                                 background=BackgroundTask(stream.close))  # even if the body never started
+                                 # closes the stream even if the body never started
+                                 background=BackgroundTask(close_all_on_loop, [stream]))
     result = await until_disconnected(raw, _collect(req, model, request_id, stream, top_logprobs, parser))
     if result is None:
         return Response(status_code=499)
@@ -146,6 +148,10 @@ async def _stream(req: ChatCompletionRequest, model: str, request_id: str, strea
         return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
                                                 usage=u).model_dump_json())
 
+    # A content-only chunk without logprobs or usage, written from a template (server/stream_chunks.py).
+    plain = None if continuous else ChunkTemplate(ChatCompletionStreamResponse(id=request_id, created=created,
+                                                                               model=model, choices=[]))
+
     try:
         for i in range(req.n):
             yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
@@ -159,7 +165,10 @@ async def _stream(req: ChatCompletionRequest, model: str, request_id: str, strea
                     lp = ChoiceLogprobs(content=chat_logprobs(d.token_ids, d.logprobs, top_logprobs))
                 p = parsers[c.index]
                 parts = p.feed(d.text)
-                if parts or lp is not None:
+                if plain is not None and lp is None and parts.content and not parts.reasoning \
+                        and not parts.tool_calls:
+                    yield plain.event(chat_content_choice(c.index, parts.content))
+                elif parts or lp is not None:
                     yield chunk(ChatStreamChoice(index=c.index, delta=_delta(parts), logprobs=lp))
                 if d.finish_reason is not None:
                     rest = p.finish()

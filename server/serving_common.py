@@ -205,6 +205,12 @@ def close_all(streams: Sequence[RequestStream]) -> None:
         s.close()
 
 
+async def close_all_on_loop(streams: Sequence[RequestStream]) -> None:
+    """`close_all` as a streamed response's background task: a coroutine runs on the event loop,
+    which owns the streams; a plain function would be sent to a worker thread, once per request."""
+    close_all(streams)
+
+
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several streams as they arrive."""
     if len(streams) == 1:

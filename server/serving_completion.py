@@ -17,14 +17,14 @@ from jaxengine.outputs import RequestOutput
 from jaxengine.async_engine import RequestStream
 from jaxengine.server.errors import EngineDeadError, OpenAIError
 from jaxengine.server.serving_beam import beam_completion
+from jaxengine.server.stream_chunks import ChunkTemplate, completion_choice
 from jaxengine.server.structured_request import request_constraint
 from jaxengine.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                        CompletionResponse, CompletionStreamResponse)
-from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, close_all, completion_logprobs,
-                                             echo_logprobs, join_logprobs, merge_streams, open_streams,
-                                             prompt_logprobs_json, reject_unsupported, sampling_params, sse,
-                                             stream_error_event,
-                                             until_disconnected, usage)
+from jaxengine.server.serving_common import (SSE_DONE, ChoiceState, ServingContext, close_all, close_all_on_loop,
+                                             completion_logprobs, echo_logprobs, join_logprobs, merge_streams,
+                                             open_streams, prompt_logprobs_json, reject_unsupported, sampling_params,
+                                             sse, stream_error_event, until_disconnected, usage)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         # (then the generator never runs, and neither does its `finally`).
         return StreamingResponse(_stream(ctx, req, model, request_id, streams, prompts, echo,
                                          params.output_text_buffer_length),
-                                 media_type="text/event-stream", background=BackgroundTask(close_all, streams))
+                                 media_type="text/event-stream", background=BackgroundTask(close_all_on_loop, streams))
     result = await until_disconnected(raw, _collect(ctx, req, model, request_id, streams, prompts, echo))
     if result is None:
         return Response(status_code=499)
@@ -138,6 +138,10 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, model: str, reque
         return sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
                                             usage=u).model_dump_json())
 
+    # The per-token chunk without logprobs or usage, written from a template (server/stream_chunks.py).
+    plain = None if continuous else ChunkTemplate(CompletionStreamResponse(id=request_id, created=created,
+                                                                           model=model, choices=[]))
+
     # With logprobs the echoed prompt waits for the first output, which carries the prompt's logprobs.
     echo_pending = {i for i, text in enumerate(echo) if text and req.logprobs is not None}
     try:
@@ -162,6 +166,9 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, model: str, reque
                 if req.logprobs is not None and d.logprobs is not None:
                     lp = completion_logprobs(d.token_ids, d.logprobs, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp.tokens)
+                elif plain is not None:
+                    yield plain.event(completion_choice(index, d.text, d.finish_reason, d.stop_reason))
+                    continue
                 yield chunk([CompletionChoice(index=index, text=d.text, logprobs=lp,
                                               finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
         if include_usage:

@@ -1,0 +1,51 @@
+"""`python -m jaxengine.server ARGS` with a side door for measurements (issue #32), nothing else changed.
+
+Files in $SERVE_GAP_DIR (default /tmp/serve_gap), polled every 50 ms by a daemon thread:
+- `timing_req_<port>` appears -> `timing_<port>.json` gets `LLMEngine.timing` (steps, step_s,
+  device_wait_s) and the GIL switch interval now;
+- `switch_<port>` appears holding seconds -> `sys.setswitchinterval(seconds)`, then it is removed.
+Used by lab/serve_gap/h100_switch.sh and the CPU runs of benchmarks/results/serve_vs_offline_cpu.md.
+"""
+
+import json
+import os
+import runpy
+import sys
+import threading
+import time
+
+import jaxengine.async_engine as async_engine
+
+DIR = os.environ.get("SERVE_GAP_DIR", "/tmp/serve_gap")
+PORT = sys.argv[sys.argv.index("--port") + 1]
+_engine = {}
+_init = async_engine.AsyncEngine.__init__
+
+
+def _remember(self, engine, **kwargs):
+    _engine["engine"] = engine
+    _init(self, engine, **kwargs)
+
+
+def _poll() -> None:
+    req, switch = os.path.join(DIR, f"timing_req_{PORT}"), os.path.join(DIR, f"switch_{PORT}")
+    out = os.path.join(DIR, f"timing_{PORT}.json")
+    while True:
+        time.sleep(0.05)
+        if os.path.exists(switch):
+            with open(switch) as f:
+                sys.setswitchinterval(float(f.read()))
+            os.remove(switch)
+        if os.path.exists(req) and "engine" in _engine:
+            os.remove(req)
+            timing = dict(_engine["engine"].timing, switch_interval_s=sys.getswitchinterval())
+            with open(out + ".tmp", "w") as f:
+                json.dump(timing, f)
+            os.replace(out + ".tmp", out)
+
+
+os.makedirs(DIR, exist_ok=True)
+async_engine.AsyncEngine.__init__ = _remember
+threading.Thread(target=_poll, daemon=True).start()
+sys.argv = ["jaxengine.server"] + sys.argv[1:]
+runpy.run_module("jaxengine.server", run_name="__main__")
