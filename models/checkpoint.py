@@ -92,12 +92,36 @@ class Checkpoint(abc.ABC):
         return ValueError(f"tensor {name!r} is not in checkpoint {self.path}{hint}")
 
 
+# tokenizer_config.json classes that AutoTokenizer resolves to transformers' generic tokenizers-library
+# class (Llama 3's and most recent checkpoints' fast tokenizers)
+_GENERIC_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _generic_tokenizer_folder(source: str) -> bool:
+    """A local folder whose tokenizer is the generic class, with its tokenizer.json."""
+    folder = Path(source)
+    try:
+        with open(folder / "tokenizer_config.json", encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return name in _GENERIC_TOKENIZER_CLASSES and (folder / "tokenizer.json").is_file()
+
+
 def load_hf_tokenizer(source: str, **kwargs: str) -> "PreTrainedTokenizerBase":
-    """AutoTokenizer.from_pretrained with failures turned into one clear ValueError."""
-    from transformers import AutoTokenizer
+    """AutoTokenizer.from_pretrained with failures turned into one clear ValueError.
+
+    A local folder whose tokenizer_config names the generic fast class is loaded with that class
+    directly, which is what AutoTokenizer would build: importing AutoTokenizer also imports
+    transformers' model configuration code and, where it is installed, PyTorch, on the thread that
+    loads the tokenizer beside the weights, where it holds back the weight load."""
+    if not kwargs and _generic_tokenizer_folder(source):
+        from transformers import PreTrainedTokenizerFast as loader
+    else:
+        from transformers import AutoTokenizer as loader
 
     try:
-        return AutoTokenizer.from_pretrained(source, **kwargs)
+        return loader.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot load a tokenizer from {source!r}: {e}") from e
 

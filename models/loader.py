@@ -96,6 +96,21 @@ class _ExpertStacks:
                 for e in range(stack.shape[0]) for i, part in enumerate(parts) if (e, i) not in filled]
 
 
+READ_AHEAD = 4  # tensors read from the checkpoint ahead of the one being placed
+
+
+def _read_ahead(checkpoint, names: list[str]):
+    """`checkpoint.get_tensor` of each name in order, the next READ_AHEAD read meanwhile on one
+    thread (file reads release the GIL)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="jaxengine-read") as pool:
+        pending = [pool.submit(checkpoint.get_tensor, n) for n in names[:READ_AHEAD]]
+        for i in range(len(names)):
+            if i + READ_AHEAD < len(names):
+                pending.append(pool.submit(checkpoint.get_tensor, names[i + READ_AHEAD]))
+            yield pending[i].result()
+            pending[i] = None  # the caller holds the array now
+
+
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
     if dtype == "auto":
         return DTYPES[cfg.torch_dtype]
@@ -117,9 +132,10 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
     """Reads every tensor of `checkpoint` into a new state; returns (graphdef, state).
 
     `put(path, array)` places one parameter on device(s) (default: `jax.device_put`), so a
-    sharded placement can load each tensor straight into its shards. A fused parameter (q/k/v,
-    gate/up) is joined and placed as soon as its last part is read, so the host holds the parts of
-    one layer at a time. `quantization`: the linear weights are read from the scheme's tensors (a
+    sharded placement can load each tensor straight into its shards. The next tensors are read on
+    a thread while one is placed (file reads and device copies then overlap). A fused parameter
+    (q/k/v, gate/up) is joined and placed as soon as its last part is read, so the host holds the
+    parts of one layer at a time. `quantization`: the linear weights are read from the scheme's tensors (a
     quantized checkpoint) or quantized once placed (fp8 at load time); see models/quant_formats.py.
     """
     graphdef, abs_state = abstract_model(cfg, dtype)
@@ -170,8 +186,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
             unexpected.append(name)
             continue
         to_read.append((name, hits, experts))
-    for name, hits, experts in to_read:
-        raw = checkpoint.get_tensor(name)
+    for (name, hits, experts), raw in zip(to_read, _read_ahead(checkpoint, [n for n, _, _ in to_read])):
         raw = raw if is_quantized(raw) else np.asarray(raw)
         for path, fn, fused in hits:
             try:

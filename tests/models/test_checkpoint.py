@@ -174,3 +174,32 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match=r"jaxengine-tests/no-such-model.*neither a local path nor reachable"):
         open_checkpoint("jaxengine-tests/no-such-model")
+
+
+def test_generic_fast_tokenizer_folder_skips_autotokenizer(tmp_path: Path, monkeypatch) -> None:
+    """A folder whose tokenizer_config names the generic fast class (Llama 3's) loads with that class
+    directly, as AutoTokenizer would build it, without importing AutoTokenizer's model machinery;
+    any other class still goes through AutoTokenizer."""
+    from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer
+    from jaxengine.models.checkpoint import load_hf_tokenizer
+
+    folder = synthetic_tokenizer(str(tmp_path / "tok"), 300)
+    config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config))
+    want = transformers.AutoTokenizer.from_pretrained(folder)
+
+    def refuse(*a, **k):
+        raise AssertionError("AutoTokenizer used")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    got = load_hf_tokenizer(folder)
+    text = "w1 w2 w299 w17 unknown"
+    assert type(got) is type(want) and got(text).input_ids == want(text).input_ids
+    assert (got.bos_token_id, got.eos_token_id, got.decode(got(text).input_ids)) == (
+        want.bos_token_id, want.eos_token_id, want.decode(want(text).input_ids))
+
+    config["tokenizer_class"] = "GPT2Tokenizer"  # another class: AutoTokenizer decides
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(AssertionError, match="AutoTokenizer used"):
+        load_hf_tokenizer(folder)
