@@ -60,3 +60,82 @@ def smollm2_reference():
     with cached_gguf_name_map():  # the same model, loaded faster
         return transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reuse_identical_engine_programs():
+    """Engines of one test process share the programs whose lowering is identical.
+
+    Each engine compiles its programs (forward, samplers, prompt logprobs, ...) through
+    `ModelRunner._build`; its program bundle is keyed by the whole engine and model config, so a
+    program that does not depend on what differs between two engines (a sampler depends on the
+    vocabulary and row counts only, not on the model family; a speculative engine's forward is
+    the plain engine's) is compiled again by every engine. Here, inside `_build` only, a lowering
+    whose StableHLO text, shardings, layouts, avals, argument info and pytrees all equal an earlier
+    one's gets that earlier executable instead of a fresh XLA compile: the trace and lowering still
+    run (so a monkeypatched function still takes effect), every program that differs in any way
+    still compiles, and the bundle still saves and loads every program as before. Skipped for
+    programs with host callbacks or effects, and for executables read from JAX's persistent cache
+    (the bundle does not keep those; see `ProgramBundle.fresh_compile`). Worker subprocesses (TP,
+    multi-host, `bench startup`) do not load this file and compile as usual."""
+    import collections
+    import hashlib
+    import threading
+
+    import jax
+
+    from jaxengine import model_runner
+    from jaxengine.compile_monitor import thread_cache_hits
+
+    local = threading.local()
+    lock = threading.Lock()
+    memo: collections.OrderedDict = collections.OrderedDict()
+    orig_compile = jax.stages.Lowered.compile
+    orig_build = model_runner.ModelRunner._build
+
+    def key_of(lowered):
+        args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
+        if not isinstance(args, dict) or args.get("host_callbacks") or args.get("ordered_effects") \
+                or args.get("unordered_effects") or args.get("keepalive"):
+            return None
+        parts = [repr(args.get(k)) for k in ("in_shardings", "out_shardings", "in_layouts", "out_layouts",
+                                              "global_in_avals", "global_out_avals", "all_args_info", "kept_var_idx",
+                                              "tuple_args", "num_devices", "committed", "mut", "context_mesh")]
+        parts += [str(args.get("backend")), str(lowered.in_tree), str(lowered.out_tree), lowered.as_text()]
+        return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+    def compile_(self, compiler_options=None, **kw):
+        if not getattr(local, "active", False) or compiler_options is not None or kw:
+            return orig_compile(self, compiler_options, **kw)
+        key = key_of(self)
+        if key is not None:
+            with lock:
+                hit = memo.get(key)
+                if hit is not None:
+                    memo.move_to_end(key)
+                    return hit
+        hits = thread_cache_hits()
+        compiled = orig_compile(self)
+        if key is not None and thread_cache_hits() == hits:
+            with lock:
+                memo[key] = compiled
+                while len(memo) > 256:  # a bound on the executables held
+                    memo.popitem(last=False)
+        return compiled
+
+    def build(self, kind, key, compile_fn):
+        def inner(*a):
+            local.active = True
+            try:
+                return compile_fn(*a)
+            finally:
+                local.active = False
+        return orig_build(self, kind, key, inner)
+
+    jax.stages.Lowered.compile = compile_
+    model_runner.ModelRunner._build = build
+    try:
+        yield
+    finally:
+        jax.stages.Lowered.compile = orig_compile
+        model_runner.ModelRunner._build = orig_build
