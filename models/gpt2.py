@@ -132,7 +132,7 @@ def _c_attn(part: int, bias: bool) -> w.Transform:
         x = t[..., part * d:(part + 1) * d]
         x = x.reshape(heads, c.head_dim) if bias else x.reshape(d, heads, c.head_dim)
         if part and c.kv_head_replicas > 1:
-            x = x.repeat(c.kv_head_replicas, axis=-2)
+            x = np.repeat(x, c.kv_head_replicas, axis=-2)
         return x
     return f
 

@@ -135,8 +135,9 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
     sharded placement can load each tensor straight into its shards. The next tensors are read on
     a thread while one is placed (file reads and device copies then overlap). A fused parameter
     (q/k/v, gate/up) is joined and placed as soon as its last part is read, so the host holds the
-    parts of one layer at a time. `quantization`: the linear weights are read from the scheme's tensors (a
-    quantized checkpoint) or quantized once placed (fp8 at load time); see models/quant_formats.py.
+    parts of one layer at a time. `quantization`: the linear weights are read from the scheme's
+    tensors (a quantized checkpoint) or quantized once placed (fp8 at load time); see
+    models/quant_formats.py.
     """
     graphdef, abs_state = abstract_model(cfg, dtype)
     pure = nnx.to_pure_dict(abs_state)

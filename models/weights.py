@@ -82,12 +82,12 @@ def heads_bias(n_attr: str) -> Transform:
 def kv_heads_in(w: np.ndarray, c: ModelConfig) -> np.ndarray:
     """Linear [K*H, D] -> ours [D, K * replicas, H], each KV head repeated in place."""
     w = w.T.reshape(c.hidden_size, c.checkpoint_kv_heads, c.head_dim)
-    return w.repeat(c.kv_head_replicas, axis=1) if c.kv_head_replicas > 1 else w
+    return np.repeat(w, c.kv_head_replicas, axis=1) if c.kv_head_replicas > 1 else w
 
 
 def kv_heads_bias(b: np.ndarray, c: ModelConfig) -> np.ndarray:
     b = b.reshape(c.checkpoint_kv_heads, c.head_dim)
-    return b.repeat(c.kv_head_replicas, axis=0) if c.kv_head_replicas > 1 else b
+    return np.repeat(b, c.kv_head_replicas, axis=0) if c.kv_head_replicas > 1 else b
 
 
 def o_proj(w: np.ndarray, c: ModelConfig) -> np.ndarray:

@@ -1,8 +1,8 @@
 """The streamed chunks of the common case, written as strings instead of through pydantic.
 
-At rate inf a server streaming to 256 clients writes one chunk per request per engine step, on the
-event loop, while the engine thread waits for the GIL; building a `CompletionStreamResponse` and
-dumping it cost about a third of a chunk's time there. A chunk with plain text (no logprobs, no
+At rate inf a server streaming to many clients writes one chunk per request per engine step, on
+the event loop, while the engine thread waits for the GIL; building a `CompletionStreamResponse`
+and dumping it was a large share of a chunk's work there. A chunk with plain text (no logprobs, no
 continuous usage, no tool calls or reasoning) is the same JSON every time but for a few values, so
 it is written here from a template: everything around `"choices":[...]` is pydantic's own dump of
 the response with no choices, made once per request, and a choice is an f-string. The bytes are
