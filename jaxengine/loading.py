@@ -29,7 +29,7 @@ from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
 from jaxengine.models.presets import PRESETS
-from jaxengine.models.quant_formats import check_model, resolve_quantization
+from jaxengine.models.quant_formats import check_model, gguf_kept_linears, resolve_quantization
 from jaxengine.program_bundle import ProgramBundle, open_bundle
 from jaxengine.sharding import ShardingPlan, make_plan
 from jaxengine.startup import StartupTimings
@@ -102,7 +102,9 @@ def load_model(config: EngineConfig, timings: StartupTimings | None = None) -> L
                                  gguf=isinstance(ckpt, GGUFCheckpoint))
     if quant is not None:
         check_model(quant, model_config.architecture, config.tensor_parallel_size)
-        if quant.act_order:  # each projection has its own input permutation: no fused q/k/v, gate/up
+        # act-order: each projection has its own input permutation; GGUF: the parts of a fused
+        # projection stored in different forms. Either way no fused q/k/v, gate/up.
+        if quant.act_order or (quant.method == "gguf" and quant.from_checkpoint and gguf_kept_linears(ckpt)[1]):
             model_config = model_config.with_split_projections()
         logger.info("quantization: %s", quant.label)
     with timings.phase("weight_load"):

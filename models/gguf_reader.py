@@ -15,6 +15,7 @@ GGUF records dims innermost-first, and the reader reverses them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxengine.models.checkpoint import Checkpoint, load_hf_tokenizer
+from jaxengine.models import gguf_blocks
 
 if TYPE_CHECKING:
     import gguf
@@ -156,16 +158,16 @@ class GGUFCheckpoint(Checkpoint):
         return False
 
     def _log_dequantized_types(self) -> None:
-        """One line naming the quantized GGUF types that load as float weights: the engine's
-        quantized paths (models/quantization.py) do not read GGUF blocks yet."""
+        """One line naming the quantized GGUF types, which load as float weights unless
+        quantization='gguf' keeps the linear weights of the types models/gguf_blocks.py takes."""
         counts: dict[str, int] = {}
         for t in self._reader.tensors:
             if t.tensor_type.name not in ("F32", "F16", "BF16"):
                 counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
         if counts:
             kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(counts.items()))
-            logger.info("GGUF file %s: %s dequantized to float at load, except Q8_0 linear weights with "
-                        "quantization='gguf' (kept as 8-bit weight-only)", self.path, kinds)
+            logger.info("GGUF file %s: %s dequantized to float at load, except the linear weights of types %s "
+                        "with quantization='gguf' (kept quantized)", self.path, kinds, "/".join(gguf_blocks.KEPT_TYPES))
 
     # ---- metadata -------------------------------------------------------------------------
 
@@ -350,19 +352,17 @@ class GGUFCheckpoint(Checkpoint):
             w = unpermute_rotary(w, self.hf_config[key])
         return w
 
-    def q8_0_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """A Q8_0 tensor without dequantizing: (values [out, in] int8, scales [out, in / 32]
-        float32), weight = value * scale per block of 32 inputs, in HF layout and row order."""
+    def blocks(self, name: str) -> "gguf_blocks.GgufBlocks":
+        """A linear weight's quantized blocks without dequantizing (models/gguf_blocks.py: values,
+        group scales and zeros, [out, in] in HF layout and row order); ValueError for expert
+        weights and for types that are not kept quantized."""
         t = self._tensor(name)
         if name in self._experts:
-            raise ValueError(f"GGUF tensor {t.name}: expert weights are dequantized, not kept as Q8_0")
-        if t.tensor_type.name != "Q8_0":
-            raise ValueError(f"GGUF tensor {t.name} is {t.tensor_type.name}, not Q8_0")
+            raise ValueError(f"GGUF tensor {t.name}: expert weights are dequantized, not kept quantized")
         out, inp = (int(d) for d in reversed(t.shape.tolist()))
-        blocks = np.asarray(t.data, np.uint8).reshape(out, inp // 32, 34)
-        scales = blocks[..., :2].copy().view(np.float16).reshape(out, inp // 32).astype(np.float32)
-        values = blocks[..., 2:].copy().view(np.int8).reshape(out, inp)
-        return self._unpermuted(name, values), self._unpermuted(name, scales)
+        b = gguf_blocks.unpack(t.tensor_type.name, t.data, out, inp)
+        return dataclasses.replace(b, values=self._unpermuted(name, b.values), scales=self._unpermuted(name, b.scales),
+                                   zeros=self._unpermuted(name, b.zeros))
 
     # ---- tokenizer and generation defaults -------------------------------------------------
 

@@ -36,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxengine.config import QUANTIZATION_METHODS
+from jaxengine.models import gguf_blocks
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.quantization import (LINEAR_IN_NDIM, Fp8Weight, PackedWeight, packed_from_groups,
                                            quantize_fp8, unpack_cols, unpack_rows_np)
@@ -66,6 +67,9 @@ class QuantScheme:
     def label(self) -> str:
         if self.kind == "fp8":
             return f"{self.method} fp8" + ("" if self.from_checkpoint else " (quantized at load time)")
+        if self.method == "gguf":
+            return "gguf weight-only, each linear in its file's type" if self.from_checkpoint else \
+                "gguf weight-only, dummy weights in Q4_K's form (4-bit, groups of 32, float minimums)"
         return f"{self.method} {self.bits}-bit weight-only, group {self.group_size}"
 
 
@@ -74,14 +78,17 @@ def resolve_quantization(requested: str | None, hf_config: Mapping | None, *, du
     """The scheme from config.json's quantization_config and the user's `quantization` (vLLM's
     names); ValueError when they disagree or the method is not supported. `dummy`
     (load_format="dummy"): a weight-only method with no quantization_config gives random 4-bit
-    weights in groups of 128. `gguf`: the checkpoint is a GGUF file, where "gguf" keeps Q8_0
-    linear weights as 8-bit weight-only (groups of 32) and every other type loads dequantized."""
+    weights in groups of 128 ("gguf": Q4_K's form). `gguf`: the checkpoint is a GGUF file, where
+    "gguf" keeps the linear weights of the types models/gguf_blocks.py takes quantized (each
+    in its own type's form) and every other tensor loads dequantized."""
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization {requested!r} is not supported; supported: {', '.join(QUANTIZATION_METHODS)}")
     if gguf and requested == "gguf" and not dummy:
         return QuantScheme("gguf", "weight_only", True, 8, 32)
     if requested == "gguf" and not dummy:
         raise ValueError("quantization='gguf' needs a .gguf checkpoint")
+    if requested == "gguf":
+        return QuantScheme("gguf", "weight_only", False, 4, 32)
     qc = (hf_config or {}).get("quantization_config")
     if not qc:
         if requested is None:
@@ -180,18 +187,22 @@ _MODULE = re.compile(r"^(.*\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gat
 _GGUF_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def gguf_q8_0_linears(ckpt) -> set[str]:
-    """The linear weights of a GGUF file that load as Q8_0 blocks: every linear stored as Q8_0,
-    except where a projection the model fuses with it (q/k/v, gate/up) is stored otherwise."""
+def gguf_kept_linears(ckpt) -> tuple[set[str], bool]:
+    """The linear weights of a GGUF file that quantization='gguf' keeps quantized (every linear
+    stored in a type models/gguf_blocks.py takes), and whether the model must hold q/k/v and
+    gate/up as separate projections: where the parts of one fused projection are stored in
+    different forms (Q4_K_M files keep some v_proj in Q6_K beside Q4_K q/k), one fused weight
+    cannot hold them."""
     names = {n for n in ckpt.tensor_names() if _MODULE.match(n) and n.endswith(".weight")}
-    q8 = {n for n in names if ckpt.gguf_type(n) == "Q8_0"}
-    for n in list(q8):
+    forms = {n: gguf_blocks.form(ckpt.gguf_type(n)) for n in names}
+    split = False
+    for n in names:
         module = n.rsplit(".", 2)[-2]
         for group in _GGUF_FUSED:
-            siblings = {n.replace(f".{module}.", f".{m}.") for m in group} if module in group else set()
-            if siblings & names - q8:
-                q8.discard(n)
-    return q8
+            if module in group:
+                siblings = {n.replace(f".{module}.", f".{m}.") for m in group} & names
+                split |= len({forms[s] for s in siblings}) > 1
+    return {n for n, f in forms.items() if f is not None}, split
 
 
 _KV_SCALES = re.compile(r"\.(k_scale|v_scale|q_scale|prob_scale|kv_scale)$|_proj\.output_scale$")
@@ -226,7 +237,7 @@ class QuantizedCheckpoint:
         present = set(names)
         self._quantized: dict[str, str] = {}  # "<module>.weight" -> module prefix
         if scheme.method == "gguf":
-            self._quantized = {n: n[: -len(".weight")] for n in sorted(gguf_q8_0_linears(ckpt))}
+            self._quantized = {n: n[: -len(".weight")] for n in sorted(gguf_kept_linears(ckpt)[0])}
             self._names = names
             return
         fields = _FIELDS["fp8" if scheme.kind == "fp8" else scheme.method]
@@ -260,7 +271,7 @@ class QuantizedCheckpoint:
         if self.scheme.kind == "fp8":
             return self._fp8(prefix, out, inp)
         return {"compressed-tensors": self._ct_packed, "gptq": self._gptq, "awq": self._awq,
-                "gguf": self._gguf_q8_0}[self.scheme.method](prefix, out, inp)
+                "gguf": self._gguf}[self.scheme.method](prefix, out, inp)
 
     # each reader returns a host weight with flat shape (inputs, outputs)
     def _read(self, name: str, shapes: list[tuple[int, ...]], dtypes: tuple[np.dtype, ...] | None = None,
@@ -341,14 +352,14 @@ class QuantizedCheckpoint:
                              "not declare act-order (desc_act / actorder)")
         return w
 
-    def _gguf_q8_0(self, prefix: str, out: int, inp: int) -> PackedWeight:
+    def _gguf(self, prefix: str, out: int, inp: int) -> PackedWeight:
         name = prefix + ".weight"
         found = tuple(self._ckpt.tensor_shape(name))
-        if found != (out, inp) or inp % 32:
+        if found != (out, inp):
             raise ValueError(f"{self.scheme.label}: tensor {name} has shape {found}, expected {(out, inp)}")
-        values, scales = self._ckpt.q8_0_blocks(name)
-        unsigned = (values.astype(np.int16) + 128).astype(np.uint8).T  # [K, N], zero point 128
-        return packed_from_groups(unsigned, scales.T.copy(), np.full((inp // 32, out), 128, np.uint8), 8, 32)
+        b = self._ckpt.blocks(name)
+        return packed_from_groups(b.values.T, b.scales.T.copy(), b.zeros.T.copy(), b.bits, b.group_size,
+                                  float_min=b.float_min)
 
     def _awq(self, prefix: str, out: int, inp: int) -> PackedWeight:
         group, g = self._groups(inp, prefix)
@@ -376,7 +387,8 @@ def quantize_on_device(path: tuple, w: jax.Array, scheme: QuantScheme | None):
 def dummy_quantized(path: tuple, w: jax.Array, scheme: QuantScheme | None, key: jax.Array):
     """`load_format="dummy"`: a linear weight in the scheme's form; weight-only schemes get random
     packed values (4-bit, groups of 128, or the scheme's size, or the largest of 64 and 32 that
-    divides the inputs) with scales that give the float dummy's spread."""
+    divides the inputs) with scales that give the float dummy's spread; "gguf" gives Q4_K's form
+    (groups of 32, float minimums)."""
     name = str(path[-1])
     if scheme is None or name not in LINEAR_IN_NDIM:
         return w
@@ -387,13 +399,17 @@ def dummy_quantized(path: tuple, w: jax.Array, scheme: QuantScheme | None, key: 
     k, n = math.prod(shape[:in_ndim]), math.prod(shape[in_ndim:])
     bits = scheme.bits if scheme.from_checkpoint else 4
     group = next((g for g in (scheme.group_size, 128, 64, 32) if g > 0 and k % g == 0), k)
-    return _dummy_packed(k, n, bits, group, shape, in_ndim, jnp.dtype(w.dtype), key)
+    return _dummy_packed(k, n, bits, group, shape, in_ndim, jnp.dtype(w.dtype), scheme.method == "gguf", key)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _dummy_packed(k: int, n: int, bits: int, group: int, shape: tuple, in_ndim: int, dtype, key) -> PackedWeight:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _dummy_packed(k: int, n: int, bits: int, group: int, shape: tuple, in_ndim: int, dtype, float_min: bool,
+                  key) -> PackedWeight:
     packed = jax.lax.bitcast_convert_type(jax.random.bits(key, (k * bits // 32, n), jnp.uint32), jnp.int32)
     levels = (1 << bits) - 1
-    scales = jnp.full((k // group, n), 0.04 / levels * 2, dtype)  # about the float dummy's 0.02 spread
-    zeros = jnp.full((k // group, n), 1 << (bits - 1), jnp.uint8)
-    return PackedWeight(packed, scales, zeros, jnp.arange(k, dtype=jnp.int32), shape, in_ndim, bits, group, False)
+    scale = 0.04 / levels * 2  # about the float dummy's 0.02 spread
+    scales = jnp.full((k // group, n), scale, dtype)
+    zeros = jnp.full((k // group, n), scale * (1 << (bits - 1)), dtype) if float_min else \
+        jnp.full((k // group, n), 1 << (bits - 1), jnp.uint8)
+    return PackedWeight(packed, scales, zeros, jnp.arange(k, dtype=jnp.int32), shape, in_ndim, bits, group, False,
+                        float_min)

@@ -11,7 +11,9 @@ model's structure does not change:
   (pallas_kernels/fp8_matmul_gpu.py), which converts the weight in registers.
 - `PackedWeight`: weight-only 4- or 8-bit integers packed into int32 along the input axis
   (`[K / (32 / bits), N]`, value j of word i is input row i * (32 / bits) + j, lowest bits first),
-  per-group scales and unsigned zero points `[K / group, N]`; dequantized inside the compiled step
+  per-group scales and zeros `[K / group, N]`: unsigned integer zero points, weight = (value -
+  zero) * scale, or (`float_min`, GGUF's Q4_1 and K-quants) float minimums in the scales' dtype,
+  weight = value * scale - zero; dequantized inside the compiled step
   by `weight_only_matmul` (the reference, kept beside the kernel in
   pallas_kernels/weight_only_matmul_gpu.py), or on GPU by the Pallas kernel with the same
   signature (`weight_only_linear` picks per call site).
@@ -97,19 +99,21 @@ class Fp8Weight(_QuantizedBase):
 class PackedWeight(_QuantizedBase):
     packed: jax.Array  # [K / (32 / bits), N] int32
     scales: jax.Array  # [G, N] in the activations' dtype
-    zeros: jax.Array  # [G, N] uint8 unsigned zero points: weight = (value - zero) * scale
+    zeros: jax.Array  # [G, N] uint8 zero points: weight = (value - zero) * scale; float_min: see below
     perm: jax.Array  # [K] int32: input rows sorted by group (act-order); arange(K) otherwise
     shape: tuple[int, ...] = _static()
     in_ndim: int = _static(1)
     bits: int = _static(4)
     group_size: int = _static(128)
     act_order: bool = _static(False)  # True: x's columns are gathered by `perm` first
+    float_min: bool = _static(False)  # True: zeros are float minimums, weight = value * scale - zero
 
     def matmul(self, x: jax.Array) -> jax.Array:
         """x [T, K] -> [T, N] in x's dtype."""
         if self.act_order:
             x = jnp.take(x, self.perm, axis=1)
-        return weight_only_linear(x, self.packed, self.scales, self.zeros, self.bits, self.group_size)
+        return weight_only_linear(x, self.packed, self.scales, self.zeros, self.bits, self.group_size,
+                                  self.float_min)
 
 
 QuantizedWeight = Fp8Weight | PackedWeight
@@ -173,14 +177,16 @@ KERNEL_MAX_ROWS = 64
 
 
 def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
-                       bits: int, group_size: int) -> jax.Array:
+                       bits: int, group_size: int, float_min: bool = False) -> jax.Array:
     """One call site's weight-only matmul: on GPU the Pallas kernel
     (pallas_kernels/weight_only_matmul_gpu.py) for calls of at most KERNEL_MAX_ROWS rows where it
-    takes the shape (K and the group size multiples of 128, N of 128), else `weight_only_matmul`."""
+    takes the shape (groups of 16-64 rows or multiples of 128, N a multiple of 128), else
+    `weight_only_matmul`."""
     if jax.default_backend() == "gpu" and x.shape[0] <= KERNEL_MAX_ROWS and \
             kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
-        return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size)
-    return weight_only_matmul(x, packed, scales, zeros, bits, group_size)
+        return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size,
+                                         float_min=float_min)
+    return weight_only_matmul(x, packed, scales, zeros, bits, group_size, float_min)
 
 
 def compiler_options(params) -> dict[str, object]:
@@ -216,7 +222,8 @@ def with_model_shape(w: QuantizedWeight, name: str, shape: tuple[int, ...], dtyp
         raise ValueError(f"quantized {name}: {w.out_features} outputs x {w.in_features} inputs do not fit "
                          f"parameter {tuple(shape)}")
     if isinstance(w, PackedWeight):
-        w = dataclasses.replace(w, scales=np.asarray(w.scales).astype(dtype))
+        zeros = np.asarray(w.zeros).astype(dtype) if w.float_min else w.zeros
+        w = dataclasses.replace(w, scales=np.asarray(w.scales).astype(dtype), zeros=zeros)
     return dataclasses.replace(w, shape=tuple(shape), in_ndim=in_ndim)
 
 
@@ -234,13 +241,13 @@ def concat_outputs(parts: list[QuantizedWeight]) -> QuantizedWeight:
         return Fp8Weight(np.concatenate([p.qweight for p in parts], 0), np.concatenate([p.scale for p in parts]),
                          np.max(np.stack([np.asarray(p.input_scale) for p in parts])).astype(np.float32),
                          (k, n), 1, first.static_input)
-    if len({(p.bits, p.group_size, p.act_order) for p in parts}) > 1:
-        raise ValueError("fused projection parts use different bits, group sizes or act-order")
+    if len({(p.bits, p.group_size, p.act_order, p.float_min) for p in parts}) > 1:
+        raise ValueError("fused projection parts use different bits, group sizes, act-order or zero forms")
     if first.act_order and any(not np.array_equal(p.perm, first.perm) for p in parts[1:]):
         raise ValueError("fused projection parts have different act-order permutations")
     cat = lambda f: np.concatenate([getattr(p, f) for p in parts], 1)  # noqa: E731
     return PackedWeight(cat("packed"), cat("scales"), cat("zeros"), first.perm, (k, n), 1,
-                        first.bits, first.group_size, first.act_order)
+                        first.bits, first.group_size, first.act_order, first.float_min)
 
 
 # -- host-side packing (numpy; used by the checkpoint converters and the tests) ----------------
@@ -291,10 +298,11 @@ def _reorder_cols(vals: np.ndarray, per: int, order: tuple[int, ...] | None) -> 
 
 
 def packed_from_groups(vals: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int, group_size: int,
-                       g_idx: np.ndarray | None = None) -> PackedWeight:
+                       g_idx: np.ndarray | None = None, float_min: bool = False) -> PackedWeight:
     """Host PackedWeight (flat K x N) from unsigned values [K, N], per-group scales and zero points
-    [G, N], and optionally each input row's group `g_idx` [K] (act-order): rows are then sorted
-    by group so groups are contiguous, and the permutation is kept to gather x's columns."""
+    [G, N] (float minimums with `float_min`), and optionally each input row's group `g_idx` [K]
+    (act-order): rows are then sorted by group so groups are contiguous, and the permutation is
+    kept to gather x's columns."""
     k, n = vals.shape
     g = scales.shape[0]
     perm = np.arange(k, dtype=np.int32)
@@ -307,5 +315,6 @@ def packed_from_groups(vals: np.ndarray, scales: np.ndarray, zeros: np.ndarray, 
             perm = np.argsort(g_idx, kind="stable").astype(np.int32)
             vals = vals[perm]
             act_order = True
-    return PackedWeight(pack_rows(vals, bits), np.asarray(scales, np.float32), np.asarray(zeros).astype(np.uint8),
-                        perm, (k, n), 1, bits, group_size, act_order)
+    zeros = np.asarray(zeros, np.float32) if float_min else np.asarray(zeros).astype(np.uint8)
+    return PackedWeight(pack_rows(vals, bits), np.asarray(scales, np.float32), zeros,
+                        perm, (k, n), 1, bits, group_size, act_order, float_min)

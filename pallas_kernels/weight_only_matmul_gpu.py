@@ -4,18 +4,22 @@ packed weight tile by tile inside the matmul, so the weight is read from memory 
 Same contract as `weight_only_matmul_reference` (below; the model's reference path):
 x [T, K] (bf16 / f16 / f32) times the weight held as `packed` [K / per, N] int32 (per = 32 / bits
 values per word, packed along K, value j of word i is input row i * per + j), `scales` [G, N] and
-unsigned `zeros` [G, N] uint8 in groups of `group_size` rows: weight = (value - zero) * scale.
+`zeros` [G, N] in groups of `group_size` rows. Two forms of zero: unsigned integer zero points
+(uint8; GPTQ, AWQ, compressed-tensors, GGUF Q8_0 / Q4_0 / Q5_0 / Q6_K), weight = (value - zero) *
+scale, or, with `float_min`, a float minimum per group in the scales' dtype (GGUF Q4_1 / Q5_1 and
+the K-quants Q4_K / Q5_K, whose blocks store a scaled minimum), weight = value * scale - zero.
 
-Grid (T / block_m, N / block_n, K splits). A program walks its share of K in blocks of 128 rows
-(inside one group), and the splits' float32 partial sums are added after the call. Per block it
-loads the 128 / per packed rows of its columns once, unpacks all `per` values of each word at once
-([128 / per, per, block_n], whose leading axes merge into the block's 128 rows in order),
-dequantizes them with the group's scale and zero point and multiplies with x's 128 columns in one
-dot.
+Grid (T / block_m, N / block_n, K splits). A program walks its share of K in blocks of
+min(group_size, 128) rows (each inside one group), and the splits' float32 partial sums are added
+after the call. Per block it loads the block / per packed rows of its columns once, unpacks all
+`per` values of each word at once ([block / per, per, block_n], whose leading axes merge into the
+block's rows in order), dequantizes them with the group's scale and zero and multiplies with x's
+columns of the block in one dot.
 
 Conversion: a value v (below 2^23) ORed into the bits of the float32 2^23 (0x4B000000) is the
 float32 2^23 + v, so the unpacked integers become floats with an integer OR and a free bitcast, and
-subtracting (zero + 2^23), computed once per group row, gives v - zero exactly. An int-to-float
+subtracting (zero + 2^23), computed once per group row, gives v - zero exactly (with a float
+minimum, 2^23 is subtracted alone, then v * scale - minimum). An int-to-float
 convert per value instead runs at a quarter of the integer rate on NVIDIA GPUs, and with the
 bf16 convert after it the conversions bound the kernel (`magic=False` keeps that path for
 comparison on the GPU).
@@ -31,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-BLOCK_K = 128  # rows of K per step; group sizes must be multiples of it
+BLOCK_K = 128  # rows of K per step at most: min(group_size, BLOCK_K) rows, one group's or less
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100 (132 SMs)
 _pl_dot = getattr(plgpu, "dot", None) or pl.dot
 
@@ -45,45 +49,58 @@ def unpack_rows(packed: jax.Array, bits: int) -> jax.Array:
 
 
 def dequantize_packed(packed: jax.Array, scales: jax.Array, zeros: jax.Array, bits: int, group_size: int,
-                      dtype: jnp.dtype) -> jax.Array:
-    """The weight [K, N] in `dtype`: (value - zero) * scale, groups of `group_size` rows."""
+                      dtype: jnp.dtype, float_min: bool = False) -> jax.Array:
+    """The weight [K, N] in `dtype`, groups of `group_size` rows: (value - zero) * scale, or
+    value * scale - zero with `float_min` (float32 arithmetic either way)."""
     vals = unpack_rows(packed, bits)
     k, n = vals.shape
     g = k // group_size
-    w = (vals.reshape(g, group_size, n).astype(jnp.float32) - zeros.astype(jnp.float32)[:, None, :]) \
-        * scales.astype(jnp.float32)[:, None, :]
+    v = vals.reshape(g, group_size, n).astype(jnp.float32)
+    s, z = scales.astype(jnp.float32)[:, None, :], zeros.astype(jnp.float32)[:, None, :]
+    w = v * s - z if float_min else (v - z) * s
     return w.reshape(k, n).astype(dtype)
 
 
 def weight_only_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
-                       bits: int, group_size: int) -> jax.Array:
+                                 bits: int, group_size: int, float_min: bool = False) -> jax.Array:
     """x [T, K] @ dequant(packed [K / (32 / bits), N]) -> [T, N] in x's dtype.
 
-    Reference path: unpack with shifts and masks, subtract the zero points and multiply by the
-    group scales in float32, cast to x's dtype and run a plain matmul accumulating in float32.
-    A fused GPU kernel takes this exact signature (contiguous groups along K, x already permuted
-    for act-order)."""
-    w = dequantize_packed(packed, scales, zeros, bits, group_size, x.dtype)
+    Reference path: unpack with shifts and masks, dequantize with the group scales and zeros in
+    float32 (`dequantize_packed`), cast to x's dtype and run a plain matmul accumulating in
+    float32. The GPU kernel takes this exact signature (contiguous groups along K, x already
+    permuted for act-order)."""
+    w = dequantize_packed(packed, scales, zeros, bits, group_size, x.dtype, float_min)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def block_k(group_size: int) -> int:
+    """Rows of K per kernel step: a whole group up to BLOCK_K, else BLOCK_K (a divisor of it)."""
+    return min(group_size, BLOCK_K)
+
+
 def supported(t: int, k: int, n: int, bits: int, group_size: int, block_n: int = 128) -> bool:
-    """Whether the kernel takes this shape (else callers use the reference)."""
+    """Whether the kernel takes this shape (else callers use the reference): groups of 16, 32, 64
+    or a multiple of 128 rows (16 is Triton's smallest dot depth), K a multiple of the group, N
+    of `block_n`."""
     del t
-    return bits in (4, 8) and k % BLOCK_K == 0 and group_size % BLOCK_K == 0 and k % group_size == 0 \
+    bk = block_k(group_size)
+    return bits in (4, 8) and bk in (16, 32, 64, 128) and group_size % bk == 0 and k % group_size == 0 \
         and n % block_n == 0
 
 
 MAGIC = 0x4B000000  # the float32 2^23: an integer below 2^23 in its low mantissa bits is exact
 
 
-def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int, magic: bool):
-    """One (row tile, column tile, K split): `steps` blocks of 128 rows from split * steps on.
-    Each block's words [128 / per, block_n] unpack at once into [128 / per, per, block_n] (value j
-    of word i is row i * per + j, so merging the two leading axes gives the rows in order), are
-    dequantized with the block's group scale and zero point, and meet x in one dot of depth 128."""
+def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int, magic: bool,
+            float_min: bool):
+    """One (row tile, column tile, K split): `steps` blocks of bk = min(group, 128) rows from
+    split * steps on. Each block's words [bk / per, block_n] unpack at once into
+    [bk / per, per, block_n] (value j of word i is row i * per + j, so merging the two leading axes
+    gives the rows in order), are dequantized with the block's group scale and zero, and meet x in
+    one dot of depth bk."""
     per = 32 // bits
-    rows = BLOCK_K // per
+    bk = block_k(group_size)
+    rows = bk // per
     mask = (1 << bits) - 1
     _, block_m, block_n = o_ref.shape
     first = pl.program_id(2) * steps
@@ -91,17 +108,21 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, st
 
     def body(kb, acc):
         words = p_ref[pl.ds(kb * rows, rows), :]  # [rows, block_n] int32
-        g = (kb * BLOCK_K) // group_size
-        scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, block_n]
-        zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
+        g = (kb * bk) // group_size
+        scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)[None]  # [1, 1, block_n]
+        zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)[None]
         ints = (words[:, None, :] >> shifts) & mask  # [rows, per, block_n]; the mask drops sign bits
-        if magic:  # 2^23 + v as float32 bits, then - (2^23 + zero): exact
+        if magic:  # 2^23 + v as float32 bits, then - 2^23 (- zero): exact
             vals = lax.bitcast_convert_type(ints | MAGIC, jnp.float32)
-            zero = zero + float(1 << 23)
+            offset = float(1 << 23)
         else:
-            vals = ints.astype(jnp.float32)
-        w = ((vals - zero[None]) * scale[None]).reshape(BLOCK_K, block_n).astype(x_ref.dtype)
-        xb = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]  # [block_m, 128]
+            vals, offset = ints.astype(jnp.float32), 0.0
+        if float_min:
+            w = (vals - offset) * scale - zero
+        else:
+            w = (vals - (zero + offset)) * scale
+        w = w.reshape(bk, block_n).astype(x_ref.dtype)
+        xb = x_ref[:, pl.ds(kb * bk, bk)]  # [block_m, bk]
         prec = lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None
         return acc + _pl_dot(xb, w, precision=prec)
 
@@ -117,10 +138,10 @@ def pick_splits(programs: int, k_steps: int, target_programs: int = TARGET_PROGR
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n", "splits", "num_warps",
-                                             "num_stages", "magic", "interpret"))
+                                             "num_stages", "magic", "float_min", "interpret"))
 def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, bits: int,
                        group_size: int, block_m: int = 16, block_n: int = 128, splits: int | None = None,
-                       num_warps: int = 4, num_stages: int = 2, magic: bool = True,
+                       num_warps: int = 4, num_stages: int = 2, magic: bool = True, float_min: bool = False,
                        interpret: bool = False) -> jax.Array:
     """x [T, K] @ dequant(packed) -> [T, N] in x's dtype; shapes as in the module docstring.
     T is padded to a multiple of `block_m` (at least 16, Triton's smallest dot). `splits`: K is
@@ -132,23 +153,25 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     per = 32 // bits
     if not supported(t, k, n, bits, group_size, block_n):
         raise ValueError(f"weight_only_matmul kernel: unsupported shape T={t} K={k} N={n} bits={bits} "
-                         f"group_size={group_size} (K and the group size must be multiples of {BLOCK_K}, "
-                         f"N of {block_n})")
+                         f"group_size={group_size} (groups of 16, 32, 64 or a multiple of {BLOCK_K} rows, "
+                         f"K a multiple of the group, N of {block_n})")
     if packed.shape != (k // per, n) or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
         raise ValueError(f"weight_only_matmul kernel: packed {packed.shape}, scales {scales.shape}, zeros "
                          f"{zeros.shape} do not fit K={k}, N={n}, {bits} bits, groups of {group_size}")
     tp = -(-t // block_m) * block_m
     xp = jnp.pad(x, ((0, tp - t), (0, 0)))
     g = k // group_size
-    k_steps = k // BLOCK_K
+    bk = block_k(group_size)
+    k_steps = k // bk
     splits = splits or pick_splits((tp // block_m) * (n // block_n), k_steps)
     if k_steps % splits:
-        raise ValueError(f"weight_only_matmul kernel: {splits} splits do not divide {k_steps} steps of {BLOCK_K} rows")
+        raise ValueError(f"weight_only_matmul kernel: {splits} splits do not divide {k_steps} steps of {bk} rows")
     kwargs = {}
     if not interpret:
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     sums = pl.pallas_call(
-        functools.partial(_kernel, bits=bits, group_size=group_size, steps=k_steps // splits, magic=magic),
+        functools.partial(_kernel, bits=bits, group_size=group_size, steps=k_steps // splits, magic=magic,
+                          float_min=float_min),
         grid=(tp // block_m, n // block_n, splits),
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
                   pl.BlockSpec((k // per, block_n), lambda i, j, s: (0, j)),
@@ -161,4 +184,4 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     return sums.sum(0)[:t].astype(x.dtype)
 
 
-__all__ = ["dequantize_packed", "pick_splits", "supported", "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference"]
+__all__ = ["block_k", "dequantize_packed", "pick_splits", "supported", "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference"]

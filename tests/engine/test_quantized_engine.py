@@ -38,6 +38,25 @@ def test_gptq_engine_matches_dequantized(tiny, xla_cache_dir, tmp_path):
     assert quantized == _greedy(LLM(refpath, compilation_cache_dir=xla_cache_dir, **_ENGINE))
 
 
+def test_gguf_kept_quantized_engine_matches_dequantized(tmp_path, xla_cache_dir):
+    """A GGUF file mixing Q4_K, Q6_K, Q4_1, Q8_0 and Q4_0 linears (q/k/v and gate/up in different
+    forms: separate projections) generates, with quantization="gguf", the greedy tokens of the
+    same file loaded dequantized."""
+    from tests.models.test_gguf_blocks import _write
+
+    path = tmp_path / "mixed.gguf"
+    _write(path, {"blk.0.attn_q": "Q4_K", "blk.0.attn_k": "Q4_K", "blk.0.attn_v": "Q6_K", "blk.0.attn_output": "Q4_K",
+                  "blk.0.ffn_gate": "Q4_1", "blk.0.ffn_up": "Q8_0", "blk.0.ffn_down": "Q4_0"})
+    engine = dict(_ENGINE, compilation_cache_dir=xla_cache_dir)
+    llm = LLM(str(path), quantization="gguf", **engine)
+    assert not llm.llm_engine.model_config.fused_projections
+    prompts = [{"prompt_token_ids": [5, 17, 30, 42, 9]}, {"prompt_token_ids": [10, 20, 30]}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    kept = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    ref = LLM(str(path), **engine)
+    assert kept == [list(o.outputs[0].token_ids) for o in ref.generate(prompts, params, use_tqdm=False)]
+
+
 def test_fp8_weights_and_fp8_kv_cache_generate(tiny, xla_cache_dir):
     llm = LLM(tiny, quantization="fp8", kv_cache_dtype="fp8",
               compilation_cache_dir=xla_cache_dir, **_ENGINE)

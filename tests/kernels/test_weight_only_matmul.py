@@ -1,6 +1,6 @@
 """The weight-only matmul kernel (Pallas, Triton lowering) in interpret mode against the jnp
-reference: 4- and 8-bit, groups of 128 and 256, ragged row counts, K split or not, fresh random
-inputs."""
+reference: 4- and 8-bit, groups of 16 to 256, integer zero points and float minimums (GGUF's
+Q4_1 / K-quants), ragged row counts, K split or not, fresh random inputs."""
 
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ from jaxengine.pallas_kernels.weight_only_matmul_gpu import (pick_splits, suppor
                                                              weight_only_matmul_reference)
 
 
-def _inputs(t: int, k: int, n: int, bits: int, group: int, seed: int, dtype):
+def _inputs(t: int, k: int, n: int, bits: int, group: int, seed: int, dtype, float_min: bool = False):
     rng = np.random.default_rng(seed)
     per, g = 32 // bits, k // group
     packed = rng.integers(-2**31, 2**31, size=(k // per, n), dtype=np.int64).astype(np.int32)
     scales = rng.uniform(0.001, 0.02, size=(g, n)).astype(np.float32)
+    if float_min:  # a minimum per group, either sign (Q4_1 stores -min, Q4_K dmin * m)
+        return (jnp.asarray(rng.normal(size=(t, k)).astype(np.float32), dtype), jnp.asarray(packed),
+                jnp.asarray(scales, dtype), jnp.asarray(rng.uniform(-0.2, 0.2, size=(g, n)).astype(np.float32), dtype))
     zeros = rng.integers(0, 1 << bits, size=(g, n)).astype(np.uint8)
     x = rng.normal(size=(t, k)).astype(np.float32)
     return (jnp.asarray(x, dtype), jnp.asarray(packed), jnp.asarray(scales, dtype), jnp.asarray(zeros))
@@ -37,6 +40,31 @@ def test_kernel_matches_reference_float32(t, k, n, bits, group, splits, magic):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("t,k,n,bits,group,float_min,splits", [
+    (3, 256, 128, 4, 32, True, None), (16, 512, 256, 4, 32, False, 2), (5, 256, 128, 8, 32, False, None),
+    (2, 256, 128, 8, 16, False, 4), (7, 256, 128, 4, 64, True, 1), (1, 512, 128, 8, 256, True, None),
+])
+def test_small_groups_and_float_minimums(t, k, n, bits, group, float_min, splits):
+    """Groups under 128 rows (a kernel step of one group) and weight = value * scale - minimum."""
+    x, packed, scales, zeros = _inputs(t, k, n, bits, group, seed=t + group, dtype=jnp.float32, float_min=float_min)
+    want = weight_only_matmul_reference(x, packed, scales, zeros, bits, group, float_min)
+    got = weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group, splits=splits,
+                             float_min=float_min, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+
+
+def test_reference_float_minimum_formula():
+    """float_min: weight = value * scale - zero, against numpy on the unpacked values."""
+    from jaxengine.models.quantization import unpack_rows_np
+    from jaxengine.pallas_kernels.weight_only_matmul_gpu import dequantize_packed
+
+    _, packed, scales, zeros = _inputs(1, 64, 128, 4, 32, seed=1, dtype=jnp.float32, float_min=True)
+    vals = unpack_rows_np(np.asarray(packed), 4).astype(np.float32).reshape(2, 32, 128)
+    want = (vals * np.asarray(scales)[:, None] - np.asarray(zeros)[:, None]).reshape(64, 128)
+    got = dequantize_packed(packed, scales, zeros, 4, 32, jnp.float32, float_min=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
 def test_kernel_bfloat16_close_to_reference():
     x, packed, scales, zeros = _inputs(3, 256, 128, 4, 128, seed=7, dtype=jnp.bfloat16)
     want = weight_only_matmul_reference(x, packed, scales, zeros, 4, 128).astype(jnp.float32)
@@ -50,19 +78,23 @@ def test_splits_fill_the_gpu():
 
 
 def test_unsupported_shapes_refused():
-    assert not supported(1, 96, 128, 4, 32) and not supported(1, 256, 100, 4, 128)
+    assert supported(1, 96, 128, 4, 32) and supported(1, 4096, 128, 8, 16)
+    assert not supported(1, 96, 128, 4, 48) and not supported(1, 256, 100, 4, 128) \
+        and not supported(1, 384, 128, 4, 192) and not supported(1, 64, 128, 4, 8)
     x, packed, scales, zeros = _inputs(1, 256, 128, 4, 128, seed=0, dtype=jnp.float32)
     with pytest.raises(ValueError, match="unsupported shape"):
-        weight_only_matmul(x[:, :96], packed[:12], scales[:1], zeros[:1], bits=4, group_size=32, interpret=True)
+        weight_only_matmul(x[:, :96], packed[:12], scales[:2], zeros[:2], bits=4, group_size=48, interpret=True)
 
 
-@pytest.mark.parametrize("magic", [True, False])
-def test_kernel_lowers_for_an_h100(magic):
-    """Both conversions lower through Triton (3-D shifts, the bitcast and the reshape included)."""
+@pytest.mark.parametrize("magic,group,float_min", [(True, 128, False), (False, 128, False), (True, 32, True)])
+def test_kernel_lowers_for_an_h100(magic, group, float_min):
+    """Both conversions lower through Triton (3-D shifts, the bitcast and the reshape included),
+    and so do groups of 32 with float minimums."""
     from tests.kernels.cuda_target import abstract_h100
 
-    x, packed, scales, zeros = _inputs(16, 512, 256, 4, 128, seed=3, dtype=jnp.bfloat16)
-    fn = jax.jit(lambda x, p, s, z: weight_only_matmul(x, p, s, z, bits=4, group_size=128, magic=magic))
+    x, packed, scales, zeros = _inputs(16, 512, 256, 4, group, seed=3, dtype=jnp.bfloat16, float_min=float_min)
+    fn = jax.jit(lambda x, p, s, z: weight_only_matmul(x, p, s, z, bits=4, group_size=group, magic=magic,
+                                                       float_min=float_min))
     with abstract_h100():
         text = fn.trace(x, packed, scales, zeros).lower(lowering_platforms=("cuda",)).as_text()
     assert "weight_only_matmul" in text

@@ -331,8 +331,9 @@ def test_method_disagreeing_with_checkpoint_refused():
 # -- GGUF Q8_0 kept packed ------------------------------------------------------------------------
 def test_gguf_q8_0_kept_as_8_bit_weight_only(tmp_path):
     """quantization="gguf": Q8_0 linears load as 8-bit weight-only in groups of 32 (q/k with the
-    rotary order undone), a fused pair with a part of another type loads dequantized, and the
-    logits equal the fully dequantized model's."""
+    rotary order undone); a fused pair with a part of a type not kept quantized (F16) makes the
+    model hold separate projections, that part float; the logits equal the fully dequantized
+    model's. (tests/models/test_gguf_blocks.py: the other kept types.)"""
     from gguf import GGMLQuantizationType as Q
 
     from tests.models.test_gguf_reader import FFN, HEADS, HIDDEN, KV_HEADS, _permute, _write_tiny
@@ -342,7 +343,7 @@ def test_gguf_q8_0_kept_as_8_bit_weight_only(tmp_path):
     shapes = {"token_embd": (32, HIDDEN), "blk.0.attn_q": (HIDDEN, HIDDEN), "blk.0.attn_k": (kv, HIDDEN),
               "blk.0.attn_v": (kv, HIDDEN), "blk.0.attn_output": (HIDDEN, HIDDEN), "blk.0.ffn_gate": (FFN, HIDDEN),
               "blk.0.ffn_up": (FFN, HIDDEN), "blk.0.ffn_down": (HIDDEN, FFN)}
-    types = {"token_embd": Q.F32, "blk.0.ffn_gate": Q.Q4_1}  # gate: not Q8_0, so gate/up stay float
+    types = {"token_embd": Q.F32, "blk.0.ffn_gate": Q.F16}  # gate: not kept quantized
     tensors = {}
     for name, shape in shapes.items():
         w = (0.2 * rng.standard_normal(shape)).astype(np.float32)
@@ -353,14 +354,18 @@ def test_gguf_q8_0_kept_as_8_bit_weight_only(tmp_path):
     path = tmp_path / "q8.gguf"
     _write_tiny(path, "llama", tensors)
     ckpt = open_checkpoint(path)
-    cfg = ModelConfig.from_hf_dict(ckpt.hf_config)
+    from jaxengine.models.quant_formats import gguf_kept_linears
+
+    assert gguf_kept_linears(ckpt)[1]  # gate F16 beside up Q8_0: separate projections
+    cfg = ModelConfig.from_hf_dict(ckpt.hf_config).with_split_projections()
     scheme = resolve_quantization("gguf", ckpt.hf_config, gguf=True)
     graphdef, state = load_params(ckpt, cfg, jnp.float32, quantization=scheme)
     layer = state["model"]["layers"][0]
     kinds = {name: type(v.get_value()).__name__ for part in ("self_attn", "mlp") for name, v in layer[part].items()
              if not hasattr(v, "keys")}
-    assert kinds == {"qkv_proj": "PackedWeight", "o_proj": "PackedWeight", "gate_up_proj": "ArrayImpl",
-                     "down_proj": "PackedWeight"}, kinds
+    packed = "PackedWeight"
+    assert kinds == {"q_proj": packed, "k_proj": packed, "v_proj": packed, "o_proj": packed,
+                     "gate_proj": "ArrayImpl", "up_proj": packed, "down_proj": packed}, kinds
     assert layer["mlp"]["down_proj"].get_value().group_size == 32
     g2, s2 = load_params(open_checkpoint(path), cfg, jnp.float32)
     toks = [3, 9, 27, 1, 30, 4, 4, 12]
