@@ -174,6 +174,9 @@ def fp8_matmul_w8a8(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_sc
 # meets x in a plain dot. On the H100 the kernel beat that path about 3x at 16 rows and lost to
 # it about 2.8x at 256 (benchmarks/results/quant_h100.md).
 KERNEL_MAX_ROWS = 64
+# Whether the kernel applies group scales and zeros to its dot's sums, with the 4-bit values made
+# bf16 by an OR (pallas_kernels/weight_only_matmul_gpu.py, `post_scale`), where x's dtype allows.
+POST_SCALE = False
 
 
 def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
@@ -185,7 +188,8 @@ def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     if jax.default_backend() == "gpu" and x.shape[0] <= KERNEL_MAX_ROWS and \
             kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
         return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size,
-                                         float_min=float_min)
+                                         float_min=float_min,
+                                         post_scale=POST_SCALE and kernel.post_scale_ok(x.dtype, bits))
     return weight_only_matmul(x, packed, scales, zeros, bits, group_size, float_min)
 
 

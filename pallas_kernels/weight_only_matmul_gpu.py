@@ -91,13 +91,31 @@ def supported(t: int, k: int, n: int, bits: int, group_size: int, block_n: int =
 MAGIC = 0x4B000000  # the float32 2^23: an integer below 2^23 in its low mantissa bits is exact
 
 
+# 16-bit magic numbers (`post_scale`): a value v below 2^mantissa ORed into the bits of `base`
+# is the 16-bit float base + v, exactly; so the unpacked integers become x's dtype with no
+# arithmetic at all, and the dot runs on base + v.
+HALF_MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0, 7), jnp.dtype(jnp.float16): (0x6400, 1024.0, 10)}
+
+
+def post_scale_ok(dtype, bits: int) -> bool:
+    """Whether `post_scale` applies: x in bf16 (values up to 7 bits) or f16 (up to 10)."""
+    spec = HALF_MAGIC.get(jnp.dtype(dtype))
+    return spec is not None and bits <= spec[2]
+
+
 def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int, magic: bool,
-            float_min: bool):
+            float_min: bool, post_scale: bool):
     """One (row tile, column tile, K split): `steps` blocks of bk = min(group, 128) rows from
     split * steps on. Each block's words [bk / per, block_n] unpack at once into
     [bk / per, per, block_n] (value j of word i is row i * per + j, so merging the two leading axes
     gives the rows in order), are dequantized with the block's group scale and zero, and meet x in
-    one dot of depth bk."""
+    one dot of depth bk.
+
+    `post_scale`: the block's values become base + v in x's 16-bit dtype by an OR alone
+    (HALF_MAGIC), meet x in the dot as they are, and the group's scale and zero are applied to
+    the dot's [block_m, block_n] sums instead of the [bk, block_n] weights: with xs the sum of x
+    over the block's columns, x . w = (x . (base + v) - xs * (base + zero)) * scale, or with a
+    float minimum (x . (base + v) - xs * base) * scale - xs * minimum."""
     per = 32 // bits
     bk = block_k(group_size)
     rows = bk // per
@@ -112,6 +130,15 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, st
         scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)[None]  # [1, 1, block_n]
         zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)[None]
         ints = (words[:, None, :] >> shifts) & mask  # [rows, per, block_n]; the mask drops sign bits
+        if post_scale:
+            pattern, base, _ = HALF_MAGIC[jnp.dtype(x_ref.dtype)]
+            w = lax.bitcast_convert_type((ints | pattern).astype(jnp.int16), x_ref.dtype).reshape(bk, block_n)
+            xb = x_ref[:, pl.ds(kb * bk, bk)]  # [block_m, bk]
+            xs = jnp.sum(xb.astype(jnp.float32), axis=1, keepdims=True)  # [block_m, 1]
+            d = _pl_dot(xb, w)  # [block_m, block_n] float32: x . (base + v)
+            if float_min:
+                return acc + (d - xs * base) * scale[0] - xs * zero[0]
+            return acc + (d - xs * (zero[0] + base)) * scale[0]
         if magic:  # 2^23 + v as float32 bits, then - 2^23 (- zero): exact
             vals = lax.bitcast_convert_type(ints | MAGIC, jnp.float32)
             offset = float(1 << 23)
@@ -138,16 +165,18 @@ def pick_splits(programs: int, k_steps: int, target_programs: int = TARGET_PROGR
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n", "splits", "num_warps",
-                                             "num_stages", "magic", "float_min", "interpret"))
+                                             "num_stages", "magic", "float_min", "post_scale", "interpret"))
 def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, bits: int,
                        group_size: int, block_m: int = 16, block_n: int = 128, splits: int | None = None,
                        num_warps: int = 4, num_stages: int = 2, magic: bool = True, float_min: bool = False,
-                       interpret: bool = False) -> jax.Array:
+                       post_scale: bool = False, interpret: bool = False) -> jax.Array:
     """x [T, K] @ dequant(packed) -> [T, N] in x's dtype; shapes as in the module docstring.
     T is padded to a multiple of `block_m` (at least 16, Triton's smallest dot). `splits`: K is
     split over that many programs per output tile (default `pick_splits`: a narrow output at a
     small batch, o_proj or down_proj in decode, would otherwise occupy a fraction of the SMs);
-    their float32 partial sums are added after the kernel."""
+    their float32 partial sums are added after the kernel. `post_scale` (x in bf16 with values of
+    up to 7 bits, or f16 up to 10; `post_scale_ok`): scales and zeros applied to the dot's sums
+    (see `_kernel`)."""
     t, k = x.shape
     n = packed.shape[1]
     per = 32 // bits
@@ -158,6 +187,9 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     if packed.shape != (k // per, n) or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
         raise ValueError(f"weight_only_matmul kernel: packed {packed.shape}, scales {scales.shape}, zeros "
                          f"{zeros.shape} do not fit K={k}, N={n}, {bits} bits, groups of {group_size}")
+    if post_scale and not post_scale_ok(x.dtype, bits):
+        raise ValueError(f"weight_only_matmul kernel: post_scale needs x in bfloat16 (values of up to 7 bits) or "
+                         f"float16 (up to 10), got {x.dtype} with {bits}-bit values")
     tp = -(-t // block_m) * block_m
     xp = jnp.pad(x, ((0, tp - t), (0, 0)))
     g = k // group_size
@@ -171,7 +203,7 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     sums = pl.pallas_call(
         functools.partial(_kernel, bits=bits, group_size=group_size, steps=k_steps // splits, magic=magic,
-                          float_min=float_min),
+                          float_min=float_min, post_scale=post_scale),
         grid=(tp // block_m, n // block_n, splits),
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
                   pl.BlockSpec((k // per, block_n), lambda i, j, s: (0, j)),
@@ -184,4 +216,4 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     return sums.sum(0)[:t].astype(x.dtype)
 
 
-__all__ = ["block_k", "dequantize_packed", "pick_splits", "supported", "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference"]
+__all__ = ["block_k", "dequantize_packed", "pick_splits", "post_scale_ok", "supported", "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference"]

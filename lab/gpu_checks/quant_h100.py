@@ -9,7 +9,9 @@ Parts, each in its own process (every engine takes most of the GPU memory for it
   kernel (pallas_kernels/weight_only_matmul_gpu.py, checked against the reference); each with
   whether the compiled program holds cuBLASLt's FP8 GEMM;
 - engine bf16 / fp8 / w4a16: LLM("llama-3-8b", load_format="dummy", dtype="bfloat16",
-  quantization=None / "fp8" / "gptq" (random 4-bit weights, groups of 128, through the kernel)): start-up, weight
+  quantization=None / "fp8" / "gptq" (random 4-bit weights, groups of 128, through the kernel)),
+  gguf (random weights in Q4_K's form); `_post`: the kernel's post-scale form
+  (models/quantization.POST_SCALE), `_vmm`: SKIP_TEMP command buffers with the VMM allocator: start-up, weight
   bytes, batch-1 decode (128 in / 256 out greedy, median ms/token over 3 runs after one warm-up)
   and its bytes-read roofline, then offline throughput of --num-prompts random 256 in / 256 out
   prompts after a 64-prompt warm-up (w4a16: decode only unless --w4a16-throughput).
@@ -34,8 +36,18 @@ import time
 import numpy as np
 
 # engine part -> (quantization, kv_cache_dtype)
-ENGINES = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "w4a16": ("gptq", "auto"), "fp8kv": (None, "fp8")}
-TIME_LIMIT_S = {"micro": 170, "micro_fp8": 150, "bf16": 150, "fp8": 200, "w4a16": 110, "fp8kv": 130}
+ENGINES = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "w4a16": ("gptq", "auto"), "fp8kv": (None, "fp8"),
+           "w4a16_post": ("gptq", "auto"), "gguf": ("gguf", "auto"), "gguf_post": ("gguf", "auto"),
+           "w4a16_post_vmm": ("gptq", "auto")}
+# engine part -> module constants of models/quantization set in its process (kernel variants)
+PATCHES = {"w4a16_post": {"POST_SCALE": True}, "gguf_post": {"POST_SCALE": True},
+           "w4a16_post_vmm": {"POST_SCALE": True}}
+# engine part -> environment of its process: XLA's command buffers updated only where buffers moved
+# (docs/design.md, "The launch of a step")
+ENVS = {"w4a16_post_vmm": {"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm",
+                           "XLA_FLAGS": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"}}
+TIME_LIMIT_S = {"micro": 170, "micro_fp8": 150, "bf16": 150, "fp8": 200, "w4a16": 110, "fp8kv": 130,
+                "w4a16_post": 110, "gguf": 110, "gguf_post": 110, "w4a16_post_vmm": 110}
 PARTS = ("micro", "micro_fp8", *ENGINES)
 # fp8-weight kernel configurations (block_n, num_stages, num_warps, splits or None)
 FP8_CONFIGS = [(64, 3, 4, None), (128, 3, 4, None), (128, 4, 4, None), (256, 3, 4, None), (128, 3, 8, None),
@@ -191,7 +203,8 @@ def micro_fp8() -> dict:
     return res
 
 
-def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-8b") -> dict:
+def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-8b",
+           decode_only: bool = False) -> dict:
     from jaxengine.device_memory import size_device_pool
 
     size_device_pool(0.9)  # the pool the engine would size, before the ceilings start the backend
@@ -211,12 +224,17 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
     import logging
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    from jaxengine.models import quantization
+
+    for name, value in PATCHES.get(kind, {}).items():
+        setattr(quantization, name, value)
     t0 = time.perf_counter()
     quant, kv_dtype = ENGINES[kind]
     llm = LLM(model, load_format="dummy", dtype="bfloat16", quantization=quant, kv_cache_dtype=kv_dtype,
               tokenizer=synthetic_tokenizer(tempfile.mkdtemp(), vocab))
     eng = llm.llm_engine
-    res: dict = {"quantization": quant, "kv_cache_dtype": kv_dtype, "startup_s": time.perf_counter() - t0,
+    res: dict = {"quantization": quant, "kv_cache_dtype": kv_dtype, "patches": PATCHES.get(kind, {}),
+                 "env": ENVS.get(kind, {}), "startup_s": time.perf_counter() - t0,
                  "compile_s": eng.runner.compile_seconds, "attention": eng.runner.attention_impl,
                  "weight_GiB": weight_bytes(llm) / 2**30, "num_kv_blocks": eng.config.num_kv_blocks,
                  "copy_bandwidth_GBps": copy_gbps, "device": jax.devices()[0].device_kind}
@@ -236,6 +254,8 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
     res["decode_b1"] = {"ms_per_token_median": ms, "ms_per_token_p99": 1e3 * steps["p99"],
                         "roofline_ms": roofline_ms, "roofline_fraction": roofline_ms / ms}
     print(f"decode done after {time.perf_counter() - t0:.1f} s: {ms:.2f} ms/token", file=sys.stderr, flush=True)
+    if decode_only:
+        return res
     if throughput or kind in ("bf16", "fp8kv"):
         warm = [SampleRequest(q.prompt_token_ids, 16) for q in random_requests(64, 256, 256, 0.0, vocab, seed=20_000)]
         run_throughput(llm, warm)
@@ -255,10 +275,12 @@ def _child(part: str, args: argparse.Namespace) -> dict:
     """Runs one part in a fresh process (its own GPU memory); its JSON, or why there is none."""
     path = os.path.join(args.out, f"quant_{part}.json")
     cmd = [sys.executable, "-m", "lab.gpu_checks.quant_h100", "--out", args.out, "--part", part,
-           "--num-prompts", str(args.num_prompts), "--model", args.model] + (["--w4a16-throughput"] if args.w4a16_throughput else [])
+           "--num-prompts", str(args.num_prompts), "--model", args.model] + \
+        (["--w4a16-throughput"] if args.w4a16_throughput else []) + (["--decode-only"] if args.decode_only else [])
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, timeout=TIME_LIMIT_S[part], capture_output=True, text=True)
+        proc = subprocess.run(cmd, timeout=TIME_LIMIT_S[part], capture_output=True, text=True,
+                              env={**os.environ, **ENVS.get(part, {})})
     except subprocess.TimeoutExpired as e:  # what it printed before the limit says where it was
         tail = (e.stderr or b"")
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
@@ -306,6 +328,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--model", default="llama-3-8b", help="a preset (dummy weights)")
     ap.add_argument("--w4a16-throughput", action="store_true", help="also the offline run for the int4 reference")
+    ap.add_argument("--decode-only", action="store_true", help="engine parts: batch-1 decode only")
     ap.add_argument("--part", choices=PARTS, help="run one part in this process (used internally)")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts to run, in this order")
     args = ap.parse_args()
@@ -318,7 +341,9 @@ def main() -> int:
         else:
             import faulthandler  # the Python stacks shortly before the parent's limit: where a slow part was
             faulthandler.dump_traceback_later(TIME_LIMIT_S[args.part] - 10, exit=False)
-            out = engine(args.part, args.num_prompts, args.part != "w4a16" or args.w4a16_throughput, args.model)
+            weight_only = args.part.startswith(("w4a16", "gguf"))
+            out = engine(args.part, args.num_prompts, not weight_only or args.w4a16_throughput, args.model,
+                         args.decode_only)
         with open(os.path.join(args.out, f"quant_{args.part}.json"), "w") as fh:
             json.dump(out, fh, indent=1)
         return 0

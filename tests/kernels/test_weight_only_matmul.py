@@ -72,6 +72,30 @@ def test_kernel_bfloat16_close_to_reference():
     assert float(jnp.max(jnp.abs(got - want))) <= 0.02 * float(jnp.max(jnp.abs(want)))
 
 
+@pytest.mark.parametrize("dtype,bits,group,float_min", [
+    (jnp.bfloat16, 4, 128, False), (jnp.bfloat16, 4, 32, True), (jnp.float16, 8, 32, False),
+    (jnp.float16, 4, 64, True),
+])
+def test_post_scale_matches_reference(dtype, bits, group, float_min):
+    """Values made 16-bit floats by an OR (base + v) and the scale / zero applied after the dot:
+    against the reference over the same inputs, within the 16-bit output's rounding."""
+    x, packed, scales, zeros = _inputs(16, 512, 256, bits, group, seed=bits + group, dtype=dtype, float_min=float_min)
+    want = weight_only_matmul_reference(x, packed, scales, zeros, bits, group, float_min).astype(jnp.float32)
+    got = weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group, float_min=float_min,
+                             post_scale=True, interpret=True).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(got - want))) <= 0.01 * float(jnp.max(jnp.abs(want)))
+
+
+def test_post_scale_refused_where_the_values_do_not_fit():
+    from jaxengine.pallas_kernels.weight_only_matmul_gpu import post_scale_ok
+
+    assert post_scale_ok(jnp.bfloat16, 4) and post_scale_ok(jnp.float16, 8)
+    assert not post_scale_ok(jnp.bfloat16, 8) and not post_scale_ok(jnp.float32, 4)
+    x, packed, scales, zeros = _inputs(1, 256, 128, 8, 128, seed=0, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="post_scale needs"):
+        weight_only_matmul(x, packed, scales, zeros, bits=8, group_size=128, post_scale=True, interpret=True)
+
+
 def test_splits_fill_the_gpu():
     assert pick_splits(32, 112) == 8  # Llama-3-8B down_proj at batch 1: 32 column tiles, 112 K steps
     assert pick_splits(224, 32) == 2 and pick_splits(300, 32) == 1 and pick_splits(1, 3) == 3
@@ -86,15 +110,17 @@ def test_unsupported_shapes_refused():
         weight_only_matmul(x[:, :96], packed[:12], scales[:2], zeros[:2], bits=4, group_size=48, interpret=True)
 
 
-@pytest.mark.parametrize("magic,group,float_min", [(True, 128, False), (False, 128, False), (True, 32, True)])
-def test_kernel_lowers_for_an_h100(magic, group, float_min):
+@pytest.mark.parametrize("magic,group,float_min,post", [(True, 128, False, False), (False, 128, False, False),
+                                                        (True, 32, True, False), (True, 128, False, True),
+                                                        (True, 32, True, True)])
+def test_kernel_lowers_for_an_h100(magic, group, float_min, post):
     """Both conversions lower through Triton (3-D shifts, the bitcast and the reshape included),
-    and so do groups of 32 with float minimums."""
+    and so do groups of 32 with float minimums and the post-scale form (16-bit bitcast, row sums)."""
     from tests.kernels.cuda_target import abstract_h100
 
     x, packed, scales, zeros = _inputs(16, 512, 256, 4, group, seed=3, dtype=jnp.bfloat16, float_min=float_min)
     fn = jax.jit(lambda x, p, s, z: weight_only_matmul(x, p, s, z, bits=4, group_size=group, magic=magic,
-                                                       float_min=float_min))
+                                                       float_min=float_min, post_scale=post))
     with abstract_h100():
         text = fn.trace(x, packed, scales, zeros).lower(lowering_platforms=("cuda",)).as_text()
     assert "weight_only_matmul" in text
