@@ -175,8 +175,13 @@ def fp8_matmul_w8a8(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_sc
 # it about 2.8x at 256 (benchmarks/results/quant_h100.md).
 KERNEL_MAX_ROWS = 64
 # Whether the kernel applies group scales and zeros to its dot's sums, with the 4-bit values made
-# bf16 by an OR (pallas_kernels/weight_only_matmul_gpu.py, `post_scale`), where x's dtype allows.
+# bf16 by an OR (pallas_kernels/weight_only_matmul_gpu.py, `post_scale`), where x's dtype allows:
+# on the H100 it was no faster than the float32 magic number (benchmarks/results/weight_only_h100.md).
 POST_SCALE = False
+# Whether the kernel meets x in one dot per value position of the packed words (`slabs`) rather
+# than one dot over the block's reshaped values; it then reads 128-row blocks for groups of 16-64
+# rows too. On the H100: 5-25% faster on most linear shapes, the same batch-1 decode.
+SLABS = True
 
 
 def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
@@ -189,7 +194,8 @@ def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
             kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
         return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size,
                                          float_min=float_min,
-                                         post_scale=POST_SCALE and kernel.post_scale_ok(x.dtype, bits))
+                                         post_scale=POST_SCALE and kernel.post_scale_ok(x.dtype, bits),
+                                         slabs=SLABS and not POST_SCALE)
     return weight_only_matmul(x, packed, scales, zeros, bits, group_size, float_min)
 
 

@@ -103,8 +103,8 @@ def post_scale_ok(dtype, bits: int) -> bool:
     return spec is not None and bits <= spec[2]
 
 
-def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, steps: int, magic: bool,
-            float_min: bool, post_scale: bool):
+def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, bk: int, steps: int, magic: bool,
+            float_min: bool, post_scale: bool, slabs: bool):
     """One (row tile, column tile, K split): `steps` blocks of bk = min(group, 128) rows from
     split * steps on. Each block's words [bk / per, block_n] unpack at once into
     [bk / per, per, block_n] (value j of word i is row i * per + j, so merging the two leading axes
@@ -115,9 +115,15 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, st
     (HALF_MAGIC), meet x in the dot as they are, and the group's scale and zero are applied to
     the dot's [block_m, block_n] sums instead of the [bk, block_n] weights: with xs the sum of x
     over the block's columns, x . w = (x . (base + v) - xs * (base + zero)) * scale, or with a
-    float minimum (x . (base + v) - xs * base) * scale - xs * minimum."""
+    float minimum (x . (base + v) - xs * base) * scale - xs * minimum.
+
+    `slabs`: no [rows, per, block_n] tile and no reshape: value j of every word of the block (rows
+    word * per + j) is its own [rows, block_n] slab, met in its own dot of depth rows by x's
+    matching columns (x arrives with its columns permuted so that those are contiguous). A block
+    may then span several groups (groups of 16-64 rows in 128-row blocks): word i's rows all lie in
+    group i // (group_size / per), so one [rows, block_n] tile of scales (each group's row repeated
+    group_size / per times) serves every slab of the block."""
     per = 32 // bits
-    bk = block_k(group_size)
     rows = bk // per
     mask = (1 << bits) - 1
     _, block_m, block_n = o_ref.shape
@@ -130,6 +136,26 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, st
         scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)[None]  # [1, 1, block_n]
         zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)[None]
         ints = (words[:, None, :] >> shifts) & mask  # [rows, per, block_n]; the mask drops sign bits
+        if slabs:
+            gpb = max(1, bk // group_size)  # groups in this block
+            if gpb > 1:  # each group's scale and zero repeated for its words: [rows, block_n]
+                g0 = (kb * bk) // group_size
+                rep = rows // gpb
+                scale = jnp.broadcast_to(s_ref[pl.ds(g0, gpb), :].astype(jnp.float32)[:, None, :],
+                                         (gpb, rep, block_n)).reshape(1, rows, block_n)
+                zero = jnp.broadcast_to(z_ref[pl.ds(g0, gpb), :].astype(jnp.float32)[:, None, :],
+                                        (gpb, rep, block_n)).reshape(1, rows, block_n)
+            for j in range(per):
+                vj = (words >> (j * bits)) & mask  # [rows, block_n]
+                if magic:
+                    vf, off = lax.bitcast_convert_type(vj | MAGIC, jnp.float32), float(1 << 23)
+                else:
+                    vf, off = vj.astype(jnp.float32), 0.0
+                wj = ((vf - off) * scale[0] - zero[0]) if float_min else (vf - (zero[0] + off)) * scale[0]
+                xj = x_ref[:, pl.ds(kb * bk + j * rows, rows)]  # [block_m, rows]
+                prec = lax.Precision.HIGHEST if xj.dtype == jnp.float32 else None
+                acc = acc + _pl_dot(xj, wj.astype(x_ref.dtype), precision=prec)
+            return acc
         if post_scale:
             pattern, base, _ = HALF_MAGIC[jnp.dtype(x_ref.dtype)]
             w = lax.bitcast_convert_type((ints | pattern).astype(jnp.int16), x_ref.dtype).reshape(bk, block_n)
@@ -165,18 +191,22 @@ def pick_splits(programs: int, k_steps: int, target_programs: int = TARGET_PROGR
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n", "splits", "num_warps",
-                                             "num_stages", "magic", "float_min", "post_scale", "interpret"))
+                                             "num_stages", "magic", "float_min", "post_scale", "slabs", "block_k_rows",
+                                             "interpret"))
 def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, bits: int,
                        group_size: int, block_m: int = 16, block_n: int = 128, splits: int | None = None,
                        num_warps: int = 4, num_stages: int = 2, magic: bool = True, float_min: bool = False,
-                       post_scale: bool = False, interpret: bool = False) -> jax.Array:
+                       post_scale: bool = False, slabs: bool = False, block_k_rows: int | None = None,
+                       interpret: bool = False) -> jax.Array:
     """x [T, K] @ dequant(packed) -> [T, N] in x's dtype; shapes as in the module docstring.
     T is padded to a multiple of `block_m` (at least 16, Triton's smallest dot). `splits`: K is
     split over that many programs per output tile (default `pick_splits`: a narrow output at a
     small batch, o_proj or down_proj in decode, would otherwise occupy a fraction of the SMs);
     their float32 partial sums are added after the kernel. `post_scale` (x in bf16 with values of
     up to 7 bits, or f16 up to 10; `post_scale_ok`): scales and zeros applied to the dot's sums
-    (see `_kernel`)."""
+    (see `_kernel`). `slabs`: one dot per value position of the words (see `_kernel`).
+    `block_k_rows`: rows of K per step (a divisor of min(group, 128), at least 16 * 32 / bits
+    with `slabs`); default min(group, 128)."""
     t, k = x.shape
     n = packed.shape[1]
     per = 32 // bits
@@ -193,7 +223,14 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     tp = -(-t // block_m) * block_m
     xp = jnp.pad(x, ((0, tp - t), (0, 0)))
     g = k // group_size
-    bk = block_k(group_size)
+    # slabs: 128-row blocks even for smaller groups (several groups a block), so loads stay large
+    bk = block_k_rows or (BLOCK_K if slabs and BLOCK_K % group_size == 0 else block_k(group_size))
+    spans = slabs and bk > group_size and bk % group_size == 0 and group_size % per == 0
+    if (block_k(group_size) % bk and not spans) or bk < 16 or (slabs and bk // per < 16) or (post_scale and slabs):
+        raise ValueError(f"weight_only_matmul kernel: {bk} rows per step do not fit groups of {group_size}"
+                         f"{' with slabs (16 words a slab at least, no post_scale)' if slabs else ''}")
+    if slabs:  # x's columns in the order of the slabs: step, value position j, word
+        xp = xp.reshape(tp, k // bk, bk // per, per).swapaxes(2, 3).reshape(tp, k)
     k_steps = k // bk
     splits = splits or pick_splits((tp // block_m) * (n // block_n), k_steps)
     if k_steps % splits:
@@ -202,8 +239,8 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     if not interpret:
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     sums = pl.pallas_call(
-        functools.partial(_kernel, bits=bits, group_size=group_size, steps=k_steps // splits, magic=magic,
-                          float_min=float_min, post_scale=post_scale),
+        functools.partial(_kernel, bits=bits, group_size=group_size, bk=bk, steps=k_steps // splits, magic=magic,
+                          float_min=float_min, post_scale=post_scale, slabs=slabs),
         grid=(tp // block_m, n // block_n, splits),
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
                   pl.BlockSpec((k // per, block_n), lambda i, j, s: (0, j)),

@@ -26,7 +26,8 @@ import tempfile
 import time
 
 CONFIGS = {"llama-bf16": ("llama-3-8b", None), "llama-fp8": ("llama-3-8b", "fp8"),
-           "qwen3moe-bf16": ("qwen3-30b-a3b", None), "smollm2-bf16": ("smollm2-135m", None)}
+           "qwen3moe-bf16": ("qwen3-30b-a3b", None), "smollm2-bf16": ("smollm2-135m", None),
+           "llama-w4a16": ("llama-3-8b", "gptq"), "llama-gguf": ("llama-3-8b", "gguf")}
 
 
 def one(name: str) -> dict:

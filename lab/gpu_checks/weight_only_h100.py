@@ -10,8 +10,12 @@ each time is one compiled program running the layer over 4-16 distinct weights b
 configuration of each (conversion, form) is kept, and its error against the reference.
 
     python -m lab.gpu_checks.weight_only_h100 --out $OUT
+    python -m lab.gpu_checks.weight_only_h100 --out $OUT --layouts   # kernel layouts (below)
 
-Writes $OUT/weight_only.json and prints a short table.
+Writes $OUT/weight_only.json and prints a short table. `--layouts` instead times the kernel's
+step layouts for int4 groups of 128 and Q4_K's form (magic conversion): 128 rows a step (the
+default), 64 or 32 rows a step, and slabs (one dot per value position of the words, x's columns
+permuted), each over three configurations, into $OUT/weight_only_layouts.json.
 """
 
 from __future__ import annotations
@@ -96,6 +100,65 @@ def micro() -> dict:
     return res
 
 
+LAYOUTS = {"bk128": {}, "bk64": {"block_k_rows": 64}, "bk32": {"block_k_rows": 32}, "slabs": {"slabs": True}}
+
+
+def layouts() -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxengine.benchmarks import ceilings
+    from jaxengine.pallas_kernels import weight_only_matmul_gpu as kernel
+    from lab.gpu_checks.quant_h100 import _put
+
+    res: dict = {"ceilings": ceilings.measure(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                 "layouts": LAYOUTS, "shapes": SHAPES}
+    key = jax.random.key(1)
+    for name, (k, n) in SHAPES.items():
+        layers = max(4, min(16, int(2e9 // (2 * k * n))))
+        shape_res: dict = {}
+        for rows in (1, 16):
+            x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.float32).astype(jnp.bfloat16)
+            cells: dict = {}
+            for form in ("int4_g128", "q4k_g32"):
+                bits, group, fmin = FORMS[form]
+                ws, nbytes = _weights(jax, jnp, jax.random.fold_in(key, group), k, n, bits, group, fmin, layers)
+                for lay, extra in LAYOUTS.items():
+                    if extra.get("block_k_rows", 0) > group or (lay == "slabs" and group < 128):
+                        continue
+                    for bn, st, nw in CONFIGS_NARROW + [(64, 3, 4)]:
+                        opts = dict(bits=bits, group_size=group, float_min=fmin, block_n=bn, num_stages=st,
+                                    num_warps=nw, **extra)
+                        _put(cells, x, f"{form} {lay} bn{bn} st{st} w{nw}",
+                             lambda x, w, o=opts: kernel.weight_only_matmul(x, *w, **o), ws, nbytes)
+                    mine = {lab: c["us"] for lab, c in cells.items() if lab.startswith(f"{form} {lay} ") and "us" in c}
+                    if mine:
+                        best = min(mine, key=mine.get)
+                        p, s, z = ws[0]
+                        ref = kernel.weight_only_matmul_reference(x, p, s, z, bits, group, fmin).astype(jnp.float32)
+                        got = kernel.weight_only_matmul(x, p, s, z, bits=bits, group_size=group, float_min=fmin, **extra)
+                        cells[f"{form} {lay} best"] = dict(cells[best], config=best, max_abs_err=float(
+                            jnp.max(jnp.abs(got.astype(jnp.float32) - ref))))
+            shape_res[f"rows_{rows}"] = cells
+            print(f"{name} rows {rows} done", file=sys.stderr, flush=True)
+        res[name] = shape_res
+    return res
+
+
+def _layout_table(res: dict) -> None:
+    c = res["ceilings"]
+    print(f"ceilings: copy {c['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    cols = [f"{f} {lay}" for f in ("int4_g128", "q4k_g32") for lay in LAYOUTS if not (f == "q4k_g32" and lay in
+                                                                                        ("bk64", "slabs"))]
+    print(f"{'shape':<8}{'rows':>5}  " + "  ".join(f"{cl:>16}" for cl in cols) + "   (us; GB/s of weights)")
+    for name in SHAPES:
+        for rows in (1, 16):
+            cells = res[name][f"rows_{rows}"]
+            vals = [f"{cells[cl + ' best']['us']:>8.1f} {cells[cl + ' best']['weight_GBps']:>6.0f}"
+                    if "us" in cells.get(cl + " best", {}) else f"{'-':>15}" for cl in cols]
+            print(f"{name:<8}{rows:>5}  " + "  ".join(vals))
+
+
 def _table(res: dict) -> None:
     c = res["ceilings"]
     print(f"ceilings: copy {c['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
@@ -115,9 +178,17 @@ def _table(res: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--layouts", action="store_true", help="time the kernel's step layouts instead")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
+    if args.layouts:
+        res = layouts()
+        res["wall_s"] = time.perf_counter() - t0
+        with open(os.path.join(args.out, "weight_only_layouts.json"), "w") as fh:
+            json.dump(res, fh, indent=1)
+        _layout_table(res)
+        return 0
     res = micro()
     res["wall_s"] = time.perf_counter() - t0
     with open(os.path.join(args.out, "weight_only.json"), "w") as fh:

@@ -86,6 +86,30 @@ def test_post_scale_matches_reference(dtype, bits, group, float_min):
     assert float(jnp.max(jnp.abs(got - want))) <= 0.01 * float(jnp.max(jnp.abs(want)))
 
 
+@pytest.mark.parametrize("bits,group,float_min,kw", [
+    (4, 128, False, dict(slabs=True)), (4, 32, True, dict(slabs=True)), (8, 16, False, dict(slabs=True, splits=2)),
+    (4, 64, False, dict(slabs=True)), (8, 128, True, dict(slabs=True)), (4, 128, False, dict(block_k_rows=32)),
+    (4, 256, True, dict(block_k_rows=64, splits=2)),
+])
+def test_slabs_and_smaller_steps_match_reference(bits, group, float_min, kw):
+    """Slabs (one dot per value position of the words, x's columns permuted; 128-row blocks over
+    several groups of 16-64 rows) and steps of fewer rows than the group: the reference's values."""
+    x, packed, scales, zeros = _inputs(5, 512, 256, bits, group, seed=bits * group, dtype=jnp.float32,
+                                       float_min=float_min)
+    want = weight_only_matmul_reference(x, packed, scales, zeros, bits, group, float_min)
+    got = weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group, float_min=float_min,
+                             interpret=True, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+
+
+def test_step_rows_refused_where_they_do_not_fit():
+    x, packed, scales, zeros = _inputs(1, 256, 128, 4, 128, seed=0, dtype=jnp.float32)
+    for kw in (dict(block_k_rows=48), dict(block_k_rows=8), dict(slabs=True, block_k_rows=64),
+               dict(slabs=True, post_scale=True)):
+        with pytest.raises(ValueError, match="rows per step do not fit|post_scale needs"):
+            weight_only_matmul(x, packed, scales, zeros, bits=4, group_size=128, interpret=True, **kw)
+
+
 def test_post_scale_refused_where_the_values_do_not_fit():
     from jaxengine.pallas_kernels.weight_only_matmul_gpu import post_scale_ok
 
@@ -110,17 +134,19 @@ def test_unsupported_shapes_refused():
         weight_only_matmul(x[:, :96], packed[:12], scales[:2], zeros[:2], bits=4, group_size=48, interpret=True)
 
 
-@pytest.mark.parametrize("magic,group,float_min,post", [(True, 128, False, False), (False, 128, False, False),
-                                                        (True, 32, True, False), (True, 128, False, True),
-                                                        (True, 32, True, True)])
-def test_kernel_lowers_for_an_h100(magic, group, float_min, post):
+@pytest.mark.parametrize("magic,group,float_min,post,slabs", [
+    (True, 128, False, False, False), (False, 128, False, False, False), (True, 32, True, False, False),
+    (True, 128, False, True, False), (True, 32, True, True, False), (True, 128, False, False, True),
+    (True, 32, True, False, True)])
+def test_kernel_lowers_for_an_h100(magic, group, float_min, post, slabs):
     """Both conversions lower through Triton (3-D shifts, the bitcast and the reshape included),
-    and so do groups of 32 with float minimums and the post-scale form (16-bit bitcast, row sums)."""
+    and so do groups of 32 with float minimums, the post-scale form (16-bit bitcast, row sums) and
+    slabs (per-group scale rows repeated over a 128-row block)."""
     from tests.kernels.cuda_target import abstract_h100
 
     x, packed, scales, zeros = _inputs(16, 512, 256, 4, group, seed=3, dtype=jnp.bfloat16, float_min=float_min)
     fn = jax.jit(lambda x, p, s, z: weight_only_matmul(x, p, s, z, bits=4, group_size=group, magic=magic,
-                                                       float_min=float_min, post_scale=post))
+                                                       float_min=float_min, post_scale=post, slabs=slabs))
     with abstract_h100():
         text = fn.trace(x, packed, scales, zeros).lower(lowering_platforms=("cuda",)).as_text()
     assert "weight_only_matmul" in text
