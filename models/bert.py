@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.models import weights as w
+from jaxengine.models.layer_call import call_layer
 from jaxengine.models.layers import ACTIVATIONS, LayerNorm
 
 if TYPE_CHECKING:
@@ -276,7 +277,7 @@ class EncoderModel(nnx.Module):
             token_type_ids = jnp.zeros_like(input_ids)
         x = self.embeddings(input_ids, attention_mask, token_type_ids)
         for layer in self.layers:
-            x = layer(x, attention_mask)
+            x = call_layer(layer, x, attention_mask)
         logits = self.head(x[:, 0]) if self.head is not None else None
         return EncoderOutput(x, logits)
 

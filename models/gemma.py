@@ -38,6 +38,7 @@ from jaxengine.models import layers
 from jaxengine.models import weights as w
 from jaxengine.models.attention import AttentionMetadata, KVCache, init_qkv, out_proj, qkv
 from jaxengine.models.config import ModelConfig, RopeScaling, hf_dtype, hf_eos_ids, hf_field, hf_rope
+from jaxengine.models.layer_call import call_layer
 from jaxengine.models.layers import RotaryEmbedding, activation
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ class Model(nnx.Module):
         x = embed[input_ids] * jnp.asarray(self.normalizer, embed.dtype)  # [T, D]
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
-            x, kv = layer(x, positions, kv, md, attention)
+            x, kv = call_layer(layer, x, positions, kv, md, attention, static=(4,))
             new_caches.append(kv)
         return self.norm(x), new_caches
 

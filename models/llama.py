@@ -18,6 +18,7 @@ from flax import nnx
 from jaxengine.models import weights as w
 from jaxengine.models.attention import Attention, AttentionMetadata, KVCache
 from jaxengine.models.config import ModelConfig, hf_dtype, hf_eos_ids, hf_field, hf_rope, scaled_max_positions
+from jaxengine.models.layer_call import call_layer
 from jaxengine.models.layers import MLP, RMSNorm
 from jaxengine.models.lora import LoRAInputs, LoRALayer
 
@@ -54,7 +55,8 @@ class Model(nnx.Module):
         x = self.embed_tokens[...][input_ids]  # [T, D]
         new_caches = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            x, kv = layer(x, positions, kv, md, attention, None if lora is None else lora.layer(i))
+            x, kv = call_layer(layer, x, positions, kv, md, attention, None if lora is None else lora.layer(i),
+                               static=(4,))
             new_caches.append(kv)
         return self.norm(x), new_caches
 

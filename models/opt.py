@@ -22,6 +22,7 @@ from flax import nnx
 from jaxengine.models import weights as w
 from jaxengine.models.attention import AttentionMetadata, BiasAttention, KVCache
 from jaxengine.models.config import ModelConfig, hf_dtype, hf_eos_ids, hf_field
+from jaxengine.models.layer_call import call_layer
 from jaxengine.models.layers import BiasMLP, LayerNorm, activation
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class Model(nnx.Module):
         x = x + self.embed_positions[...][positions + POSITION_OFFSET]
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
-            x, kv = layer(x, kv, md, attention)
+            x, kv = call_layer(layer, x, kv, md, attention, static=(3,))
             new_caches.append(kv)
         if self.final_norm:
             x = self.norm(x)
