@@ -244,7 +244,11 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: jnp.dtype, graph
     free = free_for_kv_and_step(jax.local_devices()[0], config.gpu_memory_utilization)
     if free is not None:
         free, source = free
-        step = profile_step_bytes(config, mc, graphdef, state, dtype, plan, attention)
+        # GEMM autotuning off for the profile's compile: the buffer assignment came out the same to
+        # the byte for the Llama-3-8B shape on the H100, in about half the compile time
+        # (lab/gpu_checks/kv_profile_probe.py); the warm-up's compile of that bucket autotunes.
+        fast = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
+        step = profile_step_bytes(config, mc, graphdef, state, dtype, plan, attention, fast)
         if step is None:  # no buffer analysis: a rough bound (activations, logits, sampler copies)
             t, r = config.max_num_batched_tokens, min(config.max_num_batched_tokens, config.max_num_seqs)
             step = 2 * (t * (4 * mc.hidden_size + 3 * mc.intermediate_size) * jnp.dtype(dtype).itemsize

@@ -141,13 +141,14 @@ def _abstract(tree):
 
 
 def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef, state, dtype: jnp.dtype,
-                       plan, attention: AttentionBackend) -> int | None:
+                       plan, attention: AttentionBackend, xla_options: dict | None = None) -> int | None:
     """Device memory one step of the largest bucket needs beyond weights and KV cache, per device.
 
     Compiles that bucket's forward against a 2-block cache (the temporaries do not depend on the
     pool size) plus the processors sampler, placed as the runner places them (`plan`: sharded over
     the mesh), and reads XLA's buffer assignment of one device. None when the backend reports no
-    memory analysis. `attention`: the backend the runner will use.
+    memory analysis. `attention`: the backend the runner will use. `xla_options`: added to the
+    forward's compiler options (lab/gpu_checks/kv_profile_probe.py compares settings).
     """
     t = token_buckets(config.max_num_batched_tokens)[-1]
     r = min(t, config.max_num_seqs)
@@ -162,7 +163,7 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
                                  donate_argnums=(1,)).lower(
         _abstract(state), [(kv, kv)] * c.num_layers, layout.abstract(rep),
         jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile(
-        compiler_options=compiler_options(state))]
+        compiler_options={**compiler_options(state), **(xla_options or {})})]
     md = Layout.of(build_sampling_metadata([], r, config.max_model_len, processors=True,
                                            mask_words=-(-c.vocab_size // 32)))
     lowerings.append(lambda: jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True,
