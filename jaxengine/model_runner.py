@@ -551,7 +551,7 @@ class ModelRunner:
         prompt_lp = None
         # (a step of persistent-batch rows none of which asked for them has no targets)
         targets = None
-        if rows is None or self.batch.prompt_logprobs[rows.slots].any():
+        if rows is None or self.batch.wants_prompt_logprobs(rows.slots):
             targets = prompt_logprob_targets(seqs, t)
         if targets is not None:
             prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, targets)

@@ -71,6 +71,7 @@ class PersistentBatch:
         # (all but the steps: the same slots array means the same requests in the same slots).
         self.packed_sampling = None
         self._calls = 0  # `rows` calls so far
+        self._prompt_logprobs_of: tuple[np.ndarray, bool] | None = None  # `wants_prompt_logprobs`' last answer
 
     def release(self, request_ids: list[str]) -> None:
         """Frees the slots of requests that stopped running (finished, aborted, preempted)."""
@@ -116,6 +117,14 @@ class PersistentBatch:
         if columns is not None:
             return BatchRows(slots_a, columns.starts, ids, columns.in_flight, call=self._calls)
         return BatchRows(slots_a, np.fromiter(map(_start, seqs), np.int32, n), ids, call=self._calls)
+
+    def wants_prompt_logprobs(self, slots: np.ndarray) -> bool:
+        """Whether a request at one of `slots` asked for prompt logprobs (kept for the last slots
+        array asked about: the same array means the same requests)."""
+        last = self._prompt_logprobs_of
+        if last is None or last[0] is not slots:
+            last = self._prompt_logprobs_of = (slots, bool(self.prompt_logprobs[slots].any()))
+        return last[1]
 
     def _assign(self, seqs: list[ScheduledSeq], ids: list[str], tables: list[list[int]],
                 slots: list[int]) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,6 +29,38 @@ from jaxengine.request import Request, RequestSpec
 
 PLACEHOLDER = -1  # as jaxengine.scheduler.PLACEHOLDER (imported from here there)
 _PLACEHOLDER_ROW = [PLACEHOLDER]  # the token list of a decode row whose input is in flight (read only)
+
+
+class SteadySeqs(Sequence):
+    """A steady step's `ScheduledSeq`s (a read-only list), built on the first read of a row: the
+    steady path's own readers take the columns instead, and len() needs no rows."""
+
+    __slots__ = ("_n", "_make", "_seqs")
+
+    def __init__(self, n: int, make: Callable[[], list]) -> None:
+        self._n = n
+        self._make: Callable[[], list] | None = make  # builds the rows (what they hold is fixed when it is made)
+        self._seqs: list | None = None
+
+    def _rows(self) -> list:
+        if self._seqs is None:
+            self._seqs, self._make = self._make(), None
+        return self._seqs
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._rows()[i]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._rows())
+
+    def __eq__(self, other: object) -> bool:
+        return self._rows() == (list(other) if isinstance(other, Sequence) else other)
+
+    def __repr__(self) -> str:
+        return repr(self._rows())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,10 +131,14 @@ class SteadyDecode:
         n = len(self.reqs)
         if self.resolved:  # the last step's tokens are known: each row's input is its last token
             toks = [o[-1:] for o in self.outs]
-        else:  # each row's input is the token the step in flight samples
-            toks = itertools.repeat(_PLACEHOLDER_ROW, n)
-        return list(map(seq_type, self.ids, self.starts(k), itertools.repeat(1, n), toks, self.tables,
-                        itertools.repeat(True, n), self.specs, itertools.repeat(None, n)))
+            return list(map(seq_type, self.ids, self.starts(k), itertools.repeat(1, n), toks, self.tables,
+                            itertools.repeat(True, n), self.specs, itertools.repeat(None, n)))
+        # Each row's input is the token the step in flight samples. The runner and the output
+        # processor read the columns, so the rows are built only if something else reads them.
+        starts = self.starts(k)
+        return SteadySeqs(n, lambda: list(map(
+            seq_type, self.ids, starts, itertools.repeat(1, n), itertools.repeat(_PLACEHOLDER_ROW, n), self.tables,
+            itertools.repeat(True, n), self.specs, itertools.repeat(None, n))))
 
     def columns(self, k: int, grown: list[int]) -> DecodeColumns:
         """The runner's view of the step at offset k (after `seqs`, before the next `advance`)."""
