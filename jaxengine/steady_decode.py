@@ -96,7 +96,7 @@ class SteadyDecode:
         self.starts0 = starts  # [n] each row's start at offset 0
         self.starts0_i32 = np.asarray(starts, np.int32)  # [n]
         self.k = 0  # offset of the last step scheduled from these columns
-        self._starts_at: tuple[int, list[int]] = (0, starts)  # the last `starts` built
+        self.advanced_k = -1  # offset of the last step advanced (-1: none yet)
         # rows by start % block_size: at offset k, rows[(-k) % bs] start a block, and
         # rows[(-k - 1) % bs] fill one
         self.by_phase: list[list[int]] = [[] for _ in range(bs)]
@@ -119,12 +119,8 @@ class SteadyDecode:
         return self.by_phase[-k % self.block_size]
 
     def starts(self, k: int) -> list[int]:
-        """[n] each row's start at offset k (`advance` at k asks for k + 1, the next step's)."""
-        if k == 0:
-            return self.starts0
-        if self._starts_at[0] != k:
-            self._starts_at = (k, list(map(k.__add__, self.starts0)))
-        return self._starts_at[1]
+        """[n] each row's start at offset k."""
+        return self.starts0 if k == 0 else list(map(k.__add__, self.starts0))
 
     def seqs(self, k: int, seq_type: type) -> list:
         """The `ScheduledSeq`s at offset k: one token each, sampling, no copy of the outputs."""
@@ -135,20 +131,28 @@ class SteadyDecode:
                             itertools.repeat(True, n), self.specs, itertools.repeat(None, n)))
         # Each row's input is the token the step in flight samples. The runner and the output
         # processor read the columns, so the rows are built only if something else reads them.
-        starts = self.starts(k)
         return SteadySeqs(n, lambda: list(map(
-            seq_type, self.ids, starts, itertools.repeat(1, n), itertools.repeat(_PLACEHOLDER_ROW, n), self.tables,
+            seq_type, self.ids, self.starts(k), itertools.repeat(1, n), itertools.repeat(_PLACEHOLDER_ROW, n), self.tables,
             itertools.repeat(True, n), self.specs, itertools.repeat(None, n))))
 
     def columns(self, k: int, grown: list[int]) -> DecodeColumns:
         """The runner's view of the step at offset k (after `seqs`, before the next `advance`)."""
         return DecodeColumns(self.ids, self.tables, self.starts0_i32 + np.int32(k), grown, not self.resolved)
 
+    def computed(self, i: int) -> int:
+        """Row i's computed tokens (`Request.num_computed_tokens` of a row advanced here last)."""
+        return self.starts0[i] + self.advanced_k + 1
+
     def advance(self, k: int, on_filled) -> None:
         """The step at offset k was dispatched: each row's token counts as computed (blocks that
-        filled go to `on_filled(request)`) and its output list gets a placeholder."""
-        for req, outs, end in zip(self.reqs, self.outs, self.starts(k + 1)):
-            req.num_computed_tokens = end
+        filled go to `on_filled(request)`) and its output list gets a placeholder. The counts are
+        the columns' from the first advance on: each request reads its own from here until
+        something else sets it."""
+        if self.advanced_k < 0:
+            for i, req in enumerate(self.reqs):
+                req._steady_row = (self, i)
+        self.advanced_k = k
+        for outs in self.outs:
             outs.append(PLACEHOLDER)
         # (a filled block holds computed tokens only, so the placeholder is not in it)
         for i in self.by_phase[(-k - 1) % self.block_size]:
