@@ -82,7 +82,8 @@ class Request:
     # Structured outputs: the request's grammar matcher (an llguidance LLMatcher, jaxengine/grammar.py)
     # at the state after its output tokens so far; None when its output is unconstrained.
     grammar: object | None = field(default=None, repr=False)
-    # Speculative decoding: draft tokens proposed for the request's next step (the scheduler takes them).
+    # Speculative decoding: draft tokens proposed for the request's next step (the scheduler takes
+    # them); set through `Scheduler.set_drafts`, which tells its steady decode they changed.
     draft_token_ids: list[int] = field(default_factory=list, repr=False)
     # Draft-model speculation (jaxengine/draft_model.py): leading tokens whose KV is in the draft's
     # cache, and the drafts whose KV the last proposal wrote after them (unconfirmed until the

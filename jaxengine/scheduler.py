@@ -21,7 +21,6 @@ Pure Python, never imports JAX: tested in milliseconds.
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -34,7 +33,6 @@ from jaxengine.steady_decode import PLACEHOLDER, DecodeColumns, SteadyDecode
 logger = logging.getLogger(__name__)
 
 # PLACEHOLDER (from steady_decode): output token of a dispatched step whose sampled token is not known yet
-_draft_ids = operator.attrgetter("draft_token_ids")
 
 
 @dataclass(frozen=True)
@@ -316,8 +314,9 @@ class Scheduler:
 
     def _schedule_steady(self, steady: SteadyDecode) -> SchedulerOutput | None:
         """The last step's rows one position on (see jaxengine/steady_decode.py); None when the
-        general loop must run instead (no budget for every row, a draft, a block not to be had)."""
-        if len(steady) > self.config.max_num_batched_tokens or any(map(_draft_ids, steady.reqs)):
+        general loop must run instead (no budget for every row, a block not to be had). Drafts
+        set since came through `set_drafts`, which changed the epoch."""
+        if len(steady) > self.config.max_num_batched_tokens:
             return None
         k = steady.k + 1
         bm, bs = self.block_manager, self.config.block_size
@@ -341,6 +340,12 @@ class Scheduler:
         if sp.max_tokens is not None:
             room = min(room, sp.max_tokens - len(req.output_token_ids) - 1)
         return max(room, 0)
+
+    def set_drafts(self, req: Request, drafts: list[int]) -> None:
+        """Draft tokens proposed for a running request's next step (the next `schedule` takes
+        them). The way to set them: a step from the steady decode's columns never looks."""
+        self.epoch += 1
+        req.draft_token_ids = drafts
 
     def reserve_draft_slots(self, req: Request, k: int) -> int:
         """Before a draft model proposes for a decoding request: KV slots for its next step with

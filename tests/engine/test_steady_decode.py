@@ -147,3 +147,21 @@ def test_runner_inputs_one_step_ahead_equal_reference(seed: int) -> None:
         if i > 200 and not sched.has_unfinished_requests():
             break
     assert steady_builds > 20
+
+
+def test_drafts_set_in_the_steady_state_are_scheduled() -> None:
+    """Drafts proposed for a request of a steady decode go through `set_drafts`: the next step is
+    scheduled by the general loop and carries them."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_blocks=32,
+                                      block_size=4))
+    reqs = [Request(f"r{i}", [5, 6, 7], FakeParams(max_tokens=30), eos_token_ids=(EOS,)) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(3):  # prefill, then two decodes: the second comes from the columns
+        out = sched.schedule()
+        sched.update_from_output(out, [40] * len(out.seqs))
+    assert out._steady is not None and out.columns is not None
+    sched.set_drafts(reqs[1], [41, 42])
+    out = sched.schedule()
+    assert out.columns is None and [s.num_drafts for s in out.seqs] == [0, 2]
+    assert out.seqs[1].token_ids == [40, 41, 42]
