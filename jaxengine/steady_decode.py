@@ -1,20 +1,25 @@
-"""The decode steady state as row-stable columns, so such a step costs numpy, not Python per row.
+"""The decode steady state as row-stable columns, so such a step costs little Python per row.
 
 When a step is a plain decode of every running request (one token each, no prefill chunk, no
-draft, no preemption), the next step, with nothing changed in between, is the same rows one
-position further on. `SteadyDecode` keeps what such a step needs per row, in the rows' order
-(the scheduler's `running` list): the requests, their ids, live block tables, specs and output
-lists, and numpy columns of their starts, table capacities, prompt lengths and output limits.
-The scheduler then schedules, advances and resolves such a step with numpy over the columns
-plus one `ScheduledSeq` per row (built by `map`), instead of a Python loop that reads each
-request (vLLM v1 keeps its persistent batch's columns for the same reason).
+draft, no preemption, no request reading its history), the next step, with nothing changed in
+between, is the same rows one position further on. `SteadyDecode` keeps what such a step needs
+per row, in the rows' order (the scheduler's `running` list): the requests, their ids, live block
+tables, specs and output lists, each row's start when the columns were built, and lookups by the
+offset k (steps since then): the rows that start a block (and may need one) or fill one at k, and
+the offset at which each row reaches its output limit. The scheduler schedules such a step from
+them, `advance` appends each row's placeholder (the rows' computed counts are the columns', read
+through `Request.num_computed_tokens`), and `resolve` writes each row's token and checks stops
+only where the lookups or the stop ids point; the step's `ScheduledSeq`s are built only if
+something reads them (the runner and the output processor read `DecodeColumns`). vLLM v1 keeps
+its persistent batch's columns for the same reason.
 
 Validity: the columns describe the rows as the last steady step left them once `advance` ran
 on it. The scheduler's `epoch` counts every change to running requests outside that cycle (a
-finish, a preemption, accepted drafts, a draft slot reservation); a steady step whose epoch is
-not the scheduler's is never reused, and its advance and resolve take the general per-row path.
-Rows whose slot passes their table's end get their block through the block manager, in row
-order; if one cannot, the scheduler falls back to its general loop (which then preempts).
+finish, a preemption, drafts set, accepted drafts, a draft slot reservation); a steady step whose
+epoch is not the scheduler's is never reused, and its advance and resolve take the general
+per-row path. Rows whose slot passes their table's end get their block through the block
+manager, in row order; if one cannot, the scheduler falls back to its general loop (which then
+preempts).
 """
 
 from __future__ import annotations
