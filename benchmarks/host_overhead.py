@@ -139,7 +139,9 @@ class Timer:
 
     def _on_schedule(self, args, out) -> None:
         self.sched_rows = len(out.seqs)
-        self.sched_decode = sum(s.is_decode for s in out.seqs)
+        columns = getattr(out, "columns", None)  # a steady decode step: every row decodes (its rows
+        # are built only when read, which nothing but this count would do)
+        self.sched_decode = len(columns.ids) if columns is not None else sum(s.is_decode for s in out.seqs)
 
     def _on_process(self, args, out) -> None:
         if len(args) == 1:  # EngineCore._outputs(ResolvedStep | None)

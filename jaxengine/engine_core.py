@@ -251,13 +251,13 @@ class EngineCore:
                     rows.append((req, n, self.scheduler.block_manager.get_block_ids(req.request_id)))
             if rows:
                 for (req, _, _), drafts in zip(rows, self.runner.draft.propose(rows)):
-                    req.draft_token_ids = drafts
+                    self.scheduler.set_drafts(req, drafts)
                 drafted = True
         else:
             for req in decoding:
-                req.draft_token_ids = ngram_propose(req.prompt_token_ids + req.output_token_ids,
-                                                    spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                                    spec.prompt_lookup_max)
+                self.scheduler.set_drafts(req, ngram_propose(req.prompt_token_ids + req.output_token_ids,
+                                                             spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                                             spec.prompt_lookup_max))
                 drafted = drafted or bool(req.draft_token_ids)
         if drafted:
             self._spec_dry = 0

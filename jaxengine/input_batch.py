@@ -10,6 +10,7 @@ block tables from the runner's persistent batch (jaxengine/persistent_batch.py) 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 
@@ -49,6 +50,10 @@ class InputBuilder:
         self.block_size = block_size
         self._buffers: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         self._flat: dict[tuple[int, int], np.ndarray] = {}  # the packed buffer each bucket's buffers view
+        # (bucket, slots array, the batch's `rows` call) of the last build, if it was from the
+        # persistent batch with every token in flight on the rows of the step before (the steady
+        # decode state): the next such build of the same slots rewrites only what changed.
+        self._last_steady: tuple[tuple[int, int], np.ndarray, int] | None = None
 
     def _bufs(self, t: int, r: int) -> dict[str, np.ndarray]:
         key = (t, r)
@@ -95,6 +100,13 @@ class InputBuilder:
         assert len(seqs) <= r, (len(seqs), r)
         b = self._bufs(t, r)
         bs, n_seqs = self.block_size, len(seqs)
+        last, self._last_steady = self._last_steady, None
+        if batch is not None and lora_slots is None and same_rows and batch[1].in_flight:
+            rows = batch[1]
+            self._last_steady = ((t, r), rows.slots, rows.call)
+            if (rows.grown is not None and last is not None and last[0] == (t, r) and last[1] is rows.slots
+                    and last[2] == rows.call - 1):  # the build before: these rows, one position back
+                return self._build_steady(b, batch[0], rows)
         b["lora_slot"].fill(0)
         if batch is not None:  # one token per row (the runner checked)
             if lora_slots is not None:
@@ -195,7 +207,8 @@ class InputBuilder:
         same arrays, reading only each row's first token besides what `rows` holds."""
         bs, n = self.block_size, len(seqs)
         starts_a = rows.starts
-        self._single_token_rows(seqs, b, prev_rows, starts_a, same_rows)
+        toks = np.full(n, PLACEHOLDER, np.int32) if rows.in_flight else None
+        self._single_token_rows(seqs, b, prev_rows, starts_a, same_rows, toks)
         bt = b["block_tables"]
         bt[:n] = batch.block_tables[rows.slots]
         bt[n:] = 0
@@ -203,14 +216,30 @@ class InputBuilder:
         b["num_seqs"][0] = n
         return self._inputs(b)
 
+    def _build_steady(self, b: dict[str, np.ndarray], batch: PersistentBatch, rows: BatchRows) -> StepInputs:
+        """`_build_from_batch` when this bucket's buffers hold the step before of the same rows
+        (same slots array, every token in flight, no LoRA): only what moves with the position
+        and the tables that grew are rewritten; token ids, prev_index, query starts, logits rows
+        and the padding are already what they would be written to."""
+        bs, n, starts_a = self.block_size, len(rows.slots), rows.starts
+        b["positions"][:n] = starts_a
+        b["kv_lens"][:n] = starts_a + 1
+        bt = b["block_tables"]
+        if rows.grown:
+            bt[rows.grown] = batch.block_tables[rows.slots[rows.grown]]
+        b["slot_mapping"][:n] = bt[_arange(n), starts_a // bs] * bs + starts_a % bs
+        return self._inputs(b)
+
     @staticmethod
     def _single_token_rows(seqs: list[ScheduledSeq], b: dict[str, np.ndarray], prev_rows: dict[str, int] | None,
-                           starts_a: np.ndarray, same_rows: bool = False) -> None:
+                           starts_a: np.ndarray, same_rows: bool = False, toks: np.ndarray | None = None) -> None:
         """What both one-token-per-row builders fill alike: token ids (a token still in flight as
         its row of the previous step's samples), positions, KV lengths, query starts and logits
-        rows; the slots past the rows zeroed (slot_mapping's included)."""
+        rows; the slots past the rows zeroed (slot_mapping's included). `toks`: the rows' tokens
+        when the caller has them ([n] int32, overwritten), else read from `seqs`."""
         n = len(seqs)
-        toks = np.fromiter(map(_first, map(_token_ids, seqs)), np.int32, n)
+        if toks is None:
+            toks = np.fromiter(map(_first, map(_token_ids, seqs)), np.int32, n)
         pending = np.flatnonzero(toks == PLACEHOLDER)  # sampled by the step in flight
         b["prev_index"].fill(-1)
         if len(pending):
@@ -240,6 +269,13 @@ class InputBuilder:
         attn = AttentionMetadata(b["slot_mapping"], b["kv_lens"], b["block_tables"], b["query_start_loc"],
                                  b["num_seqs"])
         return StepInputs(b["input_ids"], b["positions"], attn, b["logits_indices"], b["prev_index"], b["lora_slot"])
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int) -> np.ndarray:
+    a = np.arange(n)
+    a.flags.writeable = False
+    return a
 
 
 def prompt_logprob_targets(seqs: list[ScheduledSeq], t: int) -> np.ndarray | None:

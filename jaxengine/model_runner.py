@@ -533,7 +533,7 @@ class ModelRunner:
         self.batch.release(sched.preempted_ids)
         rows = None
         if seqs and sched.num_batched_tokens == len(seqs):  # one token per row: the decode steady state
-            rows = self.batch.rows(seqs)
+            rows = self.batch.rows(seqs, sched.columns)
         # The steady state: the step in flight had these rows in this order, each sampling, so a
         # row's token in flight is the same row of its samples (no id lookups).
         same_rows = prev is not None and rows is not None and prev.row_ids is not None and prev.row_ids == rows.ids
@@ -552,7 +552,7 @@ class ModelRunner:
         prompt_lp = None
         # (a step of persistent-batch rows none of which asked for them has no targets)
         targets = None
-        if rows is None or self.batch.prompt_logprobs[rows.slots].any():
+        if rows is None or self.batch.wants_prompt_logprobs(rows.slots):
             targets = prompt_logprob_targets(seqs, t)
         if targets is not None:
             prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, targets)

@@ -197,10 +197,11 @@ class OutputProcessor:
         nan_rows = out.nan_rows if out.nan_rows is not None and out.nan_rows.any() else None
         errors = step.errors or {}
         now = time.monotonic()
-        for i, (s, token) in enumerate(zip(sched.seqs, step.sampled)):
+        # (a steady decode step's ids come from its columns: its rows are never built then)
+        row_ids = sched.columns.ids if sched.columns is not None else [s.request_id for s in sched.seqs]
+        for i, (cid, token) in enumerate(zip(row_ids, step.sampled)):
             if token is None:
                 continue
-            cid = s.request_id
             st = states.get(cid)
             if st is None or st.finish_reason is not None:  # unknown, aborted or stopped a step ago
                 continue
@@ -215,6 +216,7 @@ class OutputProcessor:
             try:
                 if isinstance(token, list):  # speculative: several tokens (the scheduler kept these)
                     stop = self._process_tokens(st, token, ended, out, i, now)
+                    s = sched.seqs[i]
                     if step.accepted is not None and s.num_drafts:
                         m = st.parent.metrics
                         m.spec_num_draft_tokens += s.num_drafts

@@ -23,6 +23,7 @@ import operator
 import numpy as np
 
 from jaxengine.scheduler import ScheduledSeq
+from jaxengine.steady_decode import DecodeColumns
 
 _SAMPLER_WIDTH = 7  # columns of SamplingParams.sampler_row_f32
 _request_id = operator.attrgetter("request_id")
@@ -37,6 +38,11 @@ class BatchRows:
     slots: np.ndarray  # [n] int64 slot of each row
     starts: np.ndarray  # [n] int32 position of each row's first new token
     ids: list[str]  # [n] each row's request id
+    in_flight: bool = False  # every row's token is a placeholder (the step in flight samples it)
+    # Rows whose block table changed since the batch's last `rows` call (number `call` - 1), when
+    # these are the rows of that call (the scheduler's same columns); None: unknown.
+    grown: list[int] | None = None
+    call: int = 0  # the batch's count of `rows` calls, this one included
 
 
 class PersistentBatch:
@@ -61,6 +67,11 @@ class PersistentBatch:
         # The last `rows` call's (ids, tables, slots, slots array), while no slot was released
         # since: a step with the same rows and table lists has the same slots (the steady state).
         self._last: tuple[list[str], list[list[int]], list[int], np.ndarray] | None = None
+        # jaxengine.sampler's packed sampling metadata of the last slots array it was asked for
+        # (all but the steps: the same slots array means the same requests in the same slots).
+        self.packed_sampling = None
+        self._calls = 0  # `rows` calls so far
+        self._prompt_logprobs_of: tuple[np.ndarray, bool] | None = None  # `wants_prompt_logprobs`' last answer
 
     def release(self, request_ids: list[str]) -> None:
         """Frees the slots of requests that stopped running (finished, aborted, preempted)."""
@@ -71,14 +82,26 @@ class PersistentBatch:
                 self._free.append(slot)
                 self._last = None
 
-    def rows(self, seqs: list[ScheduledSeq]) -> BatchRows:
-        """The slots of `seqs`, filling the rows that are new and the block tables that grew."""
+    def rows(self, seqs: list[ScheduledSeq], columns: DecodeColumns | None = None) -> BatchRows:
+        """The slots of `seqs`, filling the rows that are new and the block tables that grew.
+        `columns`: the same rows as the scheduler's columns (a steady decode step), read instead
+        of the rows, so a step with the rows of the step before costs no Python per row."""
         n = len(seqs)
-        ids = list(map(_request_id, seqs))
-        tables = list(map(_block_ids, seqs))
+        self._calls += 1
+        if columns is not None:
+            ids, tables = columns.ids, columns.tables
+        else:
+            ids = list(map(_request_id, seqs))
+            tables = list(map(_block_ids, seqs))
         last = self._last
+        if last is not None and ids is last[0] and tables is last[1]:  # the scheduler's same columns
+            slots, slots_a = last[2], last[3]
+            for i in columns.grown:  # the only tables that changed since the step before
+                self._write_table(slots[i], tables[i])
+            return BatchRows(slots_a, columns.starts, ids, columns.in_flight, columns.grown, self._calls)
         if last is not None and ids == last[0] and all(map(operator.is_, tables, last[1])):
             slots, slots_a = last[2], last[3]  # each slot still holds its row's table
+            self._last = (ids, tables, slots, slots_a)  # (the scheduler's lists, if it gave them)
         else:
             sentinel = self.capacity
             slots = [self._slot_of.get(rid, sentinel) for rid in ids]
@@ -91,7 +114,17 @@ class PersistentBatch:
         lens = np.fromiter(map(len, tables), np.int64, n)
         for i in np.flatnonzero(lens != self.table_len[slots_a]).tolist():
             self._write_table(slots[i], tables[i])
-        return BatchRows(slots_a, np.fromiter(map(_start, seqs), np.int32, n), ids)
+        if columns is not None:
+            return BatchRows(slots_a, columns.starts, ids, columns.in_flight, call=self._calls)
+        return BatchRows(slots_a, np.fromiter(map(_start, seqs), np.int32, n), ids, call=self._calls)
+
+    def wants_prompt_logprobs(self, slots: np.ndarray) -> bool:
+        """Whether a request at one of `slots` asked for prompt logprobs (kept for the last slots
+        array asked about: the same array means the same requests)."""
+        last = self._prompt_logprobs_of
+        if last is None or last[0] is not slots:
+            last = self._prompt_logprobs_of = (slots, bool(self.prompt_logprobs[slots].any()))
+        return last[1]
 
     def _assign(self, seqs: list[ScheduledSeq], ids: list[str], tables: list[list[int]],
                 slots: list[int]) -> list[int]:

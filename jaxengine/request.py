@@ -69,7 +69,7 @@ class Request:
     seed: int = 0  # sampling seed: the params' own, or one the engine drew for the request
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)  # one more per sampling step
-    num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
+    _num_computed: int = field(default=0, repr=False)  # `num_computed_tokens` unless `_steady_row` holds it
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
@@ -82,7 +82,8 @@ class Request:
     # Structured outputs: the request's grammar matcher (an llguidance LLMatcher, jaxengine/grammar.py)
     # at the state after its output tokens so far; None when its output is unconstrained.
     grammar: object | None = field(default=None, repr=False)
-    # Speculative decoding: draft tokens proposed for the request's next step (the scheduler takes them).
+    # Speculative decoding: draft tokens proposed for the request's next step (the scheduler takes
+    # them); set through `Scheduler.set_drafts`, which tells its steady decode they changed.
     draft_token_ids: list[int] = field(default_factory=list, repr=False)
     # Draft-model speculation (jaxengine/draft_model.py): leading tokens whose KV is in the draft's
     # cache, and the drafts whose KV the last proposal wrote after them (unconfirmed until the
@@ -95,6 +96,20 @@ class Request:
     stop_at_outputs: int = field(default=0, repr=False)
     stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
     spec: RequestSpec = field(init=False, repr=False)
+    # While the request is a row of the scheduler's steady decode (jaxengine/steady_decode.py):
+    # (its columns, its row), which hold its computed count, so a steady step writes none.
+    _steady_row: tuple | None = field(default=None, init=False, repr=False)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Leading tokens whose K/V are in the cache."""
+        row = self._steady_row
+        return self._num_computed if row is None else row[0].computed(row[1])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self._steady_row = None
+        self._num_computed = value
 
     def __post_init__(self) -> None:
         self.spec = RequestSpec(self.sampling_params, self.seed, self.prompt_token_ids, self.lora_int_id)

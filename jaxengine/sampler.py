@@ -237,22 +237,53 @@ def rows_sampling_packed(batch: PersistentBatch, rows: BatchRows, num_rows: int)
     """`pack` of `rows_sampling_metadata`'s metadata (mask width 1) and whether any row
     truncates, written straight into a copy of the packed neutral metadata; None where
     `rows_sampling_metadata` is None."""
-    found = _column_rows(batch, rows, num_rows)
-    if found is None:
+    slots, n = rows.slots, len(rows.slots)
+    cached = batch.packed_sampling
+    if cached is None or cached.slots is not slots or cached.num_rows != num_rows:
+        # The same slots array means the same requests in the same slots (the batch makes a new
+        # one whenever a row changes): only the steps differ from the step that built this.
+        cached = batch.packed_sampling = _PackedRows.of(batch, slots, num_rows)
+    if cached.buf is None or (cached.min_tokens_below is not None and (rows.starts < cached.min_tokens_below).any()):
         return None
-    slots, n, steps = found
-    template, value_at, seeds_at, steps_at = _packed_template(num_rows)
-    buf = template.copy()
-    as_f32 = buf.view(np.float32)
-    values = batch.sampler_values[slots]  # [n, 7] in SamplingMetadata's field order
-    for k, at in enumerate(value_at):
-        if k == 2:  # top_k is an int32 column
-            buf[at:at + n] = values[:, k].astype(np.int32)
-        else:
-            as_f32[at:at + n] = values[:, k]
-    buf.view(np.uint32)[seeds_at:seeds_at + n] = batch.seeds[slots]
-    buf[steps_at:steps_at + n] = steps
-    return buf, bool(batch.truncates[slots].any())
+    buf = cached.buf.copy()
+    buf[cached.steps_at:cached.steps_at + n] = rows.starts + cached.step_of_start
+    return buf, cached.truncate
+
+
+@dataclass(frozen=True, slots=True)
+class _PackedRows:
+    """`rows_sampling_packed`'s work that depends on the slots only (n = rows, R = num_rows)."""
+
+    slots: np.ndarray  # [n] the slots it was built for (compared by identity)
+    num_rows: int  # R
+    buf: np.ndarray | None  # packed metadata with every column but the steps written; None: a row needs processors
+    steps_at: int  # where the steps start in `buf`
+    step_of_start: np.ndarray  # [n] int32 a row's output step is its start plus this (1 - prompt length)
+    min_tokens_below: np.ndarray | None  # [n] int32 a row bans ids while its start is below this; None: no row does
+    truncate: bool  # some row truncates (top-k / top-p)
+
+    @staticmethod
+    def of(batch: PersistentBatch, slots: np.ndarray, num_rows: int) -> _PackedRows:
+        n = len(slots)
+        if n > num_rows:
+            raise ValueError(f"{n} sampling rows do not fit in a bucket of {num_rows}")
+        template, value_at, seeds_at, steps_at = _packed_template(num_rows)
+        step_of_start = (1 - batch.prompt_len[slots]).astype(np.int32)
+        min_tokens = batch.min_tokens[slots]
+        below = (min_tokens - step_of_start) if (min_tokens > 0).any() else None
+        buf = None
+        if not batch.needs_processors[slots].any():
+            buf = template.copy()
+            as_f32 = buf.view(np.float32)
+            values = batch.sampler_values[slots]  # [n, 7] in SamplingMetadata's field order
+            for k, at in enumerate(value_at):
+                if k == 2:  # top_k is an int32 column
+                    buf[at:at + n] = values[:, k].astype(np.int32)
+                else:
+                    as_f32[at:at + n] = values[:, k]
+            buf.view(np.uint32)[seeds_at:seeds_at + n] = batch.seeds[slots]
+            buf.flags.writeable = False
+        return _PackedRows(slots, num_rows, buf, steps_at, step_of_start, below, bool(batch.truncates[slots].any()))
 
 
 @functools.lru_cache(maxsize=64)

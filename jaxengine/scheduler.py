@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 
 from jaxengine.block_manager import BlockManager
 from jaxengine.request import Request, RequestSpec, RequestStatus
+from jaxengine.steady_decode import PLACEHOLDER, DecodeColumns, SteadyDecode
 
 logger = logging.getLogger(__name__)
 
-PLACEHOLDER = -1  # output token of a dispatched step whose sampled token is not known yet
+# PLACEHOLDER (from steady_decode): output token of a dispatched step whose sampled token is not known yet
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,14 @@ class SchedulerOutput:
     # Every row samples (a step of decodes and last prompt chunks): the sampled ids need no
     # per-row check against `seqs`. False is always safe.
     all_sample: bool = False
+    # A plain decode of every running request, the same rows as the step before: its rows as
+    # columns (the runner reads them instead of each row's fields). None for any other step.
+    columns: DecodeColumns | None = None
+    # A plain decode of every running request (jaxengine/steady_decode.py): its columns, the
+    # step's offset in them, and the scheduler's epoch when it was scheduled. The scheduler's own.
+    _steady: SteadyDecode | None = field(default=None, repr=False)
+    _offset: int = 0
+    _epoch: int = -1
 
 
 class Scheduler:
@@ -119,6 +128,11 @@ class Scheduler:
         self._num_reading_history = 0  # unfinished requests whose sampling reads their history
         self.num_constrained = 0  # unfinished requests with a structured-output grammar
         self.num_unspeculative = 0  # unfinished requests whose sampling speculation cannot verify
+        # Changes to running requests outside the plain decode cycle (finishes, preemptions,
+        # accepted drafts, draft slots): a steady decode's columns hold while it is unchanged.
+        self.epoch = 0
+        self._steady: SteadyDecode | None = None  # the last step, if it was a steady decode
+        self.use_steady = True  # False: every step takes the general loop (tests compare the two)
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
@@ -193,6 +207,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
+        steady = self._steady
+        if (steady is not None and steady.advanced and steady.epoch == self.epoch
+                and len(self.running) == len(steady)
+                and (not self.waiting or len(steady) >= self.config.max_num_seqs)):  # (none to admit)
+            out = self._schedule_steady(steady)
+            if out is not None:
+                return out
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
@@ -274,11 +295,42 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget
         all_sample = True  # decode rows always sample
+        steady = None
         if prefills:
             all_sample = all(s.samples for s in prefills)
             decodes += prefills
             decode_reqs += prefill_reqs
-        return SchedulerOutput(decodes, num_batched, preempted, finished, num_cached, decode_reqs, all_sample)
+        elif (not preempted and num_batched == len(decodes) == len(running) and self.use_steady
+              and not any_history):
+            # every running request decodes one token (drafts would make a row longer): the next
+            # step is these rows one position on
+            steady = SteadyDecode(decode_reqs, [s.block_ids for s in decodes], [s.start for s in decodes],
+                                  self.config.block_size, self.epoch)
+        self._steady = steady
+        out = SchedulerOutput(decodes, num_batched, preempted, finished, num_cached, decode_reqs, all_sample)
+        if steady is not None:
+            out._steady, out._epoch = steady, self.epoch
+        return out
+
+    def _schedule_steady(self, steady: SteadyDecode) -> SchedulerOutput | None:
+        """The last step's rows one position on (see jaxengine/steady_decode.py); None when the
+        general loop must run instead (no budget for every row, a block not to be had). Drafts
+        set since came through `set_drafts`, which changed the epoch."""
+        if len(steady) > self.config.max_num_batched_tokens:
+            return None
+        k = steady.k + 1
+        bm, bs = self.block_manager, self.config.block_size
+        starts0, tables, grown = steady.starts0, steady.tables, []
+        for i in steady.starting_block(k):
+            if starts0[i] + k >= len(tables[i]) * bs:
+                if not bm.allocate_slots(steady.reqs[i], 1):
+                    self._steady = None
+                    return None  # the general loop preempts (rows allocated so far keep their block)
+                grown.append(i)
+        steady.k, steady.advanced = k, False
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(steady.seqs(k, ScheduledSeq), len(steady), [], finished, {}, steady.reqs, True,
+                               steady.columns(k, grown), steady, k, self.epoch)
 
     def draft_room(self, req: Request) -> int:
         """Drafts a decoding request's next step can carry: what max_tokens and max_model_len
@@ -289,11 +341,18 @@ class Scheduler:
             room = min(room, sp.max_tokens - len(req.output_token_ids) - 1)
         return max(room, 0)
 
+    def set_drafts(self, req: Request, drafts: list[int]) -> None:
+        """Draft tokens proposed for a running request's next step (the next `schedule` takes
+        them). The way to set them: a step from the steady decode's columns never looks."""
+        self.epoch += 1
+        req.draft_token_ids = drafts
+
     def reserve_draft_slots(self, req: Request, k: int) -> int:
         """Before a draft model proposes for a decoding request: KV slots for its next step with
         up to `k` drafts (the draft writes its KV there while proposing). Returns the drafts it
         may propose; 0 when there is no room or no free block (nothing is preempted for drafts)."""
         n = min(k, self.draft_room(req))
+        self.epoch += 1
         if n and not self.block_manager.allocate_slots(req, 1 + n):
             return 0
         return n
@@ -345,6 +404,7 @@ class Scheduler:
                             req.output_token_ids[:] if req.sampling_params.reads_history else None)
 
     def _preempt(self, req: Request) -> None:
+        self.epoch += 1
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -368,6 +428,10 @@ class Scheduler:
         """Right after a step is dispatched: its tokens count as computed, and each sampling row
         gets a PLACEHOLDER output token, so the next step can be scheduled before this one's
         tokens are known (the runner feeds them from the device)."""
+        steady = out._steady
+        if steady is not None and out._epoch == self.epoch:  # every row still runs
+            steady.advance(out._offset, self.block_manager.cache_full_blocks)
+            return
         bm, bs, running = self.block_manager, self.config.block_size, RequestStatus.RUNNING
         all_sample = out.all_sample
         for seq, req in zip(out.seqs, out._requests):
@@ -388,6 +452,18 @@ class Scheduler:
             raise ValueError(f"{len(sampled)} sampled tokens for {len(out.seqs)} scheduled rows")
         finished: list[Request] = []
         now = time.monotonic()
+        steady = out._steady
+        if steady is not None and out._epoch == self.epoch:  # no row finished or was preempted since
+            # (every row's first token was resolved by an earlier step: it was a plain decode)
+            for i in steady.resolve(out._offset, sampled):
+                req = steady.reqs[i]
+                status = self._check_stop(req, sampled[i])
+                if status is not None:
+                    self._finish(req, status, now)
+                    finished.append(req)
+            if finished:
+                self._drop_finished()
+            return finished
         running = RequestStatus.RUNNING
         check_samples = not out.all_sample
         for seq, req, token in zip(out.seqs, out._requests, sampled):
@@ -428,6 +504,7 @@ class Scheduler:
                 break
         if status is None:
             accepted = len(tokens) - 1
+            self.epoch += 1
             start = req.num_computed_tokens
             req.num_computed_tokens = start + accepted
             bs = self.config.block_size
@@ -453,6 +530,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         """Mark finished and free the blocks; `_drop_finished` then clears the queues."""
+        self.epoch += 1
         req.status = status
         req.finished_time = time.monotonic() if now is None else now
         self.block_manager.free(req)

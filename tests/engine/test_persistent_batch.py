@@ -33,8 +33,10 @@ def _inputs_dict(inputs) -> dict[str, np.ndarray]:
             "logits_indices": inputs.logits_indices}
 
 
+@pytest.mark.parametrize("columns", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_persistent_rows_equal_per_row_build(seed: int) -> None:
+def test_persistent_rows_equal_per_row_build(seed: int, columns: bool) -> None:
+    """`columns`: steady decode steps hand the batch the scheduler's columns (as the runner does)."""
     rng = random.Random(seed)
     sched = Scheduler(SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=M * BS,
                                       num_blocks=14, block_size=BS))
@@ -42,7 +44,7 @@ def test_persistent_rows_equal_per_row_build(seed: int) -> None:
     builder = InputBuilder(M, BS)
     reqs: list[Request] = []
     prev_slots: dict[str, int] = {}
-    fast_steps = reused = 0
+    fast_steps = reused = column_steps = 0
     for step in range(600):
         if step < 80 and rng.random() < 0.3:
             p = dataclasses.replace(_random_params(rng), max_tokens=rng.randrange(1, 60), ignore_eos=True)
@@ -62,7 +64,8 @@ def test_persistent_rows_equal_per_row_build(seed: int) -> None:
         seqs = out.seqs
         if seqs and out.num_batched_tokens == len(seqs):
             fast_steps += 1
-            rows = batch.rows(seqs)
+            column_steps += out.columns is not None
+            rows = batch.rows(seqs, out.columns if columns else None)
             slots = rows.slots.tolist()
             assert len(set(slots)) == len(slots)
             for s, slot in zip(seqs, slots):
@@ -96,7 +99,7 @@ def test_persistent_rows_equal_per_row_build(seed: int) -> None:
         if step >= 80 and not sched.has_unfinished_requests():
             break
     assert not sched.has_unfinished_requests()
-    assert fast_steps > 20 and sched.num_preemptions > 0
+    assert fast_steps > 20 and sched.num_preemptions > 0 and column_steps > 0
     assert len(batch._slot_of) <= MAX_SEQS  # releases kept up: no slot leaked
 
 

@@ -74,7 +74,7 @@ def test_scheduler_gives_drafts_slots_and_counts_only_verified_tokens():
     s.add_request(req)
     out = s.schedule()
     s.update_from_output(out, [10])  # the prompt's step samples token 10
-    req.draft_token_ids = [11, 12, 13]
+    s.set_drafts(req, [11, 12, 13])
     out = s.schedule()
     [row] = out.seqs
     assert (row.start, row.num_new_tokens, row.token_ids, row.num_drafts) == (7, 4, [10, 11, 12, 13], 3)
@@ -94,7 +94,7 @@ def test_a_stop_inside_the_accepted_tokens_drops_the_rest():
     req = Request("a", [1, 2, 3], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[12]))
     s.add_request(req)
     s.update_from_output(s.schedule(), [10])
-    req.draft_token_ids = [11, 12, 13]
+    s.set_drafts(req, [11, 12, 13])
     out = s.schedule()
     s.advance(out)
     tokens = [11, 12, 13, 14]
@@ -108,7 +108,7 @@ def test_drafts_are_cut_to_max_tokens():
     req = Request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
     s.add_request(req)
     s.update_from_output(s.schedule(), [10])
-    req.draft_token_ids = [11, 12, 13]
+    s.set_drafts(req, [11, 12, 13])
     [row] = s.schedule().seqs
     assert row.num_drafts == 1  # 1 output so far + 1 draft + the target's token = max_tokens
 
