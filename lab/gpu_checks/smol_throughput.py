@@ -1,0 +1,40 @@
+"""The GPU suite's SmolLM2-shape throughput alone (dummy bf16 weights, batch 256, random 256 in /
+256 out), for A/Bs of code trees in one call: prints output tok/s and the engine's step split.
+
+    python -m lab.gpu_checks.smol_throughput [--prompts 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=1024)
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    from jaxengine.device_memory import size_device_pool
+
+    size_device_pool(0.9)
+    from jaxengine import LLM
+    from jaxengine.benchmarks.common import SampleRequest, random_requests
+    from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer, timing_summary
+    from jaxengine.benchmarks.throughput import run_throughput
+
+    t0 = time.perf_counter()
+    llm = LLM("smollm2-135m", load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
+              max_num_batched_tokens=2048, tokenizer=synthetic_tokenizer(tempfile.mkdtemp(), 49152))
+    start = time.perf_counter() - t0
+    run_throughput(llm, [SampleRequest(r.prompt_token_ids, 16) for r in random_requests(64, 256, 256, 0.0, 49152,
+                                                                                       seed=20_001)])
+    tr = run_throughput(llm, random_requests(args.prompts, 256, 256, 0.0, 49152, seed=7))
+    t = timing_summary(tr["engine_timing"])
+    print(f"{args.label}: start {start:.1f} s, {tr['output_tokens_per_s']:.0f} output tok/s, step {t['step_ms']:.2f} ms, "
+          f"device wait {t['device_wait_ms']:.2f} ms, keys {sorted(t)[:6]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
