@@ -26,6 +26,7 @@ is d * sc (f16 times a 6- or 8-bit integer: exact in float32), its minimum dmin 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -131,8 +132,16 @@ def _q6_k(b):
     return q.reshape(n, QK_K), d[:, None] * sc.astype(np.float32), np.full((n, QK_K // 16), 32, np.uint8)
 
 
-# type -> (values per block, bytes per block, group size, bits kept, float minimums, unpacker)
-_TYPES = {
+class _Type(NamedTuple):
+    per_block: int  # values per block
+    nbytes: int  # bytes per block
+    group: int  # values per scale
+    bits: int  # bits kept on the device
+    float_min: bool
+    unpack: Callable
+
+
+_TYPES = {name: _Type(*spec) for name, spec in {
     "Q8_0": (32, 34, 32, 8, False, _q8_0),
     "Q4_0": (32, 18, 32, 4, False, _q4_0),
     "Q4_1": (32, 20, 32, 4, True, _q4_1),
@@ -141,7 +150,7 @@ _TYPES = {
     "Q4_K": (QK_K, 144, 32, 4, True, _q4_k),
     "Q5_K": (QK_K, 176, 32, 8, True, _q5_k),
     "Q6_K": (QK_K, 210, 16, 8, False, _q6_k),
-}
+}.items()}
 KEPT_TYPES = tuple(_TYPES)
 
 
@@ -149,7 +158,7 @@ def form(type_name: str) -> tuple[int, int, bool] | None:
     """(bits kept, group size, float minimums) of a type kept quantized, None for any other type:
     weights of one form can be concatenated into a fused projection."""
     t = _TYPES.get(type_name)
-    return None if t is None else (t[3], t[2], t[4])
+    return None if t is None else (t.bits, t.group, t.float_min)
 
 
 def unpack(type_name: str, data: np.ndarray, rows: int, cols: int) -> GgufBlocks:
@@ -158,12 +167,12 @@ def unpack(type_name: str, data: np.ndarray, rows: int, cols: int) -> GgufBlocks
     another type or a size that does not fit."""
     if type_name not in _TYPES:
         raise ValueError(f"GGUF type {type_name} cannot be kept quantized; kept: {', '.join(KEPT_TYPES)}")
-    per_block, nbytes, group, bits, float_min, fn = _TYPES[type_name]
+    t = _TYPES[type_name]
     raw = np.asarray(data, np.uint8).reshape(-1)
-    if cols % per_block or raw.size != rows * cols // per_block * nbytes:
+    if cols % t.per_block or raw.size != rows * cols // t.per_block * t.nbytes:
         raise ValueError(f"GGUF {type_name} tensor of {rows} x {cols}: {raw.size} bytes do not hold "
-                         f"{rows * cols // per_block} blocks of {nbytes}")
-    values, scales, zeros = fn(raw.reshape(-1, nbytes))
-    zeros = np.asarray(zeros, np.float32 if float_min else np.uint8)
+                         f"{rows * cols // t.per_block} blocks of {t.nbytes}")
+    values, scales, zeros = t.unpack(raw.reshape(-1, t.nbytes))
+    zeros = np.asarray(zeros, np.float32 if t.float_min else np.uint8)
     return GgufBlocks(values.reshape(rows, cols).astype(np.uint8), np.asarray(scales, np.float32).reshape(rows, -1),
-                      zeros.reshape(rows, -1), bits, group, float_min)
+                      zeros.reshape(rows, -1), t.bits, t.group, t.float_min)

@@ -26,9 +26,7 @@ def _merged_call(graphdef: nnx.GraphDef, state: nnx.State, static: tuple, args: 
     return layer(*_join(args, static))
 
 
-_inlined = jax.jit(_merged_call, static_argnums=(0, 2), inline=True)
-_called = jax.jit(_merged_call, static_argnums=(0, 2))  # for comparison (lab/probes/layer_call_hlo.py)
-INLINE = True  # the engine's form; False lowers each kind of layer once, as a called function
+_apply = jax.jit(_merged_call, static_argnums=(0, 2), inline=True)
 
 
 def _join(args: tuple, static: tuple) -> tuple:
@@ -45,4 +43,4 @@ def call_layer(layer: nnx.Module, *args, static: tuple[int, ...] = ()):
     graphdef, state = nnx.split(layer)
     dyn = tuple(a for i, a in enumerate(args) if i not in static)
     fixed = tuple((i, args[i]) for i in sorted(static))
-    return (_inlined if INLINE else _called)(graphdef, state, fixed, dyn)
+    return _apply(graphdef, state, fixed, dyn)

@@ -174,11 +174,8 @@ def fp8_matmul_w8a8(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_sc
 # meets x in a plain dot. On the H100 the kernel beat that path about 3x at 16 rows and lost to
 # it about 2.8x at 256 (benchmarks/results/quant_h100.md).
 KERNEL_MAX_ROWS = 64
-# Whether the kernel applies group scales and zeros to its dot's sums, with the 4-bit values made
-# bf16 by an OR (pallas_kernels/weight_only_matmul_gpu.py, `post_scale`), where x's dtype allows:
-# on the H100 it was no faster than the float32 magic number (benchmarks/results/weight_only_h100.md).
-POST_SCALE = False
-# Whether the kernel meets x in one dot per value position of the packed words (`slabs`) rather
+# (The kernel's `post_scale` form was no faster than this on the H100 and is not used:
+# benchmarks/results/weight_only_h100.md.) Whether the kernel meets x in one dot per value position of the packed words (`slabs`) rather
 # than one dot over the block's reshaped values; it then reads 128-row blocks for groups of 16-64
 # rows too. On the H100: 5-25% faster on most linear shapes, the same batch-1 decode.
 SLABS = True
@@ -193,9 +190,7 @@ def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     if jax.default_backend() == "gpu" and x.shape[0] <= KERNEL_MAX_ROWS and \
             kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
         return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size,
-                                         float_min=float_min,
-                                         post_scale=POST_SCALE and kernel.post_scale_ok(x.dtype, bits),
-                                         slabs=SLABS and not POST_SCALE)
+                                         float_min=float_min, slabs=SLABS)
     return weight_only_matmul(x, packed, scales, zeros, bits, group_size, float_min)
 
 

@@ -103,6 +103,30 @@ def post_scale_ok(dtype, bits: int) -> bool:
     return spec is not None and bits <= spec[2]
 
 
+def _group_rows(ref, g: int, gpb: int, rows: int) -> jax.Array:
+    """float32 scales (or zeros) of the block starting in group g: [1, block_n] when the block lies
+    in one group, else [rows, block_n] with each of its `gpb` groups' row repeated for its words."""
+    t = ref[pl.ds(g, gpb), :].astype(jnp.float32)  # [gpb, block_n]
+    if gpb == 1:
+        return t
+    return jnp.broadcast_to(t[:, None, :], (gpb, rows // gpb, t.shape[-1])).reshape(rows, t.shape[-1])
+
+
+def _dequantize(ints: jax.Array, scale: jax.Array, zero: jax.Array, magic: bool, float_min: bool) -> jax.Array:
+    """float32 weights of unsigned values: (v - zero) * scale, or v * scale - zero (`float_min`).
+    `magic`: 2^23 + v as float32 bits, then minus 2^23 (exact), instead of a convert per value."""
+    if magic:
+        vals, offset = lax.bitcast_convert_type(ints | MAGIC, jnp.float32), float(1 << 23)
+    else:
+        vals, offset = ints.astype(jnp.float32), 0.0
+    return (vals - offset) * scale - zero if float_min else (vals - (zero + offset)) * scale
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [block_m, k] . w [k, block_n] in float32 (full precision for float32 x)."""
+    return _pl_dot(x, w, precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
+
+
 def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, bk: int, steps: int, magic: bool,
             float_min: bool, post_scale: bool, slabs: bool):
     """One (row tile, column tile, K split): `steps` blocks of bk = min(group, 128) rows from
@@ -129,55 +153,30 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, bk
     _, block_m, block_n = o_ref.shape
     first = pl.program_id(2) * steps
     shifts = (lax.broadcasted_iota(jnp.int32, (1, per, 1), 1) * bits)
+    gpb = max(1, bk // group_size)  # groups in one block (more than one only with slabs)
 
     def body(kb, acc):
         words = p_ref[pl.ds(kb * rows, rows), :]  # [rows, block_n] int32
         g = (kb * bk) // group_size
-        scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)[None]  # [1, 1, block_n]
-        zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)[None]
-        ints = (words[:, None, :] >> shifts) & mask  # [rows, per, block_n]; the mask drops sign bits
+        scale = _group_rows(s_ref, g, gpb, rows)  # [1 or rows, block_n]
+        zero = _group_rows(z_ref, g, gpb, rows)
         if slabs:
-            gpb = max(1, bk // group_size)  # groups in this block
-            if gpb > 1:  # each group's scale and zero repeated for its words: [rows, block_n]
-                g0 = (kb * bk) // group_size
-                rep = rows // gpb
-                scale = jnp.broadcast_to(s_ref[pl.ds(g0, gpb), :].astype(jnp.float32)[:, None, :],
-                                         (gpb, rep, block_n)).reshape(1, rows, block_n)
-                zero = jnp.broadcast_to(z_ref[pl.ds(g0, gpb), :].astype(jnp.float32)[:, None, :],
-                                        (gpb, rep, block_n)).reshape(1, rows, block_n)
             for j in range(per):
-                vj = (words >> (j * bits)) & mask  # [rows, block_n]
-                if magic:
-                    vf, off = lax.bitcast_convert_type(vj | MAGIC, jnp.float32), float(1 << 23)
-                else:
-                    vf, off = vj.astype(jnp.float32), 0.0
-                wj = ((vf - off) * scale[0] - zero[0]) if float_min else (vf - (zero[0] + off)) * scale[0]
-                xj = x_ref[:, pl.ds(kb * bk + j * rows, rows)]  # [block_m, rows]
-                prec = lax.Precision.HIGHEST if xj.dtype == jnp.float32 else None
-                acc = acc + _pl_dot(xj, wj.astype(x_ref.dtype), precision=prec)
+                w = _dequantize((words >> (j * bits)) & mask, scale, zero, magic, float_min)  # [rows, block_n]
+                acc = acc + _dot(x_ref[:, pl.ds(kb * bk + j * rows, rows)], w.astype(x_ref.dtype))
             return acc
+        ints = (words[:, None, :] >> shifts) & mask  # [rows, per, block_n]; the mask drops sign bits
+        xb = x_ref[:, pl.ds(kb * bk, bk)]  # [block_m, bk]
         if post_scale:
             pattern, base, _ = HALF_MAGIC[jnp.dtype(x_ref.dtype)]
             w = lax.bitcast_convert_type((ints | pattern).astype(jnp.int16), x_ref.dtype).reshape(bk, block_n)
-            xb = x_ref[:, pl.ds(kb * bk, bk)]  # [block_m, bk]
             xs = jnp.sum(xb.astype(jnp.float32), axis=1, keepdims=True)  # [block_m, 1]
             d = _pl_dot(xb, w)  # [block_m, block_n] float32: x . (base + v)
             if float_min:
-                return acc + (d - xs * base) * scale[0] - xs * zero[0]
-            return acc + (d - xs * (zero[0] + base)) * scale[0]
-        if magic:  # 2^23 + v as float32 bits, then - 2^23 (- zero): exact
-            vals = lax.bitcast_convert_type(ints | MAGIC, jnp.float32)
-            offset = float(1 << 23)
-        else:
-            vals, offset = ints.astype(jnp.float32), 0.0
-        if float_min:
-            w = (vals - offset) * scale - zero
-        else:
-            w = (vals - (zero + offset)) * scale
-        w = w.reshape(bk, block_n).astype(x_ref.dtype)
-        xb = x_ref[:, pl.ds(kb * bk, bk)]  # [block_m, bk]
-        prec = lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None
-        return acc + _pl_dot(xb, w, precision=prec)
+                return acc + (d - xs * base) * scale - xs * zero
+            return acc + (d - xs * (zero + base)) * scale
+        w = _dequantize(ints, scale[None], zero[None], magic, float_min)
+        return acc + _dot(xb, w.reshape(bk, block_n).astype(x_ref.dtype))
 
     acc = lax.fori_loop(first, first + steps, body, jnp.zeros((block_m, block_n), jnp.float32))
     o_ref[...] = acc[None]
@@ -225,8 +224,9 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     g = k // group_size
     # slabs: 128-row blocks even for smaller groups (several groups a block), so loads stay large
     bk = block_k_rows or (BLOCK_K if slabs and BLOCK_K % group_size == 0 else block_k(group_size))
-    spans = slabs and bk > group_size and bk % group_size == 0 and group_size % per == 0
-    if (block_k(group_size) % bk and not spans) or bk < 16 or (slabs and bk // per < 16) or (post_scale and slabs):
+    inside = block_k(group_size) % bk == 0  # each block inside one group
+    spans = slabs and bk % group_size == 0 and group_size % per == 0  # whole groups in each block
+    if not (inside or spans) or bk < 16 or (slabs and (bk // per < 16 or post_scale)):
         raise ValueError(f"weight_only_matmul kernel: {bk} rows per step do not fit groups of {group_size}"
                          f"{' with slabs (16 words a slab at least, no post_scale)' if slabs else ''}")
     if slabs:  # x's columns in the order of the slabs: step, value position j, word

@@ -10,8 +10,8 @@ Parts, each in its own process (every engine takes most of the GPU memory for it
   whether the compiled program holds cuBLASLt's FP8 GEMM;
 - engine bf16 / fp8 / w4a16: LLM("llama-3-8b", load_format="dummy", dtype="bfloat16",
   quantization=None / "fp8" / "gptq" (random 4-bit weights, groups of 128, through the kernel)),
-  gguf (random weights in Q4_K's form); `_post`: the kernel's post-scale form
-  (models/quantization.POST_SCALE), `_slabs`: its slab form (SLABS), `_vmm`: SKIP_TEMP command buffers with the VMM allocator: start-up, weight
+  gguf (random weights in Q4_K's form); `_slabs`: the kernel's slab form (models/quantization.SLABS,
+  the engine's default; the parts without it turn it off), `_vmm`: SKIP_TEMP command buffers with the VMM allocator: start-up, weight
   bytes, batch-1 decode (128 in / 256 out greedy, median ms/token over 3 runs after one warm-up)
   and its bytes-read roofline, then offline throughput of --num-prompts random 256 in / 256 out
   prompts after a 64-prompt warm-up (w4a16: decode only unless --w4a16-throughput).
@@ -37,19 +37,18 @@ import numpy as np
 
 # engine part -> (quantization, kv_cache_dtype)
 ENGINES = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "w4a16": ("gptq", "auto"), "fp8kv": (None, "fp8"),
-           "w4a16_post": ("gptq", "auto"), "gguf": ("gguf", "auto"), "gguf_post": ("gguf", "auto"),
-           "w4a16_post_vmm": ("gptq", "auto"), "w4a16_slabs": ("gptq", "auto"), "w4a16_slabs_vmm": ("gptq", "auto"),
+           "gguf": ("gguf", "auto"), "w4a16_slabs": ("gptq", "auto"), "w4a16_slabs_vmm": ("gptq", "auto"),
            "gguf_slabs": ("gguf", "auto"), "gguf_slabs_vmm": ("gguf", "auto"), "bf16_vmm": (None, "auto")}
 # engine part -> module constants of models/quantization set in its process (kernel variants)
-PATCHES = {"w4a16_post": {"POST_SCALE": True}, "gguf_post": {"POST_SCALE": True},
-           "w4a16_post_vmm": {"POST_SCALE": True}, "w4a16_slabs": {"SLABS": True}, "w4a16_slabs_vmm": {"SLABS": True},
-           "gguf_slabs": {"SLABS": True}, "gguf_slabs_vmm": {"SLABS": True}}
+# (the parts without `_slabs` run the one-dot-per-block form, as the engine did before slabs)
+PATCHES = {"w4a16": {"SLABS": False}, "gguf": {"SLABS": False}, "w4a16_slabs": {"SLABS": True},
+           "w4a16_slabs_vmm": {"SLABS": True}, "gguf_slabs": {"SLABS": True}, "gguf_slabs_vmm": {"SLABS": True}}
 # engine part -> environment of its process: XLA's command buffers updated only where buffers moved
 # (docs/design.md, "The launch of a step")
 _VMM = {"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm", "XLA_FLAGS": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"}
-ENVS = {"w4a16_post_vmm": _VMM, "w4a16_slabs_vmm": _VMM, "gguf_slabs_vmm": _VMM, "bf16_vmm": _VMM}
+ENVS = {"w4a16_slabs_vmm": _VMM, "gguf_slabs_vmm": _VMM, "bf16_vmm": _VMM}
 TIME_LIMIT_S = {"micro": 170, "micro_fp8": 150, "bf16": 150, "fp8": 200, "w4a16": 110, "fp8kv": 130,
-                "w4a16_post": 110, "gguf": 110, "gguf_post": 110, "w4a16_post_vmm": 110, "w4a16_slabs": 110,
+                "gguf": 110, "w4a16_slabs": 110,
                 "w4a16_slabs_vmm": 110, "gguf_slabs": 110, "gguf_slabs_vmm": 110, "bf16_vmm": 110}
 PARTS = ("micro", "micro_fp8", *ENGINES)
 # fp8-weight kernel configurations (block_n, num_stages, num_warps, splits or None)

@@ -1,6 +1,6 @@
 """Does the layer-call form change the compiled program? Compiles one forward bucket of a preset
-(dummy weights) with the decoder layers inlined (models/layer_call.INLINE, the engine's form) and
-as called functions, times trace, lowering and compile of each, and compares the optimized HLO
+(dummy weights) with the decoder layers inlined (models/layer_call.py, the engine's form) and as
+called functions (the same jitted function without `inline`, patched in here), times trace, lowering and compile of each, and compares the optimized HLO
 with metadata and instruction numbering removed.
 
     python -m lab.probes.layer_call_hlo [--model llama-3-8b] [--tokens 16]
@@ -45,8 +45,10 @@ def main() -> None:
     r = llm.llm_engine.runner
     t = args.tokens
     texts = {}
+    inlined = layer_call._apply
+    called = jax.jit(layer_call._merged_call, static_argnums=(0, 2))
     for inline in (True, False):
-        layer_call.INLINE = inline
+        layer_call._apply = inlined if inline else called
         layout = Layout.of(abstract_inputs(t, r.rows_for(t), r.config.max_blocks_per_seq))
         fn = jax.jit(_flat(_forward, r.graphdef, r.param_treedef, layout=layout, attention=r.attention, lora_rank=0),
                      donate_argnums=(1,), out_shardings=r._fwd_out)
