@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxengine.models.checkpoint import Checkpoint, load_hf_tokenizer
 from jaxengine.models import gguf_blocks
+from jaxengine.models.checkpoint import Checkpoint, load_hf_tokenizer
 
 if TYPE_CHECKING:
     import gguf
@@ -167,7 +167,8 @@ class GGUFCheckpoint(Checkpoint):
         if counts:
             kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(counts.items()))
             logger.info("GGUF file %s: %s dequantized to float at load, except the linear weights of types %s "
-                        "with quantization='gguf' (kept quantized)", self.path, kinds, "/".join(gguf_blocks.KEPT_TYPES))
+                        "with quantization='gguf' (kept quantized)", self.path, kinds,
+                        "/".join(gguf_blocks.KEPT_TYPES))
 
     # ---- metadata -------------------------------------------------------------------------
 

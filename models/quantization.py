@@ -174,10 +174,10 @@ def fp8_matmul_w8a8(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_sc
 # meets x in a plain dot. On the H100 the kernel beat that path about 3x at 16 rows and lost to
 # it about 2.8x at 256 (benchmarks/results/quant_h100.md).
 KERNEL_MAX_ROWS = 64
-# (The kernel's `post_scale` form was no faster than this on the H100 and is not used:
-# benchmarks/results/weight_only_h100.md.) Whether the kernel meets x in one dot per value position of the packed words (`slabs`) rather
+# Whether the kernel meets x in one dot per value position of the packed words (`slabs`) rather
 # than one dot over the block's reshaped values; it then reads 128-row blocks for groups of 16-64
-# rows too. On the H100: 5-25% faster on most linear shapes, the same batch-1 decode.
+# rows too. On the H100: 5-25% faster on most linear shapes, the same batch-1 decode. (The kernel's
+# `post_scale` form was no faster than the default and is not used: weight_only_h100.md.)
 SLABS = True
 
 

@@ -253,4 +253,5 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     return sums.sum(0)[:t].astype(x.dtype)
 
 
-__all__ = ["block_k", "dequantize_packed", "pick_splits", "post_scale_ok", "supported", "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference"]
+__all__ = ["block_k", "dequantize_packed", "pick_splits", "post_scale_ok", "supported", "unpack_rows",
+           "weight_only_matmul", "weight_only_matmul_reference"]
