@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -139,23 +140,23 @@ class DraftModel:
                     self.source, c.architecture, c.num_layers, self.k, self.attention.description)
 
     # -- programs -----------------------------------------------------------------------------
-    def compile_catch_up(self, t: int) -> jax.stages.Compiled:
+    def lower_catch_up(self, t: int) -> Callable[[], jax.stages.Compiled]:
         layout = Layout.of(abstract_inputs(t, min(t, self.config.max_num_seqs), self.config.max_blocks_per_seq))
         fn = jax.jit(_flat(_catch_up, self.graphdef, self.treedef, layout=layout, attention=self.attention),
                      donate_argnums=(1,))
-        return fn.lower(_abstract(self.param_leaves), _abstract(self.kv_caches), layout.abstract()).compile()
+        return fn.lower(_abstract(self.param_leaves), _abstract(self.kv_caches), layout.abstract()).compile
 
-    def compile_propose(self) -> jax.stages.Compiled:
+    def lower_propose(self) -> Callable[[], jax.stages.Compiled]:
         fn = jax.jit(_flat(_propose, self.graphdef, self.treedef, layout=self._propose_layout,
                            attention=self.attention, k=self.k, block_size=self.config.block_size),
                      donate_argnums=(1,))
         return fn.lower(_abstract(self.param_leaves), _abstract(self.kv_caches),
-                        self._propose_layout.abstract()).compile()
+                        self._propose_layout.abstract()).compile
 
     def compile_jobs(self) -> list[tuple[str, object, object]]:
-        """(table name, key, compile function) of every program, for the runner's warm-up."""
-        return ([("draft_catch_up", t, functools.partial(self.compile_catch_up, t)) for t in self.token_buckets]
-                + [("draft_propose", None, self.compile_propose)])
+        """(table name, key, lowering function) of every program, for the runner's warm-up."""
+        return ([("draft_catch_up", t, functools.partial(self.lower_catch_up, t)) for t in self.token_buckets]
+                + [("draft_propose", None, self.lower_propose)])
 
     def install(self, name: str, key, compiled: jax.stages.Compiled) -> None:
         if name == "draft_catch_up":
@@ -168,14 +169,14 @@ class DraftModel:
         if fn is None:
             if self.config.warmup:
                 raise RuntimeError(f"the draft's token bucket {t} was not compiled at start-up")
-            fn = self._catch_up_fns[t] = self.compile_catch_up(t)
+            fn = self._catch_up_fns[t] = self.lower_catch_up(t)()
         return fn
 
     def _get_propose(self) -> jax.stages.Compiled:
         if self._propose_fn is None:
             if self.config.warmup:
                 raise RuntimeError("the draft's propose program was not compiled at start-up")
-            self._propose_fn = self.compile_propose()
+            self._propose_fn = self.lower_propose()()
         return self._propose_fn
 
     # -- one proposal round -----------------------------------------------------------------

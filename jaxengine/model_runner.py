@@ -22,7 +22,9 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +39,12 @@ from jaxengine.config import EngineConfig, pick_bucket, token_buckets
 from jaxengine.input_batch import InputBuilder, StepInputs, abstract_inputs, prompt_logprob_targets
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.lora import TP_AXIS, LoRAInputs, layer_shapes, token_mask, write_slot
-from jaxengine.models.quantization import compiler_options
 from jaxengine.packing import Layout, pack, unpack
 from jaxengine.persistent_batch import BatchRows, PersistentBatch
 from jaxengine.sampler import (batch_sampling_metadata, build_sampling_metadata, resolve_history,
                                rows_sampling_metadata, rows_sampling_packed, sample)
 from jaxengine.scheduler import SchedulerOutput
+from jaxengine.xla_options import program_options
 
 logger = logging.getLogger(__name__)
 
@@ -159,29 +161,29 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
                               sharding=plan.kv_sharding() if plan is not None else None)
 
     layout = Layout.of(abstract_inputs(t, r, config.max_blocks_per_seq))
-    lowerings = [lambda: jax.jit(functools.partial(_forward, graphdef, layout=layout, attention=attention),
-                                 donate_argnums=(1,)).lower(
+    lowered = [(jax.jit(functools.partial(_forward, graphdef, layout=layout, attention=attention),
+                        donate_argnums=(1,)).lower(
         _abstract(state), [(kv, kv)] * c.num_layers, layout.abstract(rep),
-        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile(
-        compiler_options={**compiler_options(state), **(xla_options or {})})]
+        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)),
+        {**program_options(state, t), **(xla_options or {})})]
     md = Layout.of(build_sampling_metadata([], r, config.max_model_len, processors=True,
                                            mask_words=-(-c.vocab_size // 32)))
-    lowerings.append(lambda: jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True,
-                                                       pad_to=config.max_num_seqs, use_bitmask=True)).lower(
+    lowered.append((jax.jit(functools.partial(_sample_padded, layout=md, use_processors=True,
+                                              pad_to=config.max_num_seqs, use_bitmask=True)).lower(
         jax.ShapeDtypeStruct((r, c.vocab_size), jnp.float32, sharding=rep), md.abstract(rep),
-        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)).compile())
+        jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)), {}))
     spec = config.speculative_config
     if spec is not None:  # the verify program of speculative steps (its logits, and any weight copy XLA makes)
         rv, k = min(r, spec.disable_by_batch_size), spec.num_speculative_tokens
         spec_layout = Layout.of(SpecInputs(np.zeros((rv, k + 1), np.int32), np.zeros((rv, k), np.int32),
                                            np.zeros(rv, np.int32)))
         md_v = Layout.of(build_sampling_metadata([], rv, 1, processors=False))
-        lowerings.append(lambda: jax.jit(functools.partial(_verify_step, graphdef, spec_layout=spec_layout,
-                                                           md_layout=md_v, truncate=True)).lower(
+        lowered.append((jax.jit(functools.partial(_verify_step, graphdef, spec_layout=spec_layout,
+                                                  md_layout=md_v, truncate=True)).lower(
             _abstract(state), jax.ShapeDtypeStruct((t, c.hidden_size), dtype, sharding=rep),
-            spec_layout.abstract(rep), md_v.abstract(rep)).compile())
-    with concurrent.futures.ThreadPoolExecutor(len(lowerings)) as pool:  # the programs compile side by side
-        programs = list(pool.map(lambda build: build(), lowerings))
+            spec_layout.abstract(rep), md_v.abstract(rep)), program_options(state, rv * (k + 1))))
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:  # the programs compile side by side
+        programs = list(pool.map(lambda lo: lo[0].compile(compiler_options=lo[1] or None), lowered))
     total = 0
     for compiled in programs:
         ma = compiled.memory_analysis()
@@ -193,6 +195,12 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     weights = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(state))
     return max(total - weights * (len(programs) - 1), 0)
 
+
+# Tracing and lowering hold Python's lock; XLA's compile does not. Warm-up threads take turns
+# at tracing and lowering, one program at a time, so each program's compile starts as soon as its
+# own lowering is done; sharing the interpreter among all of them instead would finish every
+# lowering near the end, with the compiles all after.
+LOWERING = threading.Lock()
 
 # The sampler programs compiled per row count: (logits processors, structured-output bitmask,
 # top-k / top-p truncation; None: decided on the device, see jaxengine.sampler.sample).
@@ -292,7 +300,6 @@ class ModelRunner:
         leaves, self.param_treedef = jax.tree.flatten(state)
         self.param_leaves = tuple(leaves)
         self._params_abs = _abstract(self.param_leaves)
-        self._xla_options = compiler_options(state)  # what the weights ask of the forward's compile
         self._fwd_out = None
         if plan is not None:  # fixed output placement, so the sampler programs can be compiled for it
             self._fwd_out = ([(self.kv_sharding, self.kv_sharding)] * model_config.num_layers, self._rep, self._rep)
@@ -311,10 +318,11 @@ class ModelRunner:
         shape = (self.num_blocks, c.num_kv_heads, self.config.block_size, self.attention.kv_head_dim(c.head_dim))
         kv_dtype = self.attention.kv_dtype(self.dtype)
         make = self._build("kv_zeros", shape, lambda *_: jax.jit(lambda: jnp.zeros(shape, kv_dtype),
-                                                                   out_shardings=self.kv_sharding).lower().compile())
+                                                                   out_shardings=self.kv_sharding).lower().compile)
         return [(make(), make()) for _ in range(c.num_layers)]
 
-    def _compile_forward(self, t: int, lora: bool = False) -> jax.stages.Compiled:
+    # -- programs: each _lower_* traces and lowers one and returns what compiles it --------------
+    def _lower_forward(self, t: int, lora: bool = False) -> Callable[[], jax.stages.Compiled]:
         layout = Layout.of(abstract_inputs(t, self.rows_for(t), self.config.max_blocks_per_seq))
         fn = jax.jit(_flat(_forward, self.graphdef, self.param_treedef, layout=layout, attention=self.attention,
                            lora_rank=self.config.max_lora_rank if lora else 0),
@@ -323,9 +331,9 @@ class ModelRunner:
         args = [self._params_abs, _abstract(self.kv_caches), layout.abstract(self._rep), prev]
         if lora:
             args.append(_abstract(self.lora_layers))
-        return fn.lower(*args).compile(compiler_options=self._xla_options)
+        return functools.partial(fn.lower(*args).compile, compiler_options=program_options(self.state, t) or None)
 
-    def _compile_lora_write(self) -> jax.stages.Compiled:
+    def _lower_lora_write(self) -> Callable[[], jax.stages.Compiled]:
         """One program writes any slot: the slot index is an argument, so loading never recompiles.
         It takes the host's float32 adapter and casts it to the model's dtype on the device."""
         from jaxengine.lora import target_dims
@@ -338,12 +346,13 @@ class ModelRunner:
         keep = jax.tree.map(lambda a: a.sharding, self.lora_layers) if self.plan is not None else None
         fn = functools.partial(write_slot, num_slots=self.config.max_loras)
         return jax.jit(fn, donate_argnums=(0,), out_shardings=keep).lower(_abstract(self.lora_layers), one,
-                                                                          slot).compile()
+                                                                          slot).compile
 
-    def _compile_prompt_logprobs(self, t: int) -> jax.stages.Compiled:
+    def _lower_prompt_logprobs(self, t: int) -> Callable[[], jax.stages.Compiled]:
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._rep)
-        return self._jit_prompt_lp.lower(self._params_abs, hidden, targets).compile()
+        return functools.partial(self._jit_prompt_lp.lower(self._params_abs, hidden, targets).compile,
+                                 compiler_options=program_options(self.state, t) or None)
 
     def _allocate_lora(self) -> list[dict[str, jax.Array]]:
         """Zeroed LoRA slot arrays of every layer (models/lora.py's layout), split over the mesh
@@ -368,7 +377,7 @@ class ModelRunner:
         if self._lora_write is None:
             if self.config.warmup:
                 raise RuntimeError("the LoRA slot writer was not compiled at start-up")
-            self._lora_write = self._build("lora_write", 0, lambda _: self._compile_lora_write())
+            self._lora_write = self._build("lora_write", 0, lambda _: self._lower_lora_write())
         self.lora_layers = self._lora_write(self.lora_layers, adapter, np.int32(slot))
 
     def _lora_slots(self, seqs) -> list[int] | None:
@@ -392,24 +401,24 @@ class ModelRunner:
             self.lora_manager.unpin_all()
         return [slot_of.get(i, 0) for i in ids]
 
-    def _compile_pool(self, t: int) -> jax.stages.Compiled:
+    def _lower_pool(self, t: int) -> Callable[[], jax.stages.Compiled]:
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
         rows = jax.ShapeDtypeStruct((self.rows_for(t),), jnp.int32, sharding=self._rep)
         qsl = jax.ShapeDtypeStruct((self.rows_for(t) + 1,), jnp.int32, sharding=self._rep)
-        return jax.jit(_pool_rows).lower(hidden, rows, qsl).compile()
+        return jax.jit(_pool_rows).lower(hidden, rows, qsl).compile
 
     def _sampler_layout(self, r: int, processors: bool, masked: bool) -> Layout:
         return Layout.of(build_sampling_metadata([], r, self._history_len(processors), processors=processors,
                                                  mask_words=self.mask_words if masked else 1))
 
-    def _compile_sampler(self, r: int, processors: bool, masked: bool = False,
-                         truncate: bool | None = None) -> jax.stages.Compiled:
+    def _lower_sampler(self, r: int, processors: bool, masked: bool = False,
+                       truncate: bool | None = None) -> Callable[[], jax.stages.Compiled]:
         layout = self._sampler_layout(r, processors, masked)
         logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32, sharding=self._rep)
         fn = jax.jit(functools.partial(_sample_padded, layout=layout, use_processors=processors,
                                        pad_to=self.config.max_num_seqs, use_bitmask=masked, truncate=truncate))
         prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
-        return fn.lower(logits, layout.abstract(self._rep), prev).compile()
+        return fn.lower(logits, layout.abstract(self._rep), prev).compile
 
     def verify_rows(self, t: int) -> int:
         """Rows of token bucket t's verify program: a speculative step has at most
@@ -420,33 +429,35 @@ class ModelRunner:
         r, k = self.verify_rows(t), self.spec.num_speculative_tokens
         return Layout.of(SpecInputs(np.zeros((r, k + 1), np.int32), np.zeros((r, k), np.int32), np.zeros(r, np.int32)))
 
-    def _compile_verify(self, t: int, truncate: bool) -> jax.stages.Compiled:
+    def _lower_verify(self, t: int, truncate: bool) -> Callable[[], jax.stages.Compiled]:
         r = self.verify_rows(t)
         md_layout = Layout.of(build_sampling_metadata([], r, 1, processors=False))
         spec_layout = self._spec_layout(t)
         fn = jax.jit(_flat(_verify_step, self.graphdef, self.param_treedef, spec_layout=spec_layout,
                            md_layout=md_layout, truncate=truncate))
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
-        return fn.lower(self._params_abs, hidden, spec_layout.abstract(self._rep), md_layout.abstract(self._rep)).compile()
+        lowered = fn.lower(self._params_abs, hidden, spec_layout.abstract(self._rep), md_layout.abstract(self._rep))
+        return functools.partial(lowered.compile, compiler_options=program_options(
+            self.state, r * (self.spec.num_speculative_tokens + 1)) or None)
 
     def _history_len(self, processors: bool) -> int:
         return self.config.max_model_len if processors else 1
 
     def warmup(self) -> None:
         """Compiles (or loads from the program bundle) every bucket: forward and prompt logprobs
-        per token bucket, samplers per row count, several at a time: XLA compiles outside the GIL."""
+        per token bucket, samplers per row count, several at a time: XLA compiles outside the GIL,
+        and the threads lower one program at a time (LOWERING), the forwards first."""
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
         jobs: list[tuple[str, object]] = (
             [("forward", t) for t in reversed(self.token_buckets)]
+            + ([("forward_lora", t) for t in reversed(self.token_buckets)] if self.lora_layers is not None else [])
             + [("prompt_logprobs", t) for t in self.token_buckets]
             + [("sampler", (r, *v)) for r in rows for v in SAMPLER_VARIANTS]
             + ([("pool", t) for t in self.token_buckets] if self.pooling else [])
-            + ([("forward_lora", t) for t in reversed(self.token_buckets)] if self.lora_layers is not None else [])
             + ([("verify", (t, tr)) for t in self.token_buckets for tr in (False, True)] if self.spec else []))
-        build = {"forward": self._compile_forward, "prompt_logprobs": self._compile_prompt_logprobs,
-                 "sampler": self._compile_sampler, "pool": self._compile_pool,
-                 "forward_lora": lambda t: self._compile_forward(t, lora=True),
-                 "verify": self._compile_verify}
+        build = {"forward": self._lower_forward, "prompt_logprobs": self._lower_prompt_logprobs,
+                 "sampler": self._lower_sampler, "pool": self._lower_pool,
+                 "forward_lora": lambda t: self._lower_forward(t, lora=True), "verify": self._lower_verify}
         tables = self._program_tables()
         if self.draft is not None:  # the draft model's catch-up per token bucket and its propose program
             draft_jobs = {(name, key): fn for name, key, fn in self.draft.compile_jobs()}
@@ -465,7 +476,7 @@ class ModelRunner:
                     tables[kind][key] = fut.result()
                 bar.update(1)
         if self.lora_layers is not None:
-            self._lora_write = self._build("lora_write", 0, lambda _: self._compile_lora_write())
+            self._lora_write = self._build("lora_write", 0, lambda _: self._lower_lora_write())
         self.compile_seconds = time.perf_counter() - t0
         loaded = self.bundle.loaded if self.bundle is not None else 0
         logger.info("compiled %d programs and loaded %d from the program bundle in %.1f s (token buckets %s, "
@@ -477,19 +488,28 @@ class ModelRunner:
         return {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns,
                 "pool": self._pool_fns, "forward_lora": self._forward_lora_fns, "verify": self._verify_fns}
 
-    def _build(self, kind: str, key, compile_fn) -> jax.stages.Compiled:
-        """Program `kind` of `key`: read from the bundle of an earlier start, else compiled
-        (`compile_fn(*key)` for a tuple key, else `compile_fn(key)`) and added to the bundle."""
+    def _build(self, kind: str, key, lower_fn) -> jax.stages.Compiled:
+        """Program `kind` of `key`: read from the bundle of an earlier start, else lowered
+        (`lower_fn(*key)` for a tuple key, else `lower_fn(key)`), compiled and added to the bundle."""
         name = f"{kind}:{key!r}"
         fn = self.bundle.load(name) if self.bundle is not None else None
         if fn is None:
-            with self.bundle.fresh_compile() if self.bundle is not None else contextlib.nullcontext() as record:
-                fn = compile_fn(*key) if isinstance(key, tuple) else compile_fn(key)
+            fn, from_cache = self._compile_program(kind, key, lower_fn)
             if self.bundle is not None:
-                self.bundle.save(name, fn, from_cache=record.from_cache)
+                self.bundle.save(name, fn, from_cache=from_cache)
         return fn
 
-    def _get(self, table: dict, key, compile_fn, what: str) -> jax.stages.Compiled:
+    def _compile_program(self, kind: str, key, lower_fn) -> tuple[jax.stages.Compiled, bool]:
+        """Lowers a program (one at a time: LOWERING), then compiles it: (executable, whether
+        JAX's persistent cache gave it, which the bundle does not keep; see
+        ProgramBundle.fresh_compile). Without a bundle, a plain compile."""
+        with LOWERING:
+            compile_ = lower_fn(*key) if isinstance(key, tuple) else lower_fn(key)
+        with self.bundle.fresh_compile() if self.bundle is not None else contextlib.nullcontext() as record:
+            fn = compile_()
+        return fn, bool(record is not None and record.from_cache)
+
+    def _get(self, table: dict, key, lower_fn, what: str) -> jax.stages.Compiled:
         """A program compiled (or loaded) at start-up; compiling one later is a bug when warm-up
         was on. Without warm-up, each program is built on its first use."""
         fn = table.get(key)
@@ -497,20 +517,20 @@ class ModelRunner:
             if self.config.warmup:
                 raise RuntimeError(f"{what} {key} was not compiled at start-up")
             kind = next(k for k, t in self._program_tables().items() if t is table)
-            fn = table[key] = self._build(kind, key, compile_fn)
+            fn = table[key] = self._build(kind, key, lower_fn)
         return fn
 
     def _get_forward(self, t: int) -> jax.stages.Compiled:
-        return self._get(self._forward_fns, t, self._compile_forward, "token bucket")
+        return self._get(self._forward_fns, t, self._lower_forward, "token bucket")
 
     def _get_prompt_lp(self, t: int) -> jax.stages.Compiled:
-        return self._get(self._prompt_lp_fns, t, self._compile_prompt_logprobs, "prompt-logprob program for bucket")
+        return self._get(self._prompt_lp_fns, t, self._lower_prompt_logprobs, "prompt-logprob program for bucket")
 
     def _get_sampler(self, r: int, processors: bool, masked: bool = False,
                      truncate: bool | None = None) -> jax.stages.Compiled:
         """The sampler program of a variant; the processors variant decides truncation itself."""
         key = (r, True, True, None) if processors else (r, False, masked, bool(truncate))
-        return self._get(self._sample_fns, key, self._compile_sampler, "sampler (rows, processors, bitmask, truncate)")
+        return self._get(self._sample_fns, key, self._lower_sampler, "sampler (rows, processors, bitmask, truncate)")
 
     # -- one step --------------------------------------------------------------------------
     def dispatch(self, sched: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
@@ -545,7 +565,7 @@ class ModelRunner:
             self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches,
                                                                   self.builder.packed(t, r), prev_tokens)
         else:
-            fwd = self._get(self._forward_lora_fns, t, lambda t_: self._compile_forward(t_, lora=True),
+            fwd = self._get(self._forward_lora_fns, t, lambda t_: self._lower_forward(t_, lora=True),
                             "LoRA token bucket")
             self.kv_caches, logits, hidden = fwd(self.param_leaves, self.kv_caches, self.builder.packed(t, r),
                                                  prev_tokens, self.lora_layers)
@@ -559,7 +579,7 @@ class ModelRunner:
         pooled = None
         if self.pooling:
             # a copy: the builder reuses its buffers, and the CPU backend may read numpy memory late
-            pooled = self._get(self._pool_fns, t, self._compile_pool, "pooling program for bucket")(
+            pooled = self._get(self._pool_fns, t, self._lower_pool, "pooling program for bucket")(
                 hidden, np.array(inputs.logits_indices), np.array(inputs.attn.query_start_loc))
         return PendingStep(seqs, r, logits, prompt_lp, pooled, hidden, t, prev_tokens, prev, rows,
                            rows.ids if rows is not None and sched.all_sample else None)
@@ -613,7 +633,7 @@ class ModelRunner:
                 drafts[i, :d] = s.token_ids[-d:]
                 num[i] = d
         spec = SpecInputs(positions, drafts, num)
-        out, nan_rows = self._get(self._verify_fns, (t, bool(truncate)), self._compile_verify, "verify program")(
+        out, nan_rows = self._get(self._verify_fns, (t, bool(truncate)), self._lower_verify, "verify program")(
             self.param_leaves, pending.hidden, pack(spec), pack(md))
         return InFlight(out, len(seqs), pending.prompt_lp, self._no_prev, seqs, nan_rows, pending.pooled,
                         spec=True)

@@ -194,17 +194,6 @@ def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     return weight_only_matmul(x, packed, scales, zeros, bits, group_size, float_min)
 
 
-def compiler_options(params) -> dict[str, object]:
-    """XLA options for programs that run these weights: with any `Fp8Weight`, GEMM fusions are not
-    emitted with Triton, so every e4m3 dot goes to cuBLASLt's FP8 GEMM. XLA's autotuner otherwise
-    searches Triton tilings for each fp8 dot of a large token bucket, which on the H100 ran for
-    minutes per program (lab/gpu_checks/fp8_compile_probe.py); cuBLASLt compiles it at once."""
-    leaves = jax.tree.leaves(params, is_leaf=is_quantized)
-    if any(isinstance(w, Fp8Weight) for w in leaves):
-        return {"xla_gpu_enable_triton_gemm": False}
-    return {}
-
-
 # -- building weights ---------------------------------------------------------------------------
 def quantize_fp8(w: jax.Array | np.ndarray, in_ndim: int) -> Fp8Weight:
     """A plain weight in the model's layout (inputs first) -> Fp8Weight with per-output-channel

@@ -67,10 +67,10 @@ def _reuse_identical_engine_programs():
     """Engines of one test process share the programs whose lowering is identical.
 
     Each engine compiles its programs (forward, samplers, prompt logprobs, ...) through
-    `ModelRunner._build`; its program bundle is keyed by the whole engine and model config, so a
+    `ModelRunner._compile_program`; its program bundle is keyed by the whole engine and model config, so a
     program that does not depend on what differs between two engines (a sampler depends on the
     vocabulary and row counts only, not on the model family; a speculative engine's forward is
-    the plain engine's) is compiled again by every engine. Here, inside `_build` only, a lowering
+    the plain engine's) is compiled again by every engine. Here, inside `_compile_program` only, a lowering
     whose StableHLO text, shardings, layouts, avals, argument info and pytrees all equal an earlier
     one's gets that earlier executable instead of a fresh XLA compile: the trace and lowering still
     run (so a monkeypatched function still takes effect), every program that differs in any way
@@ -91,7 +91,7 @@ def _reuse_identical_engine_programs():
     lock = threading.Lock()
     memo: collections.OrderedDict = collections.OrderedDict()
     orig_compile = jax.stages.Lowered.compile
-    orig_build = model_runner.ModelRunner._build
+    orig_build = model_runner.ModelRunner._compile_program
 
     def key_of(lowered):
         args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
@@ -133,9 +133,9 @@ def _reuse_identical_engine_programs():
         return orig_build(self, kind, key, inner)
 
     jax.stages.Lowered.compile = compile_
-    model_runner.ModelRunner._build = build
+    model_runner.ModelRunner._compile_program = build
     try:
         yield
     finally:
         jax.stages.Lowered.compile = orig_compile
-        model_runner.ModelRunner._build = orig_build
+        model_runner.ModelRunner._compile_program = orig_build

@@ -30,7 +30,8 @@ SMOL_PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Paris is t
                 "Write a haiku about the sea.", "1, 2, 3, 4,", "The quick brown fox"]
 
 
-def measure(label: str, out_dir: str, smollm2: str | None, llama: bool = True) -> dict:
+def measure(label: str, out_dir: str, smollm2: str | None, llama: bool = True,
+            decode_batches: tuple[int, ...] = (1,), throughput: bool = True) -> dict:
     import jax
 
     import jaxengine
@@ -53,7 +54,7 @@ def measure(label: str, out_dir: str, smollm2: str | None, llama: bool = True) -
     if llama:
         res["ceilings"] = ceilings.measure()
         print(f"[{label}] ceilings {res['ceilings']}", flush=True)
-        measure_llama(label, res, save)
+        measure_llama(label, res, save, decode_batches, throughput)
     if smollm2:
         llm = LLM(smollm2, dtype="float32")
         outs = llm.generate(SMOL_PROMPTS, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
@@ -65,8 +66,10 @@ def measure(label: str, out_dir: str, smollm2: str | None, llama: bool = True) -
     return res
 
 
-def measure_llama(label: str, res: dict, save) -> None:
-    """Llama-3-8B shape, dummy bf16, engine defaults: start-up, batch-1 decode, 256/256 x 1000."""
+def measure_llama(label: str, res: dict, save, decode_batches: tuple[int, ...] = (1,),
+                  throughput: bool = True) -> None:
+    """Llama-3-8B shape, dummy bf16, engine defaults: start-up, batch-1 decode (and decode at the
+    other `decode_batches`), 256/256 x 1000."""
     from jaxengine import LLM
     from jaxengine.benchmarks.common import SampleRequest, percentiles, random_requests, weight_bytes
     from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer
@@ -86,8 +89,8 @@ def measure_llama(label: str, res: dict, save) -> None:
     print(f"[{label}] start-up {r['startup_s']:.1f} s", flush=True)
     save()
 
-    def prompts(i: int) -> list[list[int]]:
-        return [q.prompt_token_ids for q in random_requests(1, 128, 256, 0.0, vocab, seed=500 + i)]
+    def prompts(i: int, n: int = 1) -> list[list[int]]:
+        return [q.prompt_token_ids for q in random_requests(n, 128, 256, 0.0, vocab, seed=500 + i)]
 
     run_batch(llm, prompts(100), 256)
     runs = [run_batch(llm, prompts(i), 256) for i in range(3)]
@@ -95,7 +98,15 @@ def measure_llama(label: str, res: dict, save) -> None:
     r["decode_b1"] = {"input_len": 128, "output_len": 256, "batches": 3,
                       "ms_per_token_median": 1e3 * steps["median"], "ms_per_token_p99": 1e3 * steps["p99"]}
     print(f"[{label}] batch-1 decode {1e3 * steps['median']:.2f} ms/token", flush=True)
+    for b in (b for b in decode_batches if b != 1):
+        runs = [run_batch(llm, prompts(i, b), 128) for i in range(2)]
+        steps = percentiles([g for x in runs[1:] for g in x["decode_steps"]])
+        r[f"decode_b{b}"] = {"input_len": 128, "output_len": 128, "batches": 1, "ms_per_step_median": 1e3 * steps["median"]}
+        print(f"[{label}] batch-{b} decode {1e3 * steps['median']:.2f} ms/step", flush=True)
     save()
+    if not throughput:
+        release(llm)
+        return
     warm = [SampleRequest(q.prompt_token_ids, 16) for q in random_requests(64, 256, 256, 0.0, vocab, seed=20_000)]
     run_throughput(llm, warm)
     tr = run_throughput(llm, random_requests(1000, 256, 256, 0.0, vocab, seed=100))
@@ -112,16 +123,20 @@ def measure_llama(label: str, res: dict, save) -> None:
 
 def compare(files: list[str], md_path: str | None) -> None:
     runs = [json.load(open(f)) for f in files]
-    lines = ["| tree | copy GB/s | matmul TFLOP/s | start-up s | batch-1 decode ms/token | 256/256 x 1000 output tok/s | ms/step |",
-             "|---|---|---|---|---|---|---|"]
+    batches = sorted({int(k[len("decode_b"):]) for r in runs for k in r.get("llama", {})
+                      if k.startswith("decode_b") and k != "decode_b1"})
+    lines = ["| tree | copy GB/s | matmul TFLOP/s | start-up s | batch-1 decode ms/token | "
+             + "".join(f"batch-{b} decode ms/step | " for b in batches) + "256/256 x 1000 output tok/s | ms/step |",
+             "|---|---|---|---|---|" + "---|" * len(batches) + "---|---|"]
     for r in runs:
         if "llama" not in r:
             continue
         c, ll = r["ceilings"], r["llama"]
         tp = ll.get("throughput_256x256", {})
+        more = "".join(f"{ll.get(f'decode_b{b}', {}).get('ms_per_step_median', float('nan')):.2f} | " for b in batches)
         lines.append(f"| {r['label']} | {c['copy_bandwidth_GBps']:.0f} | {c['bf16_matmul_TFLOPs']:.1f} | "
                      f"{ll['startup_s']:.1f} | {ll.get('decode_b1', {}).get('ms_per_token_median', float('nan')):.2f} | "
-                     f"{tp.get('output_tokens_per_s', float('nan')):,.0f} | {tp.get('ms_per_step', float('nan')):.2f} |")
+                     f"{more}{tp.get('output_tokens_per_s', float('nan')):,.0f} | {tp.get('ms_per_step', float('nan')):.2f} |")
     greedy = [r.get("smollm2_f32_greedy", {}).get("token_ids") for r in runs]
     if all(g is not None for g in greedy):
         same = all(g == greedy[0] for g in greedy)
@@ -142,12 +157,16 @@ def main() -> int:
     ap.add_argument("--skip-llama", action="store_true", help="only the SmolLM2 tokens")
     ap.add_argument("--compare", nargs="+", default=None, help="JSON files of earlier runs: print a table")
     ap.add_argument("--md", default=None)
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--decode-batches", default="1", help="comma-separated batch sizes of the decode figure")
     args = ap.parse_args()
     if args.compare:
         compare(args.compare, args.md)
         return 0
     os.makedirs(args.out, exist_ok=True)
-    measure(args.label, args.out, args.smollm2, llama=not args.skip_llama)
+    measure(args.label, args.out, args.smollm2, llama=not args.skip_llama,
+            decode_batches=tuple(int(b) for b in args.decode_batches.split(",")),
+            throughput=not args.skip_throughput)
     return 0
 
 

@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 from jaxengine import LLM, SamplingParams
 from jaxengine.arg_utils import add_engine_args, engine_kwargs
 from jaxengine.config import EngineConfig
+from jaxengine.xla_options import program_options
 from tests.models.test_quantization import _make
 from tests.tiny_checkpoints import make_checkpoint
 
@@ -33,7 +34,7 @@ def tiny(tmp_path_factory) -> str:
 def test_gptq_engine_matches_dequantized(tiny, xla_cache_dir, tmp_path):
     qpath, refpath = _make("gptq", (tiny, load_file(f"{tiny}/model.safetensors")), tmp_path)
     llm = LLM(qpath, quantization="gptq_marlin", compilation_cache_dir=xla_cache_dir, **_ENGINE)
-    assert llm.llm_engine.runner._xla_options == {}  # weight-only: XLA's defaults
+    assert program_options(llm.llm_engine.runner.state, 512) == {}  # weight-only: XLA's defaults
     quantized = _greedy(llm)
     assert quantized == _greedy(LLM(refpath, compilation_cache_dir=xla_cache_dir, **_ENGINE))
 
@@ -64,7 +65,7 @@ def test_fp8_weights_and_fp8_kv_cache_generate(tiny, xla_cache_dir):
     k_cache = llm.llm_engine.runner.kv_caches[0][0]
     assert k_cache.dtype == jnp.float8_e4m3fn
     # fp8 weights send every dot to cuBLASLt on GPU (no Triton GEMM autotuning of large buckets)
-    assert llm.llm_engine.runner._xla_options == {"xla_gpu_enable_triton_gemm": False}
+    assert program_options(llm.llm_engine.runner.state, 16) == {"xla_gpu_enable_triton_gemm": False}
 
 
 def test_quantization_flag_and_refusals():

@@ -219,3 +219,31 @@ def test_program_read_from_the_persistent_cache_is_not_bundled(tmp_path):
     bundle.save("read", fn, from_cache=record.from_cache)
     assert (bundle.saved, bundle.skipped) == (1, 1)
     assert bundle.load("read") is None and bundle.load("fresh") is not None
+
+
+def test_program_options_keep_triton_gemms_for_small_programs_on_gpu(monkeypatch):
+    """Plain weights on the GPU: Triton GEMMs (autotuned at compile time) only for programs of at
+    most TRITON_GEMM_MAX_ROWS rows, cuBLAS above; an explicit XLA_FLAGS choice rules; FP8 weights
+    never use Triton GEMMs; weight-only weights and the CPU keep XLA's defaults."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxengine import xla_options
+    from jaxengine.models.quantization import packed_from_groups, quantize_fp8
+    from jaxengine.xla_options import TRITON_GEMM_MAX_ROWS, program_options
+
+    plain = {"w": jnp.zeros((64, 64), jnp.bfloat16)}
+    fp8 = {"w": quantize_fp8(np.ones((64, 64), np.float32), 1)}
+    w4 = {"w": packed_from_groups(np.ones((64, 64), np.uint8), np.ones((1, 64), np.float32),
+                                  np.zeros((1, 64), np.uint8), 4, 64)}
+    off = {"xla_gpu_enable_triton_gemm": False}
+    assert program_options(plain, 8192) == {} and program_options(fp8, 16) == off  # the CPU: defaults
+    monkeypatch.setattr(xla_options.jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert program_options(plain, TRITON_GEMM_MAX_ROWS) == {}
+    assert program_options(plain, TRITON_GEMM_MAX_ROWS + 1) == off and program_options(plain, 8192) == off
+    assert program_options(fp8, 1) == off and program_options(w4, 8192) == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert program_options(plain, 8192) == {}
+    assert jax.default_backend() == "gpu"  # the patch held for the whole test
