@@ -398,6 +398,73 @@ def timing_summary(t: dict) -> dict:
             "host_ms": 1e3 * host / steps, "device_wait_share_of_step": t["device_wait_s"] / t["step_s"] if t["step_s"] else None}
 
 
+def measure_smol(st: dict, tmp: str) -> dict:
+    """The SmolLM2 shape at batch 256: output tok/s, then an instrumented run whose recorded steps
+    are replayed alone to estimate how much of the wall time the GPU idles (see `explanation`)."""
+    from jaxengine import LLM
+    from jaxengine.benchmarks.common import SampleRequest, random_requests, weight_bytes
+    from jaxengine.benchmarks.sweep import release
+    from jaxengine.benchmarks.throughput import run_throughput
+
+    sspec: ModelSpec = st["smol"]
+    tokdir = sspec.model if st["smoke"] else synthetic_tokenizer(os.path.join(tmp, "tok_smol"), sspec.vocab_size)
+    t0 = time.perf_counter()
+    llm = LLM(**sspec.engine_kwargs(), tokenizer=tokdir)
+    eng = llm.llm_engine
+    rs = {"model": sspec.label, "startup_s": time.perf_counter() - t0, "compile_s": eng.runner.compile_seconds,
+          "num_kv_blocks": eng.config.num_kv_blocks, "max_num_seqs": eng.config.max_num_seqs,
+          "attention_impl": eng.runner.attention_impl, "weight_bytes": weight_bytes(llm)}
+    sname, til, tol, n = st["smol_throughput"]
+    warm = [SampleRequest(r.prompt_token_ids, 16)
+            for r in random_requests(st["throughput_warmup"], til, tol, 0.0, sspec.vocab_size, seed=20_001)]
+    run_throughput(llm, warm)
+    reqs = random_requests(n, til, tol, 0.0, sspec.vocab_size, seed=7)
+    tr = run_throughput(llm, reqs)
+    tr["engine_timing"] = timing_summary(tr["engine_timing"])
+    tr.update({"input_len": til, "output_len": tol, "detokenize": True})
+    rs["throughput"] = tr
+    # Second pass, instrumented: which buckets ran how often, and copies of sampled steps' inputs.
+    probe = st["idle_probe"]
+    cap = StepCapture(eng.runner, probe["sample_every"])
+    preqs = random_requests(probe["prompts"], probe["input_len"], probe["output_len"], 0.0, sspec.vocab_size, seed=8)
+    try:
+        ptr = run_throughput(llm, preqs)
+    finally:
+        cap.remove()
+    per_bucket = cap.replay(probe["reps"], probe["max_samples_per_bucket"])  # overwrites KV blocks: last use
+    busy = sum(v["count"] * v["device_s_mean"] for v in per_bucket.values())
+    pt = timing_summary(ptr["engine_timing"])
+    idle = max(0.0, 1.0 - busy / ptr["elapsed_s"])
+    rs["gpu_idle"] = {
+        "probe_run": {"num_requests": ptr["num_requests"], "elapsed_s": ptr["elapsed_s"],
+                      "output_tokens_per_s": ptr["output_tokens_per_s"], "engine_timing": pt,
+                      "input_len": probe["input_len"], "output_len": probe["output_len"]},
+        "per_bucket": {str(k): v for k, v in per_bucket.items()},
+        "device_busy_s_estimate": busy,
+        "idle_fraction_estimate": idle,
+        "device_wait_share_of_step": pt["device_wait_share_of_step"],
+        "explanation": (
+            "The engine runs one step ahead (step N+1 is dispatched before step N's tokens are read), so "
+            "engine.timing's device_wait_s (the host blocked on the device) is not the device's busy time. "
+            "Device busy time is estimated instead: a second, instrumented run of the same kind of workload "
+            "counts the steps of every token bucket and keeps copies of the inputs of every "
+            f"{probe['sample_every']}th step per bucket; after it, up to {probe['max_samples_per_bucket']} "
+            f"recorded steps per bucket (spread over the run) are replayed {probe['reps']} times back to back "
+            "(forward + sampler, inputs already on the device, no host work in between), giving the mean "
+            "device seconds per step of each bucket. busy = sum(steps x device seconds) over buckets; "
+            "idle fraction = 1 - busy / wall time of that run. device_wait_share_of_step = device_wait_s / "
+            "step_s: the share of the host's step time spent waiting (near 0: the host is the bottleneck). "
+            "Caveats: host-to-device input copies are left out of busy time (small); a replayed step reads "
+            "the KV cache as the engine left it, which has the same sizes and so the same cost.")}
+    print(f"[engine] SmolLM2 shape: {tr['output_tokens_per_s']:.0f} output tok/s, "
+          f"{tr['engine_timing']['step_ms']:.2f} ms/step ({tr['engine_timing']['device_wait_ms']:.2f} waiting); "
+          f"GPU idle ~{100 * idle:.0f}% of the probe run", flush=True)
+    release(llm)
+    del llm, eng
+    gc.collect()
+    return rs
+
+
 def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
     import numpy as np
 
@@ -487,63 +554,10 @@ def part_engine(args, st, out_dir) -> tuple[dict, list[str]]:
 
     # ---- SmolLM2 shape at batch 256: how much of the time the GPU idles ----------------------------
     sspec: ModelSpec = st["smol"]
-    tokdir = sspec.model if st["smoke"] else synthetic_tokenizer(os.path.join(tmp, "tok_smol"), sspec.vocab_size)
-    t0 = time.perf_counter()
-    llm = LLM(**sspec.engine_kwargs(), tokenizer=tokdir)
-    eng = llm.llm_engine
-    res["smol"] = rs = {"model": sspec.label, "startup_s": time.perf_counter() - t0,
-                        "compile_s": eng.runner.compile_seconds, "num_kv_blocks": eng.config.num_kv_blocks,
-                        "max_num_seqs": eng.config.max_num_seqs, "attention_impl": eng.runner.attention_impl,
-                        "weight_bytes": weight_bytes(llm)}
-    sname, til, tol, n = st["smol_throughput"]
-    warm = [SampleRequest(r.prompt_token_ids, 16)
-            for r in random_requests(st["throughput_warmup"], til, tol, 0.0, sspec.vocab_size, seed=20_001)]
-    run_throughput(llm, warm)
-    reqs = random_requests(n, til, tol, 0.0, sspec.vocab_size, seed=7)
-    tr = run_throughput(llm, reqs)
-    tr["engine_timing"] = timing_summary(tr["engine_timing"])
-    tr.update({"input_len": til, "output_len": tol, "detokenize": True})
-    rs["throughput"] = tr
+    res["smol"] = rs = measure_smol(st, tmp)
+    tr, idle, sname = rs["throughput"], rs["gpu_idle"]["idle_fraction_estimate"], st["smol_throughput"][0]
+    per_bucket = rs["gpu_idle"]["per_bucket"]
     save_partial(out_dir, payload)
-    # Second pass, instrumented: which buckets ran how often, and copies of sampled steps' inputs.
-    probe = st["idle_probe"]
-    cap = StepCapture(eng.runner, probe["sample_every"])
-    preqs = random_requests(probe["prompts"], probe["input_len"], probe["output_len"], 0.0, sspec.vocab_size, seed=8)
-    try:
-        ptr = run_throughput(llm, preqs)
-    finally:
-        cap.remove()
-    per_bucket = cap.replay(probe["reps"], probe["max_samples_per_bucket"])  # overwrites KV blocks: last use
-    busy = sum(v["count"] * v["device_s_mean"] for v in per_bucket.values())
-    pt = timing_summary(ptr["engine_timing"])
-    idle = max(0.0, 1.0 - busy / ptr["elapsed_s"])
-    rs["gpu_idle"] = {
-        "probe_run": {"num_requests": ptr["num_requests"], "elapsed_s": ptr["elapsed_s"],
-                      "output_tokens_per_s": ptr["output_tokens_per_s"], "engine_timing": pt,
-                      "input_len": probe["input_len"], "output_len": probe["output_len"]},
-        "per_bucket": {str(k): v for k, v in per_bucket.items()},
-        "device_busy_s_estimate": busy,
-        "idle_fraction_estimate": idle,
-        "device_wait_share_of_step": pt["device_wait_share_of_step"],
-        "explanation": (
-            "The engine runs one step ahead (step N+1 is dispatched before step N's tokens are read), so "
-            "engine.timing's device_wait_s (the host blocked on the device) is not the device's busy time. "
-            "Device busy time is estimated instead: a second, instrumented run of the same kind of workload "
-            "counts the steps of every token bucket and keeps copies of the inputs of every "
-            f"{probe['sample_every']}th step per bucket; after it, up to {probe['max_samples_per_bucket']} "
-            f"recorded steps per bucket (spread over the run) are replayed {probe['reps']} times back to back "
-            "(forward + sampler, inputs already on the device, no host work in between), giving the mean "
-            "device seconds per step of each bucket. busy = sum(steps x device seconds) over buckets; "
-            "idle fraction = 1 - busy / wall time of that run. device_wait_share_of_step = device_wait_s / "
-            "step_s: the share of the host's step time spent waiting (near 0: the host is the bottleneck). "
-            "Caveats: host-to-device input copies are left out of busy time (small); a replayed step reads "
-            "the KV cache as the engine left it, which has the same sizes and so the same cost.")}
-    print(f"[engine] SmolLM2 shape: {tr['output_tokens_per_s']:.0f} output tok/s, "
-          f"{tr['engine_timing']['step_ms']:.2f} ms/step ({tr['engine_timing']['device_wait_ms']:.2f} waiting); "
-          f"GPU idle ~{100 * idle:.0f}% of the probe run", flush=True)
-    release(llm)
-    del llm, eng
-    gc.collect()
     shutil.rmtree(tmp, ignore_errors=True)
 
     # ---- table ---------------------------------------------------------------------------------------
