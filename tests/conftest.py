@@ -67,11 +67,11 @@ def _reuse_identical_engine_programs():
     """Engines of one test process share the programs whose lowering is identical.
 
     Each engine compiles its programs (forward, samplers, prompt logprobs, ...) through
-    `ModelRunner._compile_program`; its program bundle is keyed by the whole engine and model config, so a
-    program that does not depend on what differs between two engines (a sampler depends on the
+    `ModelRunner._compile_program`; its program bundle is keyed by the whole engine and model config,
+    so a program that does not depend on what differs between two engines (a sampler depends on the
     vocabulary and row counts only, not on the model family; a speculative engine's forward is
-    the plain engine's) is compiled again by every engine. Here, inside `_compile_program` only, a lowering
-    whose StableHLO text, shardings, layouts, avals, argument info and pytrees all equal an earlier
+    the plain engine's) is compiled again by every engine. Here, inside `_compile_program` only, a
+    lowering whose StableHLO text, shardings, layouts, avals, argument info and pytrees all equal an earlier
     one's gets that earlier executable instead of a fresh XLA compile: the trace and lowering still
     run (so a monkeypatched function still takes effect), every program that differs in any way
     still compiles, and the bundle still saves and loads every program as before. Skipped for
@@ -123,14 +123,12 @@ def _reuse_identical_engine_programs():
                     memo.popitem(last=False)
         return compiled
 
-    def build(self, kind, key, compile_fn):
-        def inner(*a):
-            local.active = True
-            try:
-                return compile_fn(*a)
-            finally:
-                local.active = False
-        return orig_build(self, kind, key, inner)
+    def build(self, kind, key, lower_fn):
+        local.active = True  # the program's lowering and its compile run in this call, on this thread
+        try:
+            return orig_build(self, kind, key, lower_fn)
+        finally:
+            local.active = False
 
     jax.stages.Lowered.compile = compile_
     model_runner.ModelRunner._compile_program = build
