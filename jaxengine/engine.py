@@ -37,7 +37,7 @@ from jaxengine.outputs import RequestOutput
 from jaxengine.request import Request
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.scheduler import Scheduler, SchedulerConfig
-from jaxengine.startup import StartupTimings
+from jaxengine.startup import StartupTimings, freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class LLMEngine:
                     cap, config.max_model_len, time.perf_counter() - t0)
         self.startup.finish(m.bundle)
         logger.info("%s", self.startup.summary())
+        freeze_startup_heap()
 
     @staticmethod
     def _lora_manager(config: EngineConfig, mc):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -113,6 +114,26 @@ class StartupTimings:
                 f"{self.xla_compiles} XLA compiles + {self.cache_hits} persistent-cache reads "
                 f"({self.compile_s:.2f} s), {self.programs_loaded} programs from the bundle "
                 f"({self.bundle_load_s:.2f} s, {self.programs_refused} refused); buckets compile {mode}")
+
+
+_heap_frozen = False  # freeze_startup_heap ran in this process
+
+
+def freeze_startup_heap() -> int:
+    """Moves every object alive once the first engine of this process is ready (the weights'
+    tree, compiled programs, JAX's and the tokenizer's caches) into the garbage collector's
+    permanent generation, after collecting what is already garbage: the collections that run
+    while requests are served then walk only what serving makes, not the start-up heap, and
+    their pauses in the step loop stay short. Once per
+    process: a later engine (tests, benchmarks) leaves the heap as it is, so objects of engines
+    that are released later stay collectable. Returns the objects frozen (0 after the first)."""
+    global _heap_frozen
+    if _heap_frozen:
+        return 0
+    _heap_frozen = True
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def table(rows: list[tuple[str, dict[str, object]]]) -> str:

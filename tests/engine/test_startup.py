@@ -247,3 +247,29 @@ def test_program_options_keep_triton_gemms_for_small_programs_on_gpu(monkeypatch
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
     assert program_options(plain, 8192) == {}
     assert jax.default_backend() == "gpu"  # the patch held for the whole test
+
+
+def test_first_engine_freezes_the_startup_heap(tiny_model_factory):
+    """The first engine of a process moves the start-up heap into the collector's permanent
+    generation; a second engine freezes nothing more (objects of released engines stay
+    collectable). Run in a fresh process: engines of earlier tests would have frozen it here."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, json, sys\n"
+        "from jaxengine import LLM\n"
+        "from jaxengine.startup import freeze_startup_heap\n"
+        "kw = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=32,\n"
+        "          compilation_cache_dir=None)\n"
+        "assert gc.get_freeze_count() == 0\n"
+        "LLM(sys.argv[1], **kw)\n"
+        "first = gc.get_freeze_count()\n"
+        "LLM(sys.argv[1], **kw)\n"
+        "print(json.dumps([first, gc.get_freeze_count(), freeze_startup_heap()]))\n")
+    out = subprocess.run([sys.executable, "-c", code, tiny_model_factory("llama")], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, after_second, again = json.loads(out.stdout.strip().splitlines()[-1])
+    # nothing more frozen by the second engine (frozen objects freed by reference counting leave)
+    assert first > 10_000 and after_second <= first and again == 0
