@@ -183,7 +183,7 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
             _abstract(state), jax.ShapeDtypeStruct((t, c.hidden_size), dtype, sharding=rep),
             spec_layout.abstract(rep), md_v.abstract(rep)), program_options(state, rv * (k + 1))))
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:  # the programs compile side by side
-        programs = list(pool.map(lambda lo: lo[0].compile(compiler_options=lo[1] or None), lowered))
+        programs = list(pool.map(lambda lo: lo[0].compile(compiler_options=lo[1]), lowered))
     total = 0
     for compiled in programs:
         ma = compiled.memory_analysis()
@@ -331,7 +331,7 @@ class ModelRunner:
         args = [self._params_abs, _abstract(self.kv_caches), layout.abstract(self._rep), prev]
         if lora:
             args.append(_abstract(self.lora_layers))
-        return functools.partial(fn.lower(*args).compile, compiler_options=program_options(self.state, t) or None)
+        return functools.partial(fn.lower(*args).compile, compiler_options=program_options(self.state, t))
 
     def _lower_lora_write(self) -> Callable[[], jax.stages.Compiled]:
         """One program writes any slot: the slot index is an argument, so loading never recompiles.
@@ -352,7 +352,7 @@ class ModelRunner:
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._rep)
         return functools.partial(self._jit_prompt_lp.lower(self._params_abs, hidden, targets).compile,
-                                 compiler_options=program_options(self.state, t) or None)
+                                 compiler_options=program_options(self.state, t))
 
     def _allocate_lora(self) -> list[dict[str, jax.Array]]:
         """Zeroed LoRA slot arrays of every layer (models/lora.py's layout), split over the mesh
@@ -438,7 +438,7 @@ class ModelRunner:
         hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._rep)
         lowered = fn.lower(self._params_abs, hidden, spec_layout.abstract(self._rep), md_layout.abstract(self._rep))
         return functools.partial(lowered.compile, compiler_options=program_options(
-            self.state, r * (self.spec.num_speculative_tokens + 1)) or None)
+            self.state, r * (self.spec.num_speculative_tokens + 1)))
 
     def _history_len(self, processors: bool) -> int:
         return self.config.max_model_len if processors else 1
@@ -494,12 +494,12 @@ class ModelRunner:
         name = f"{kind}:{key!r}"
         fn = self.bundle.load(name) if self.bundle is not None else None
         if fn is None:
-            fn, from_cache = self._compile_program(kind, key, lower_fn)
+            fn, from_cache = self._compile_program(key, lower_fn)
             if self.bundle is not None:
                 self.bundle.save(name, fn, from_cache=from_cache)
         return fn
 
-    def _compile_program(self, kind: str, key, lower_fn) -> tuple[jax.stages.Compiled, bool]:
+    def _compile_program(self, key, lower_fn) -> tuple[jax.stages.Compiled, bool]:
         """Lowers a program (one at a time: LOWERING), then compiles it: (executable, whether
         JAX's persistent cache gave it, which the bundle does not keep; see
         ProgramBundle.fresh_compile). Without a bundle, a plain compile."""

@@ -105,7 +105,7 @@ def _reuse_identical_engine_programs():
         return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
     def compile_(self, compiler_options=None, **kw):
-        if not getattr(local, "active", False) or compiler_options is not None or kw:
+        if not getattr(local, "active", False) or compiler_options or kw:  # options set: compiled as asked
             return orig_compile(self, compiler_options, **kw)
         key = key_of(self)
         if key is not None:
@@ -123,10 +123,10 @@ def _reuse_identical_engine_programs():
                     memo.popitem(last=False)
         return compiled
 
-    def build(self, kind, key, lower_fn):
+    def build(self, key, lower_fn):
         local.active = True  # the program's lowering and its compile run in this call, on this thread
         try:
-            return orig_build(self, kind, key, lower_fn)
+            return orig_build(self, key, lower_fn)
         finally:
             local.active = False
 

@@ -68,8 +68,7 @@ def main() -> int:
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
 
-    method = "_compile_program" if hasattr(model_runner.ModelRunner, "_compile_program") else "_build"
-    build = getattr(model_runner.ModelRunner, method)
+    build = model_runner.ModelRunner._build
 
     def tagged_build(self, kind, key, compile_fn):
         local.job = f"{kind}:{key!r}"
@@ -78,7 +77,7 @@ def main() -> int:
         finally:
             local.job = None
 
-    setattr(model_runner.ModelRunner, method, tagged_build)
+    model_runner.ModelRunner._build = tagged_build
     if args.workers:
         model_runner.os = type("os_view", (), {"cpu_count": staticmethod(lambda: args.workers),
                                                "environ": os.environ, "path": os.path})
