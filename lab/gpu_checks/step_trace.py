@@ -52,13 +52,47 @@ def categorize(name: str, line: str = "") -> str:
 
 
 # -- host annotations -------------------------------------------------------------------------------
-def annotate_engine(llm) -> None:
+class TraceWindows:
+    """Traces the steps of each window (start, count) of a run into its own folder."""
+
+    def __init__(self, windows: list[tuple[int, int]], root: str):
+        import jax
+
+        self.jax, self.windows, self.root = jax, windows, root
+        self.k, self.active, self.dirs = 0, None, []
+
+    def before(self) -> None:
+        for i, (start, _) in enumerate(self.windows):
+            if self.k == start and self.active is None:
+                d = os.path.join(self.root, f"w{i}")
+                opts = self.jax.profiler.ProfileOptions()
+                opts.python_tracer_level = 0
+                opts.host_tracer_level = 2
+                self.jax.profiler.start_trace(d, profiler_options=opts)
+                self.active = i
+                self.dirs.append(d)
+
+    def after(self) -> None:
+        if self.active is not None:
+            start, count = self.windows[self.active]
+            if self.k >= start + count - 1:
+                self.stop()
+        self.k += 1
+
+    def stop(self) -> None:
+        if self.active is not None:
+            self.jax.profiler.stop_trace()
+            self.active = None
+
+
+def annotate_engine(llm, windows: TraceWindows | None = None) -> None:
     """Wraps the engine's loop methods in `je:` TraceAnnotations (instance attributes, this process
-    only). Compiled calls are tagged with their bucket: `je:fwd t=T`, `je:sampler r=R`."""
+    only). Compiled calls are tagged with their bucket: `je:fwd t=T`, `je:sampler r=R`. With
+    `windows`, each step also counts towards the trace windows."""
     import jax
 
     eng = llm.llm_engine
-    core, runner = eng.core if hasattr(eng, "core") else eng.engine_core, eng.runner
+    core, runner = eng.core, eng.runner
 
     def wrap(owner, attr, label):
         fn = getattr(owner, attr)
@@ -69,6 +103,16 @@ def annotate_engine(llm) -> None:
         setattr(owner, attr, call)
 
     wrap(core, "step", "je:step")
+    if windows is not None:
+        inner = core.step
+
+        def counted_step(*a, **k):
+            windows.before()
+            try:
+                return inner(*a, **k)
+            finally:
+                windows.after()
+        core.step = counted_step
     wrap(core.scheduler, "schedule", "je:schedule")
     wrap(core.scheduler, "advance", "je:advance")
     wrap(core, "_resolve", "je:resolve")
@@ -101,43 +145,56 @@ def annotate_engine(llm) -> None:
 
 # -- the profile ------------------------------------------------------------------------------------
 def load_events(path: str) -> dict:
-    """Host events (by thread line) and device events from an .xplane.pb, as plain tuples."""
+    """Host events (the `je:` annotations, CUDA API calls) and device events from an .xplane.pb,
+    as plain dicts. Stats are read only where needed: reading them is most of the parse time."""
     from jax.profiler import ProfileData
 
     pd = ProfileData.from_file(path)
+    planes = list(pd.planes)
+    has_gpu = any(p.name.startswith("/device:GPU") for p in planes)
     host, device, corr_host = [], [], {}
+    other_host = collections.defaultdict(lambda: [0, 0.0])  # (line, name) -> [count, ms]
     diag = {"planes": [], "device_stat_keys": collections.Counter(), "host_corr_events": collections.Counter()}
-    for plane in pd.planes:
+    for plane in planes:
         lines = list(plane.lines)
         diag["planes"].append({"name": plane.name, "lines": [ln.name for ln in lines][:40]})
         is_device = plane.name.startswith("/device:GPU")
+        is_host = plane.name.startswith("/host:")
         for ln in lines:
             for ev in ln.events:
-                dur = ev.duration_ns
-                st = dict(ev.stats)
+                name, dur = ev.name, ev.duration_ns
                 if is_device:
                     if dur <= 0:
                         continue
+                    st = dict(ev.stats)
                     diag["device_stat_keys"].update(st.keys())
-                    device.append({"name": ev.name, "line": ln.name, "start": ev.start_ns, "end": ev.start_ns + dur,
-                                   "module": st.get("hlo_module"), "op": st.get("hlo_op"),
-                                   "corr": st.get("correlation_id")})
-                elif plane.name.startswith("/host:"):
-                    if "correlation_id" in st:  # a CUDA API call of CUPTI's (launch, graph launch, copy)
+                    device.append({"name": name, "line": ln.name, "start": ev.start_ns, "end": ev.start_ns + dur,
+                                   "module": st.get("hlo_module"), "corr": st.get("correlation_id")})
+                elif not is_host:
+                    continue
+                elif name.startswith("je:"):
+                    host.append({"name": name, "line": ln.name, "start": ev.start_ns, "end": ev.start_ns + dur})
+                elif name.startswith("cu"):  # a CUDA API call seen by CUPTI (launch, graph launch, copy)
+                    st = dict(ev.stats)
+                    if "correlation_id" in st:
                         corr_host[st["correlation_id"]] = (ln.name, ev.start_ns)
-                        diag["host_corr_events"][ev.name] += 1
-                    elif ev.name.startswith("je:"):
-                        host.append({"name": ev.name, "line": ln.name, "start": ev.start_ns, "end": ev.start_ns + dur})
-                    elif "hlo_module" in st and dur > 0 and plane.name == "/host:CPU":
+                        diag["host_corr_events"][name] += 1
+                    o = other_host[(ln.name, name)]
+                    o[0] += 1
+                    o[1] += dur / 1e6
+                else:
+                    o = other_host[(ln.name, name)]
+                    o[0] += 1
+                    o[1] += dur / 1e6
+                    if not has_gpu and plane.name == "/host:CPU" and dur > 0 and "hlo_module" in (st := dict(ev.stats)):
                         # CPU backend (smoke): XLA's thunks run on its own threads; they stand in for the device
-                        device.append({"name": ev.name, "line": ln.name, "start": ev.start_ns,
-                                       "end": ev.start_ns + dur, "module": st.get("hlo_module"),
-                                       "op": st.get("hlo_op"), "corr": None})
+                        device.append({"name": name, "line": ln.name, "start": ev.start_ns,
+                                       "end": ev.start_ns + dur, "module": st.get("hlo_module"), "corr": None})
     diag["device_stat_keys"] = dict(diag["device_stat_keys"])
     diag["host_corr_events"] = dict(diag["host_corr_events"].most_common(12))
     device.sort(key=lambda e: e["start"])
     host.sort(key=lambda e: e["start"])
-    return {"host": host, "device": device, "corr_host": corr_host, "diag": diag}
+    return {"host": host, "device": device, "corr_host": corr_host, "diag": diag, "other_host": other_host}
 
 
 def _enclosing(host_by_line: dict, line: str, t: int, prefix: tuple[str, ...]) -> dict | None:
@@ -289,7 +346,8 @@ def analyze(ev: dict, top: int = 12) -> dict:
     host_phase_ms = collections.Counter()
     for h in loop_anns:
         host_phase_ms[h["name"].split(" ")[0]] += (h["end"] - h["start"]) / 1e6
-    return {"attribution": method, "programs": table, "steps": len(steps), "window_ms": wall_ms,
+    loop_host = collections.Counter({name: v[1] for (line, name), v in ev["other_host"].items() if line == loop_line})
+    return {"attribution": method, "programs": table, "loop_host_events_ms": dict(loop_host.most_common(15)), "steps": len(steps), "window_ms": wall_ms,
             "device_busy_ms": busy_in, "device_idle_share": 1 - busy_in / wall_ms if wall_ms else None,
             "idle_ms_by_loop_phase": dict(idle_by_phase.most_common()),
             "loop_phase_ms_total": dict(host_phase_ms.most_common()),
@@ -338,50 +396,51 @@ def run(args) -> dict:
     plain = run_throughput(llm, reqs)
     print(f"[{args.model}] untraced: {plain['output_tokens_per_s']:.0f} output tok/s "
           f"({plain['engine_timing']['steps']} steps, {plain['elapsed_s']:.2f} s)", flush=True)
-    annotate_engine(llm)
+    tw = TraceWindows(args.windows, tempfile.mkdtemp())
+    annotate_engine(llm, tw)
     reqs2 = random_requests(n, til, tol, 0.0, spec.vocab_size, seed=8)
-    annotated = run_throughput(llm, reqs2)  # annotations on, no trace: their own cost
-    print(f"[{args.model}] annotated, untraced: {annotated['output_tokens_per_s']:.0f} output tok/s", flush=True)
-    tdir = tempfile.mkdtemp()
-    opts = jax.profiler.ProfileOptions()
-    opts.python_tracer_level = 0
-    opts.host_tracer_level = 2
-    reqs3 = random_requests(n, til, tol, 0.0, spec.vocab_size, seed=9)
-    jax.profiler.start_trace(tdir, profiler_options=opts)
     try:
-        traced = run_throughput(llm, reqs3)
+        traced = run_throughput(llm, reqs2)  # annotated; only the windows' steps are traced
     finally:
-        jax.profiler.stop_trace()
-    print(f"[{args.model}] traced: {traced['output_tokens_per_s']:.0f} output tok/s", flush=True)
-    path = glob.glob(os.path.join(tdir, "**", "*.xplane.pb"), recursive=True)[0]
-    t1 = time.perf_counter()
-    ev = load_events(path)
-    res = analyze(ev)
-    res["parse_s"] = time.perf_counter() - t1
-    res["xplane_bytes"] = os.path.getsize(path)
-    win = raw_window(ev)
-    with gzip.open(os.path.join(args.out, f"step_trace_{args.model}_window.json.gz"), "wt") as f:
-        json.dump(win, f, default=str)
+        tw.stop()
+    print(f"[{args.model}] annotated, windows traced: {traced['output_tokens_per_s']:.0f} output tok/s", flush=True)
+    res = []
+    for (start, count), d in zip(args.windows, tw.dirs):
+        path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+        t1 = time.perf_counter()
+        ev = load_events(path)
+        r = analyze(ev)
+        r.update(window={"first_step": start, "steps": count}, parse_s=time.perf_counter() - t1,
+                 xplane_bytes=os.path.getsize(path))
+        res.append(r)
+        print(f"[{args.model}] window {start}:{count} parsed in {r['parse_s']:.1f} s ({r['attribution']})", flush=True)
+        with gzip.open(os.path.join(args.out, f"step_trace_{args.model}_w{start}.json.gz"), "wt") as f:
+            json.dump(raw_window(ev), f, default=str)
     return {"model": spec.label, "engine": spec.engine_kwargs(), "workload": {"input_len": til, "output_len": tol,
-            "num_prompts": n}, "startup_s": startup, "untraced": plain, "annotated_untraced": annotated,
+            "num_prompts": n}, "startup_s": startup, "untraced": plain,
             "traced": traced, "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__, "attention_impl": llm.llm_engine.runner.attention_impl, "trace": res}
+            "jax": jax.__version__, "attention_impl": llm.llm_engine.runner.attention_impl, "windows": res}
 
 
 def print_table(out: dict) -> None:
-    tr = out["trace"]
-    print(f"\n{out['model']} on {out['device']}: attribution by {tr['attribution']}")
-    print(f"untraced {out['untraced']['output_tokens_per_s']:.0f} tok/s, traced {out['traced']['output_tokens_per_s']:.0f}; "
-          f"{tr['steps']} traced steps over {tr['window_ms']:.0f} ms, device busy {tr['device_busy_ms']:.0f} ms "
-          f"(idle {100 * (tr['device_idle_share'] or 0):.0f}%)")
-    print(f"{'program':>18} {'n':>5} {'busy':>7} {'span':>7} {'launch':>7} " + " ".join(f"{c:>9}" for c in CATEGORIES)
-          + "  (ms per instance)")
-    for tag, r in sorted(tr["programs"].items(), key=lambda kv: (kv[0].split()[0], int(kv[0].split("=")[-1])
-                                                                   if kv[0].split("=")[-1].isdigit() else 0)):
-        print(f"{tag:>18} {r['count']:>5} {r['busy_ms']:>7.3f} {r['span_ms']:>7.3f} {r['launch_ms']:>7.3f} "
-              + " ".join(f"{r[c + '_ms']:>9.3f}" for c in CATEGORIES))
-    print("device idle inside steps, by what the loop thread was doing (ms):",
-          ", ".join(f"{k} {v:.0f}" for k, v in list(tr["idle_ms_by_loop_phase"].items())[:8]))
+    print(f"\n{out['model']} on {out['device']}: untraced {out['untraced']['output_tokens_per_s']:.0f} tok/s, "
+          f"annotated with windows traced {out['traced']['output_tokens_per_s']:.0f}")
+    for tr in out["windows"]:
+        w = tr["window"]
+        print(f"window {w['first_step']}:{w['steps']} ({tr['attribution']}): {tr['steps']} steps over "
+              f"{tr['window_ms']:.1f} ms, device busy {tr['device_busy_ms']:.1f} ms "
+              f"(idle {100 * (tr['device_idle_share'] or 0):.0f}%)")
+        print(f"{'program':>18} {'n':>5} {'busy':>7} {'span':>7} {'launch':>7} "
+              + " ".join(f"{c:>9}" for c in CATEGORIES) + "  (ms per instance)")
+        for tag, r in sorted(tr["programs"].items(), key=lambda kv: (kv[0].split()[0], int(kv[0].split("=")[-1])
+                                                                       if kv[0].split("=")[-1].isdigit() else 0)):
+            print(f"{tag:>18} {r['count']:>5} {r['busy_ms']:>7.3f} {r['span_ms']:>7.3f} {r['launch_ms']:>7.3f} "
+                  + " ".join(f"{r[c + '_ms']:>9.3f}" for c in CATEGORIES))
+        print("  device idle by what the loop thread was doing (ms):",
+              ", ".join(f"{k} {v:.1f}" for k, v in list(tr["idle_ms_by_loop_phase"].items())[:8]))
+        print("  loop thread's phases (ms):", ", ".join(f"{k} {v:.1f}" for k, v in list(tr["loop_phase_ms_total"].items())[:10]))
+        print("  loop thread's XLA / CUDA events (ms):",
+              ", ".join(f"{k} {v:.1f}" for k, v in list(tr["loop_host_events_ms"].items())[:8]))
 
 
 def main() -> None:
@@ -389,6 +448,8 @@ def main() -> None:
     ap.add_argument("--model", choices=("llama", "smol"), default="llama")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model")
     ap.add_argument("--num-prompts", type=int, default=0, help="default: the suite's count")
+    ap.add_argument("--windows", default="", help="traced steps, START:COUNT[,START:COUNT...] "
+                    "(default: llama 250:80,1020:40; smol 300:80)")
     ap.add_argument("--no-graphs-flag", action="store_true", help=f"leave XLA_FLAGS without {GRAPHS_FLAG}")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -397,6 +458,8 @@ def main() -> None:
     if "jax" in sys.modules:
         raise RuntimeError("XLA_FLAGS must be set before jax is imported")
     os.makedirs(args.out, exist_ok=True)
+    spec = args.windows or ("2:6,20:6" if args.smoke else "250:80,1020:40" if args.model == "llama" else "300:80")
+    args.windows = [tuple(int(x) for x in w.split(":")) for w in spec.split(",")]
     out = run(args)
     tag = args.model + ("_smoke" if args.smoke else "")
     with open(os.path.join(args.out, f"step_trace_{tag}.json"), "w") as f:
