@@ -17,7 +17,7 @@ device:
    reused only by steps enqueued after N+1.
 4. outputs: N goes to the output worker (jaxengine/output_worker.py), whose thread
    detokenizes, applies stop strings, records logprobs and builds the `RequestOutput`s while the
-   loop waits for N+1 in the next step; that step takes N's outputs after its own resolve and
+   loop launches N+2's programs and waits for N+1 in the next step; that step takes N's outputs after its own resolve and
    ends the requests N stopped or failed in the scheduler (a request stopped by a string at N
    still samples in N+1 and N+2: those tokens are dropped). A step after which nothing is in
    flight is processed at once, so the last outputs come without an extra step.
@@ -109,6 +109,9 @@ class EngineCore:
         self.runner = runner
         self.outputs = outputs
         self.worker = OutputWorker(outputs)  # `outputs` is used only under `worker.lock` from here on
+        # The worker also runs while the runner launches a program (XLA enqueues it with the GIL
+        # released): for a small model the launch is the longest part of the loop's step.
+        runner.launch_window = self.worker.loop_waiting
         self.grammar = grammar
         self.spec = runner.spec  # jaxengine.spec_decode.SpeculativeConfig, or None
         self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * (self.spec.num_speculative_tokens if self.spec else 0))

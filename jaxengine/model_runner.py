@@ -308,6 +308,10 @@ class ModelRunner:
         self._jit_prompt_lp = jax.jit(_flat(_prompt_logprobs, graphdef, self.param_treedef,
                                             k=config.max_logprobs or 1))
         self.compile_seconds = 0.0
+        # Around the forward and sampler launches, which release the GIL while XLA enqueues the
+        # program (command-buffer updates, the launch): the engine core lets its output worker
+        # run Python then (OutputWorker.loop_waiting). A no-op by default.
+        self.launch_window: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.attention_impl = self.attention.description  # what runs (benchmarks record it)
         logger.info("attention: %s", self.attention_impl)
 
@@ -564,13 +568,14 @@ class ModelRunner:
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         # Each numpy argument is its own host-to-device copy: one packed buffer per program.
         if lora_slots is None:  # the base model's program: steps without adapters pay nothing for LoRA
-            self.kv_caches, logits, hidden = self._get_forward(t)(self.param_leaves, self.kv_caches,
-                                                                  self.builder.packed(t, r), prev_tokens)
+            fwd, extra = self._get_forward(t), ()
         else:
             fwd = self._get(self._forward_lora_fns, t, lambda t_: self._lower_forward(t_, lora=True),
                             "LoRA token bucket")
-            self.kv_caches, logits, hidden = fwd(self.param_leaves, self.kv_caches, self.builder.packed(t, r),
-                                                 prev_tokens, self.lora_layers)
+            extra = (self.lora_layers,)
+        packed = self.builder.packed(t, r)
+        with self.launch_window():
+            self.kv_caches, logits, hidden = fwd(self.param_leaves, self.kv_caches, packed, prev_tokens, *extra)
         prompt_lp = None
         # (a step of persistent-batch rows none of which asked for them has no targets)
         targets = None
@@ -606,8 +611,9 @@ class ModelRunner:
             if masked:
                 md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
             packed_md = pack(md)
-        sampler_out, tokens, nan_rows = self._get_sampler(r, processors, masked, truncate)(step.logits, packed_md,
-                                                                                           step.prev_tokens)
+        sampler = self._get_sampler(r, processors, masked, truncate)
+        with self.launch_window():
+            sampler_out, tokens, nan_rows = sampler(step.logits, packed_md, step.prev_tokens)
         return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, seqs, nan_rows, step.pooled,
                         row_ids=step.row_ids)
 

@@ -15,6 +15,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--label", default="")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs of the workload in this process")
     args = ap.parse_args()
     from jaxengine.device_memory import size_device_pool
 
@@ -30,10 +31,11 @@ def main() -> None:
     start = time.perf_counter() - t0
     run_throughput(llm, [SampleRequest(r.prompt_token_ids, 16) for r in random_requests(64, 256, 256, 0.0, 49152,
                                                                                        seed=20_001)])
-    tr = run_throughput(llm, random_requests(args.prompts, 256, 256, 0.0, 49152, seed=7))
-    t = timing_summary(tr["engine_timing"])
-    print(f"{args.label}: start {start:.1f} s, {tr['output_tokens_per_s']:.0f} output tok/s, step {t['step_ms']:.2f} ms, "
-          f"device wait {t['device_wait_ms']:.2f} ms, keys {sorted(t)[:6]}", flush=True)
+    for i in range(args.repeats):
+        tr = run_throughput(llm, random_requests(args.prompts, 256, 256, 0.0, 49152, seed=7 + i))
+        t = timing_summary(tr["engine_timing"])
+        print(f"{args.label} run {i}: start {start:.1f} s, {tr['output_tokens_per_s']:.0f} output tok/s, "
+              f"step {t['step_ms']:.2f} ms, device wait {t['device_wait_ms']:.2f} ms", flush=True)
 
 
 if __name__ == "__main__":
