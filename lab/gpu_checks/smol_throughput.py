@@ -10,12 +10,16 @@ import argparse
 import tempfile
 import time
 
+import numpy as np
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--label", default="")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of the workload in this process")
+    ap.add_argument("--time-launch", action="store_true",
+                    help="also time each forward and sampler call (host time to enqueue the program, untraced)")
     args = ap.parse_args()
     from jaxengine.device_memory import size_device_pool
 
@@ -31,8 +35,28 @@ def main() -> None:
     start = time.perf_counter() - t0
     run_throughput(llm, [SampleRequest(r.prompt_token_ids, 16) for r in random_requests(64, 256, 256, 0.0, 49152,
                                                                                        seed=20_001)])
+    launches: dict[str, list[float]] = {}
+    if args.time_launch:
+        runner = llm.llm_engine.runner
+        orig_fwd, orig_samp = runner._get_forward, runner._get_sampler
+
+        def timed(fn, key):
+            def call(*a):
+                t = time.perf_counter()
+                out = fn(*a)
+                launches.setdefault(key, []).append(time.perf_counter() - t)
+                return out
+            return call
+        runner._get_forward = lambda t: timed(orig_fwd(t), f"forward t={t}")
+        runner._get_sampler = lambda *v: timed(orig_samp(*v), f"sampler r={v[0]}")
     for i in range(args.repeats):
+        launches.clear()
         tr = run_throughput(llm, random_requests(args.prompts, 256, 256, 0.0, 49152, seed=7 + i))
+        for key, ts in sorted(launches.items()):
+            if len(ts) >= 20:
+                q = np.percentile(np.array(ts) * 1e3, [10, 50, 90])
+                print(f"{args.label} run {i}: {key} call ms p10/p50/p90 {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} "
+                      f"({len(ts)} calls)", flush=True)
         t = timing_summary(tr["engine_timing"])
         print(f"{args.label} run {i}: start {start:.1f} s, {tr['output_tokens_per_s']:.0f} output tok/s, "
               f"step {t['step_ms']:.2f} ms, device wait {t['device_wait_ms']:.2f} ms", flush=True)

@@ -173,7 +173,9 @@ def load_events(path: str) -> dict:
                 elif not is_host:
                     continue
                 elif name.startswith("je:"):
-                    host.append({"name": name, "line": ln.name, "start": ev.start_ns, "end": ev.start_ns + dur})
+                    # the output worker's thread may carry the loop's name (both are the process's OS thread name)
+                    line = "output worker" if name == "je:worker_process" else ln.name
+                    host.append({"name": name, "line": line, "start": ev.start_ns, "end": ev.start_ns + dur})
                 elif name.startswith("cu"):  # a CUDA API call seen by CUPTI (launch, graph launch, copy)
                     st = dict(ev.stats)
                     if "correlation_id" in st:
@@ -370,14 +372,16 @@ def raw_window(ev: dict, n_steps: int = 12, skip_frac: float = 0.5) -> dict:
 # -- the run ----------------------------------------------------------------------------------------
 def run(args) -> dict:
     import jax
+    import numpy as np
 
     from jaxengine import LLM
     from jaxengine.benchmarks.common import SampleRequest, random_requests
-    from jaxengine.benchmarks.gpu_suite import settings, synthetic_tokenizer
+    from jaxengine.benchmarks.gpu_suite import measure_ceilings, settings, synthetic_tokenizer
     from jaxengine.benchmarks.throughput import run_throughput
 
     tmp = tempfile.mkdtemp()
     st = settings(args.smoke, tmp)
+    ceil = measure_ceilings(st["ceilings"])  # in a subprocess that exits before the engine starts
     spec = st["llama" if args.model == "llama" else "smol"]
     if args.model == "llama":
         _, til, tol, n, _ = st["throughput"][0]
@@ -393,7 +397,25 @@ def run(args) -> dict:
             for r in random_requests(st["throughput_warmup"], til, tol, 0.0, spec.vocab_size, seed=20_001)]
     run_throughput(llm, warm)
     reqs = random_requests(n, til, tol, 0.0, spec.vocab_size, seed=7)
-    plain = run_throughput(llm, reqs)
+    runner = llm.llm_engine.runner
+    launches: dict[str, list[float]] = {}
+
+    def timed(fn, key):  # host time of the compiled call itself: XLA enqueues the program
+        def call(*a):
+            t = time.perf_counter()
+            out = fn(*a)
+            launches.setdefault(key, []).append(time.perf_counter() - t)
+            return out
+        return call
+    orig_fwd, orig_samp = runner._get_forward, runner._get_sampler
+    runner._get_forward = lambda t: timed(orig_fwd(t), f"fwd t={t}")
+    runner._get_sampler = lambda *v: timed(orig_samp(*v), f"sampler r={v[0]}")
+    try:
+        plain = run_throughput(llm, reqs)
+    finally:
+        del runner._get_forward, runner._get_sampler
+    launch_ms = {k: {"calls": len(v), **dict(zip(("p10", "p50", "p90"), np.percentile(np.array(v) * 1e3, [10, 50, 90])))}
+                 for k, v in sorted(launches.items())}
     print(f"[{args.model}] untraced: {plain['output_tokens_per_s']:.0f} output tok/s "
           f"({plain['engine_timing']['steps']} steps, {plain['elapsed_s']:.2f} s)", flush=True)
     tw = TraceWindows(args.windows, tempfile.mkdtemp())
@@ -417,7 +439,8 @@ def run(args) -> dict:
         with gzip.open(os.path.join(args.out, f"step_trace_{args.model}_w{start}.json.gz"), "wt") as f:
             json.dump(raw_window(ev), f, default=str)
     return {"model": spec.label, "engine": spec.engine_kwargs(), "workload": {"input_len": til, "output_len": tol,
-            "num_prompts": n}, "startup_s": startup, "untraced": plain,
+            "num_prompts": n}, "startup_s": startup, "ceilings": ceil, "untraced": plain,
+            "untraced_launch_ms": launch_ms,
             "traced": traced, "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "attention_impl": llm.llm_engine.runner.attention_impl, "windows": res}
 
@@ -425,6 +448,10 @@ def run(args) -> dict:
 def print_table(out: dict) -> None:
     print(f"\n{out['model']} on {out['device']}: untraced {out['untraced']['output_tokens_per_s']:.0f} tok/s, "
           f"annotated with windows traced {out['traced']['output_tokens_per_s']:.0f}")
+    c = out["ceilings"]
+    print(f"ceilings: copy {c.get('copy_bandwidth_GBps', 0):.0f} GB/s, bf16 matmul {c.get('bf16_matmul_TFLOPs', 0):.1f} TFLOP/s")
+    print("untraced launch (host ms of the compiled call, p50):",
+          ", ".join(f"{k} {v['p50']:.3f}" for k, v in out["untraced_launch_ms"].items() if v["calls"] >= 10))
     for tr in out["windows"]:
         w = tr["window"]
         print(f"window {w['first_step']}:{w['steps']} ({tr['attribution']}): {tr['steps']} steps over "
