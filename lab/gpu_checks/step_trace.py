@@ -211,7 +211,7 @@ def _enclosing(host_by_line: dict, line: str, t: int, prefix: tuple[str, ...]) -
     for j in range(i, max(-1, i - 64), -1):
         e = evs[j]
         if e["start"] <= t <= e["end"] and e["name"].startswith(prefix):
-            if best is None or e["start"] >= best["start"]:
+            if best is None or (e["start"], -e["end"]) > (best["start"], -best["end"]):
                 best = e
     return best
 
@@ -325,24 +325,23 @@ def analyze(ev: dict, top: int = 12) -> dict:
         if hi > lo:
             gaps.append((lo, hi))
         prev_end = max(prev_end, e)
+    bounds = sorted({t for h in loop_anns for t in (h["start"], h["end"])})
     for lo, hi in gaps:
-        # split each gap by the innermost loop annotation over small slices
-        step = max(1000, (hi - lo) // 16)
-        t = lo
-        while t < hi:
-            u = min(hi, t + step)
+        # split each gap where a loop annotation starts or ends; each piece goes to the innermost
+        # annotation around it
+        i0, i1 = bisect.bisect_right(bounds, lo), bisect.bisect_left(bounds, hi)
+        cuts = [lo] + bounds[i0:i1] + [hi]
+        for t, u in zip(cuts, cuts[1:]):
             mid = (t + u) // 2
             i = bisect.bisect_right(starts, mid) - 1
-            name = "outside je:step"
             best = None
             for j in range(i, max(-1, i - 64), -1):
                 h = loop_anns[j]
-                if h["start"] <= mid <= h["end"] and (best is None or h["start"] >= best["start"]):
-                    best = h
-            if best is not None:
-                name = best["name"].split(" ")[0]
+                if h["start"] <= mid <= h["end"] and (best is None or (h["start"], -h["end"]) >
+                                                      (best["start"], -best["end"])):
+                    best = h  # the innermost: the latest start, then the earliest end
+            name = best["name"].split(" ")[0] if best is not None else "outside je:step"
             idle_by_phase[name] += (u - t) / 1e6
-            t = u
     wall_ms = (window[1] - window[0]) / 1e6
     busy_in = sum(max(0, min(e, window[1]) - max(s, window[0])) for s, e in dev_busy) / 1e6
     host_phase_ms = collections.Counter()
