@@ -12,6 +12,11 @@ import time
 
 import numpy as np
 
+try:
+    from lab.gpu_checks.step_trace import time_compiled_calls
+except ImportError:  # run as a script from another folder: this folder is on sys.path
+    from step_trace import time_compiled_calls
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -37,18 +42,7 @@ def main() -> None:
                                                                                        seed=20_001)])
     launches: dict[str, list[float]] = {}
     if args.time_launch:
-        runner = llm.llm_engine.runner
-        orig_fwd, orig_samp = runner._get_forward, runner._get_sampler
-
-        def timed(fn, key):
-            def call(*a):
-                t = time.perf_counter()
-                out = fn(*a)
-                launches.setdefault(key, []).append(time.perf_counter() - t)
-                return out
-            return call
-        runner._get_forward = lambda t: timed(orig_fwd(t), f"forward t={t}")
-        runner._get_sampler = lambda *v: timed(orig_samp(*v), f"sampler r={v[0]}")
+        launches = time_compiled_calls(llm.llm_engine.runner)
     for i in range(args.repeats):
         launches.clear()
         tr = run_throughput(llm, random_requests(args.prompts, 256, 256, 0.0, 49152, seed=7 + i))

@@ -52,6 +52,25 @@ def categorize(name: str, line: str = "") -> str:
 
 
 # -- host annotations -------------------------------------------------------------------------------
+def time_compiled_calls(runner) -> dict[str, list[float]]:
+    """Times every forward and sampler call of `runner` (the host time XLA takes to enqueue the
+    program) into the returned dict, by program (`fwd t=T`, `sampler r=R`); `del
+    runner._get_forward, runner._get_sampler` stops it."""
+    launches: dict[str, list[float]] = {}
+
+    def timed(fn, key):
+        def call(*a):
+            t = time.perf_counter()
+            out = fn(*a)
+            launches.setdefault(key, []).append(time.perf_counter() - t)
+            return out
+        return call
+    orig_fwd, orig_samp = runner._get_forward, runner._get_sampler
+    runner._get_forward = lambda t: timed(orig_fwd(t), f"fwd t={t}")
+    runner._get_sampler = lambda *v: timed(orig_samp(*v), f"sampler r={v[0]}")
+    return launches
+
+
 class TraceWindows:
     """Traces the steps of each window (start, count) of a run into its own folder."""
 
@@ -397,18 +416,7 @@ def run(args) -> dict:
     run_throughput(llm, warm)
     reqs = random_requests(n, til, tol, 0.0, spec.vocab_size, seed=7)
     runner = llm.llm_engine.runner
-    launches: dict[str, list[float]] = {}
-
-    def timed(fn, key):  # host time of the compiled call itself: XLA enqueues the program
-        def call(*a):
-            t = time.perf_counter()
-            out = fn(*a)
-            launches.setdefault(key, []).append(time.perf_counter() - t)
-            return out
-        return call
-    orig_fwd, orig_samp = runner._get_forward, runner._get_sampler
-    runner._get_forward = lambda t: timed(orig_fwd(t), f"fwd t={t}")
-    runner._get_sampler = lambda *v: timed(orig_samp(*v), f"sampler r={v[0]}")
+    launches = time_compiled_calls(runner)
     try:
         plain = run_throughput(llm, reqs)
     finally:
