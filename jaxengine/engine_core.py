@@ -17,10 +17,11 @@ device:
    reused only by steps enqueued after N+1.
 4. outputs: N goes to the output worker (jaxengine/output_worker.py), whose thread
    detokenizes, applies stop strings, records logprobs and builds the `RequestOutput`s while the
-   loop launches N+2's programs and waits for N+1 in the next step; that step takes N's outputs after its own resolve and
-   ends the requests N stopped or failed in the scheduler (a request stopped by a string at N
-   still samples in N+1 and N+2: those tokens are dropped). A step after which nothing is in
-   flight is processed at once, so the last outputs come without an extra step.
+   loop launches N+2's programs and waits for N+1 in the next step; that step takes N's outputs
+   after its own resolve and ends the requests N stopped or failed in the scheduler (a request
+   stopped by a string at N still samples in N+1 and N+2: those tokens are dropped). A step
+   after which nothing is in flight is processed at once, so the last outputs come without an
+   extra step.
 A request whose sampling reads its output tokens (penalties, bad words of several tokens) does
 not make the step wait either: its history's last token, still being sampled by N, is written as
 a reference to N's row, and N+1's sampler reads it from N's tokens on the device

@@ -7,8 +7,8 @@ loop waits: the loop holds a turn lock while it runs Python and lets go of it ar
 in C++ with the GIL released (`loop_waiting`): for the next step's tokens (`ModelRunner.collect`)
 and while XLA enqueues a program (`ModelRunner.launch_window`: command-buffer updates and the
 launch, which for a small model take longer than the device's step), so the worker's Python
-never interrupts the loop's (CPython would otherwise switch to the worker in
-the middle of a step after 5 ms). When the wait ends the loop takes the turn back, waiting for
+never interrupts the loop's (CPython would otherwise switch to the worker in the middle of a
+step after 5 ms). When the wait ends the loop takes the turn back, waiting for
 the worker to finish if the device was quicker, and takes the result (`take`) before it hands
 over the next step: steps are processed in order and at most one is pending.
 
