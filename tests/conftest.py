@@ -91,7 +91,7 @@ def _reuse_identical_engine_programs():
     lock = threading.Lock()
     memo: collections.OrderedDict = collections.OrderedDict()
     orig_compile = jax.stages.Lowered.compile
-    orig_build = model_runner.ModelRunner._compile_program
+    orig_compile_program = model_runner.ModelRunner._compile_program
 
     def key_of(lowered):
         args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
@@ -123,17 +123,17 @@ def _reuse_identical_engine_programs():
                     memo.popitem(last=False)
         return compiled
 
-    def build(self, key, lower_fn):
+    def compile_program(self, key, lower_fn):
         local.active = True  # the program's lowering and its compile run in this call, on this thread
         try:
-            return orig_build(self, key, lower_fn)
+            return orig_compile_program(self, key, lower_fn)
         finally:
             local.active = False
 
     jax.stages.Lowered.compile = compile_
-    model_runner.ModelRunner._compile_program = build
+    model_runner.ModelRunner._compile_program = compile_program
     try:
         yield
     finally:
         jax.stages.Lowered.compile = orig_compile
-        model_runner.ModelRunner._compile_program = orig_build
+        model_runner.ModelRunner._compile_program = orig_compile_program
