@@ -22,7 +22,7 @@ from flax import nnx
 from jaxengine.attention_backend import AttentionBackend, select_attention_backend
 from jaxengine.config import EngineConfig
 from jaxengine.default_model import default_model_path
-from jaxengine.device_memory import free_for_kv_and_step, size_device_pool
+from jaxengine.device_memory import choose_launch_allocator, free_for_kv_and_step, size_device_pool
 from jaxengine.distributed import agree_min
 from jaxengine.draft_model import LoadedDraft
 from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
@@ -65,6 +65,9 @@ def load_model(config: EngineConfig, timings: StartupTimings | None = None) -> L
                     "eager step); each is compiled on its first use, none ahead")
     enable_compilation_cache(config.compilation_cache_dir)
     size_device_pool(config.gpu_memory_utilization)
+    if choose_launch_allocator(config.tensor_parallel_size):
+        logger.info("GPU allocator: JAX's VMM allocator with XLA's SKIP_TEMP command-buffer updates "
+                    "(XLA_PYTHON_CLIENT_ALLOCATOR=default keeps JAX's own)")
     with timings.phase("device_init"):
         config = config.resolve_warmup(jax.default_backend())
     with timings.phase("weight_load"):

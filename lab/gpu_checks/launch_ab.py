@@ -7,6 +7,8 @@ slower than programs of Triton GEMM fusions; a stable temp (VMM allocator + SKIP
 the difference.
 
     python lab/gpu_checks/launch_ab.py --rounds 2 --out $OUT      # prints a table, writes launch_ab.json
+
+(Its first call, before the engine chose the allocator, named JAX's allocator `default`.)
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VMM = {"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm"}
+JAX_ALLOCATOR = {"XLA_PYTHON_CLIENT_ALLOCATOR": "default"}  # the engine then leaves JAX's allocator alone
 VARIANTS = {  # name -> (extra environment, XLA_FLAGS added)
-    "default": ({}, ""),
-    "triton_gemm": ({}, "--xla_gpu_enable_triton_gemm=true"),
+    "engine_default": ({}, ""),  # since device_memory.choose_launch_allocator: VMM + SKIP_TEMP on one GPU
+    "jax_allocator": (JAX_ALLOCATOR, ""),  # the engine's default before that
+    "triton_gemm": (JAX_ALLOCATOR, "--xla_gpu_enable_triton_gemm=true"),
     "vmm_skip_temp": (VMM, "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"),
     "vmm_skip_temp_triton": (VMM, "--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_enable_triton_gemm=true"),
 }

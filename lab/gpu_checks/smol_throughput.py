@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -38,6 +39,8 @@ def main() -> None:
     llm = LLM("smollm2-135m", load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
               max_num_batched_tokens=2048, tokenizer=synthetic_tokenizer(tempfile.mkdtemp(), 49152))
     start = time.perf_counter() - t0
+    print(f"{args.label}: allocator {os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR', 'jax default')}, XLA_FLAGS "
+          f"{os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     run_throughput(llm, [SampleRequest(r.prompt_token_ids, 16) for r in random_requests(64, 256, 256, 0.0, 49152,
                                                                                        seed=20_001)])
     launches: dict[str, list[float]] = {}

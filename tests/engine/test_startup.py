@@ -133,6 +133,41 @@ def test_device_pool_is_sized_to_gpu_memory_utilization(monkeypatch):
     assert loading.device_memory_budget(75 * 2**30, 0.6) == keep * 60 * 2**30  # 0.6 of the 100 GiB card
 
 
+def test_one_gpu_engine_gets_the_vmm_allocator_and_skip_temp_unless_the_user_chose(monkeypatch):
+    """On one GPU, before the backend starts, the engine picks JAX's VMM allocator and XLA's
+    SKIP_TEMP command-buffer updates; a user's allocator or update mode, several devices, no NVML
+    (the KV cache could not be sized), no CUDA plugin or a started backend leave both alone."""
+    from jaxengine import device_memory
+
+    def fresh(**env):
+        for name in ("XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_FLAGS", "JAX_PLATFORMS"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+
+    installed = {"pynvml", "jax_cuda12_plugin"}
+    monkeypatch.setattr(device_memory, "_installed", lambda module: module in installed)
+    monkeypatch.setattr(device_memory, "_backend_started", lambda: False)
+    fresh(XLA_FLAGS="--xla_gpu_autotune_level=0")
+    assert device_memory.choose_launch_allocator(1)
+    assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "vmm"
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_autotune_level=0 --xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    for env in ({"XLA_PYTHON_CLIENT_ALLOCATOR": "default"},
+                {"XLA_FLAGS": "--xla_gpu_command_buffer_update_mode=NONE"}, {"JAX_PLATFORMS": "cpu"}):
+        fresh(**env)
+        assert not device_memory.choose_launch_allocator(1)
+        assert {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_FLAGS")} == \
+            {k: env.get(k) for k in ("XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_FLAGS")}
+    fresh()
+    assert not device_memory.choose_launch_allocator(2)
+    installed.discard("pynvml")
+    assert not device_memory.choose_launch_allocator(1)
+    installed.add("pynvml")
+    monkeypatch.setattr(device_memory, "_backend_started", lambda: True)
+    assert not device_memory.choose_launch_allocator(1)
+    assert "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ and "XLA_FLAGS" not in os.environ
+
+
 def test_accelerator_without_memory_statistics_asks_for_num_kv_blocks(monkeypatch):
     """An accelerator whose allocator reports no memory statistics (XLA's VMM allocator) cannot be
     sized from gpu_memory_utilization: a clear error names num_kv_blocks, instead of the CPU's
