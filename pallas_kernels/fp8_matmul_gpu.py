@@ -12,8 +12,8 @@ at least as accurate as the W8A8 path.
     x [T, K] (bf16 / f16 / f32), qweight [N, K] float8_e4m3fn (the checkpoint's row layout),
     scale [N] float32 -> [T, N] in x's dtype
 
-Grid (T / block_m, N / block_n, K splits). A program walks its share of K in blocks of BLOCK_K:
-loads the [block_n, BLOCK_K] weight tile, converts it and meets x's [block_m, BLOCK_K] tile in
+Grid (T / block_m, N / block_n, K splits). A program walks its share of K in blocks of block_k
+(BLOCK_K by default): loads the [block_n, block_k] weight tile, converts it and meets x's [block_m, BLOCK_K] tile in
 one dot against the tile's transpose. Narrow outputs (o_proj, down_proj: 32 column tiles at
 block_n 128) would occupy a quarter of the H100's 132 SMs, so K is split over programs and the
 float32 partial sums added after the call (as in weight_only_matmul_gpu.py).
@@ -47,13 +47,13 @@ def supported(t: int, k: int, n: int, block_n: int = 128) -> bool:
     return k % BLOCK_K == 0 and n % block_n == 0
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, steps: int):
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, steps: int, block_k: int):
     _, block_m, block_n = o_ref.shape
     first = pl.program_id(2) * steps
 
     def body(kb, acc):
-        w = w_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)].astype(x_ref.dtype)  # [block_n, BLOCK_K], exact
-        xb = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]  # [block_m, BLOCK_K]
+        w = w_ref[:, pl.ds(kb * block_k, block_k)].astype(x_ref.dtype)  # [block_n, block_k], exact
+        xb = x_ref[:, pl.ds(kb * block_k, block_k)]  # [block_m, block_k]
         prec = lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None
         return acc + _pl_dot(xb, w, trans_b=True, precision=prec)
 
@@ -61,29 +61,32 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, steps: int):
     o_ref[...] = (acc * s_ref[...].astype(jnp.float32)[None, :])[None]
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "splits", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "splits", "num_warps", "num_stages",
+                                             "interpret"))
 def fp8_weight_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, *, block_m: int = 16,
-                      block_n: int = 128, splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                      interpret: bool = False) -> jax.Array:
+                      block_n: int = 128, block_k: int = BLOCK_K, splits: int | None = None, num_warps: int = 4,
+                      num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """x [T, K] @ (qweight [N, K] * scale [N]).T -> [T, N] in x's dtype (module docstring). T is
-    padded to a multiple of `block_m` (at least 16, Triton's smallest dot). `splits`: programs per
-    output tile along K (default `pick_splits`)."""
+    padded to a multiple of `block_m` (at least 16, Triton's smallest dot). `block_k`: K per step
+    (a multiple of BLOCK_K dividing K). `splits`: programs per output tile along K (default
+    `pick_splits`)."""
     t, k = x.shape
     n = qweight.shape[0]
-    if not supported(t, k, n, block_n) or qweight.shape != (n, k) or scale.shape != (n,):
+    if not supported(t, k, n, block_n) or k % block_k or block_k % BLOCK_K or qweight.shape != (n, k) \
+            or scale.shape != (n,):
         raise ValueError(f"fp8_weight_matmul kernel: unsupported shapes x {x.shape}, qweight {qweight.shape}, "
-                         f"scale {scale.shape} (K a multiple of {BLOCK_K}, N of {block_n})")
+                         f"scale {scale.shape} (K a multiple of {block_k}, {block_k} of {BLOCK_K}, N of {block_n})")
     tp = -(-t // block_m) * block_m
     xp = jnp.pad(x, ((0, tp - t), (0, 0)))
-    k_steps = k // BLOCK_K
+    k_steps = k // block_k
     splits = splits or pick_splits((tp // block_m) * (n // block_n), k_steps)
     if k_steps % splits:
-        raise ValueError(f"fp8_weight_matmul kernel: {splits} splits do not divide {k_steps} steps of {BLOCK_K}")
+        raise ValueError(f"fp8_weight_matmul kernel: {splits} splits do not divide {k_steps} steps of {block_k}")
     kwargs = {}
     if not interpret:
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     sums = pl.pallas_call(
-        functools.partial(_kernel, steps=k_steps // splits),
+        functools.partial(_kernel, steps=k_steps // splits, block_k=block_k),
         grid=(tp // block_m, n // block_n, splits),
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
                   pl.BlockSpec((block_n, k), lambda i, j, s: (j, 0)),

@@ -207,9 +207,10 @@ def micro_fp8() -> dict:
 
 def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-8b",
            decode_only: bool = False) -> dict:
-    from jaxengine.device_memory import size_device_pool
+    from jaxengine.device_memory import choose_launch_allocator, size_device_pool
 
     size_device_pool(0.9)  # the pool the engine would size, before the ceilings start the backend
+    choose_launch_allocator(1)  # and the allocator it would choose
     import jax
 
     from jaxengine import LLM

@@ -31,24 +31,29 @@ def _fusions(compiled_text: str) -> dict:
             "fusions": len(re.findall(r"\bfusion\(", compiled_text))}
 
 
+def per_call(fn, x, ws, repeats: int = 7) -> tuple[float, str]:
+    """Median seconds per call of `fn(x, w)` over the distinct weights `ws`, unrolled in one
+    compiled program, and that program's compiled text."""
+    import jax
+    import numpy as np
+
+    run = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+    jax.block_until_ready(run(x, ws))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(x, ws))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / len(ws), run.lower(x, ws).compile().as_text()
+
+
 def probe(rows_list: tuple[int, ...]) -> dict:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from jaxengine.benchmarks import ceilings
     from jaxengine.pallas_kernels import fp8_matmul_gpu as fk
     from jaxengine.pallas_kernels import weight_only_matmul_gpu as wk
-
-    def per_call(fn, x, ws, repeats=7):
-        run = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
-        jax.block_until_ready(run(x, ws))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(x, ws))
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times)) / len(ws), run.lower(x, ws).compile().as_text()
 
     res: dict = {"ceilings": ceilings.measure(), "shapes": SHAPES, "group": GROUP,
                  "timing": "median of 7 runs of one compiled program over L distinct weights, divided by L"}
