@@ -21,6 +21,7 @@ import os
 
 import jax
 
+from jaxengine.models import quantization
 from jaxengine.models.quantization import Fp8Weight, is_quantized
 
 TRITON_GEMM_MAX_ROWS = 16
@@ -31,6 +32,8 @@ def program_options(params, rows: int) -> dict[str, object]:
     rows (its token bucket, or the rows whose logits it computes) by the weights `params`."""
     leaves = jax.tree.leaves(params, is_leaf=is_quantized)
     if any(isinstance(w, Fp8Weight) for w in leaves):
+        if quantization.FP8_DECODE == "xla" and rows <= quantization.FP8_KERNEL_MAX_ROWS:
+            return {}
         return {"xla_gpu_enable_triton_gemm": False}
     if any(is_quantized(w) for w in leaves) or jax.default_backend() != "gpu" or rows <= TRITON_GEMM_MAX_ROWS \
             or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):

@@ -140,12 +140,21 @@ def qeinsum(spec: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Arra
 # took Llama-3-8B's four linears in 202 us against 255 for W8A8; at 64 rows it lost 2.3x on gate/up
 # (benchmarks/results/quant_h100.md).
 FP8_KERNEL_MAX_ROWS = 16
+# How calls of at most FP8_KERNEL_MAX_ROWS rows multiply on the GPU: "kernel", the fp8-weight
+# Pallas kernel; "xla", the e4m3 weight converted to x's dtype inside the graph, where XLA fuses the
+# convert into a Triton GEMM of its own tiling (`xla_options.program_options` keeps Triton GEMMs
+# on for such programs).
+FP8_DECODE = "kernel"
 
 
 def fp8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: jax.Array | None) -> jax.Array:
     """x [T, K] (any float) @ dequant(qweight [N, K] e4m3, scale [N]).T -> [T, N] in x's dtype:
     on GPU the fp8-weight kernel for at most FP8_KERNEL_MAX_ROWS rows where it takes the shape
     (the activations stay in their dtype), else `fp8_matmul_w8a8`."""
+    if jax.default_backend() == "gpu" and x.shape[0] <= FP8_KERNEL_MAX_ROWS and FP8_DECODE == "xla":
+        y = jax.lax.dot_general(x, qweight.astype(x.dtype), (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return (y * scale[None, :].astype(jnp.float32)).astype(x.dtype)
     if jax.default_backend() == "gpu" and x.shape[0] <= FP8_KERNEL_MAX_ROWS and \
             fp8_kernel.supported(x.shape[0], x.shape[1], qweight.shape[0]):
         # narrow outputs (o_proj, down_proj): 8 warps measured 7-15% faster at 16 rows

@@ -4,6 +4,7 @@ idles, what the host loop was doing.
 
     python lab/gpu_checks/step_trace.py --model llama --out $OUT   # Llama-3-8B shape, 256/256 x 1000
     python lab/gpu_checks/step_trace.py --model smol --out $OUT    # SmolLM2-135M shape, 256/256 x 1024
+    python lab/gpu_checks/step_trace.py --model llama --quantization fp8 --batch1 --windows 100:40 --out $OUT
     python lab/gpu_checks/step_trace.py --smoke --out /tmp/st      # CPU, tiny model: exercises the parser
 
 The engine is the GPU suite's (benchmarks/gpu_suite.py settings: max_num_seqs 256,
@@ -407,12 +408,27 @@ def run(args) -> dict:
         _, til, tol, n = st["smol_throughput"]
     if args.num_prompts:
         n = args.num_prompts
+    for patch in args.patch:  # module constants of the engine, e.g. models.quantization.FP8_DECODE=xla
+        target, value = patch.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        import importlib
+
+        mod = importlib.import_module(f"jaxengine.{module}")
+        setattr(mod, name, type(getattr(mod, name))(value) if not isinstance(getattr(mod, name), bool)
+                else value.lower() in ("1", "true"))
+    kwargs = dict(spec.engine_kwargs())
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
+    if args.batch1:  # one request, 128 in / 256 out; the small engine quant_h100's decode parts use
+        kwargs.update(max_num_seqs=16, max_num_batched_tokens=512)
+        til, tol, n = 128, 256, 1
     tok = spec.model if st["smoke"] else synthetic_tokenizer(os.path.join(tmp, "tok"), spec.vocab_size)
     t0 = time.perf_counter()
-    llm = LLM(**spec.engine_kwargs(), tokenizer=tok)
+    llm = LLM(**kwargs, tokenizer=tok)
     startup = time.perf_counter() - t0
     warm = [SampleRequest(r.prompt_token_ids, 16)
-            for r in random_requests(st["throughput_warmup"], til, tol, 0.0, spec.vocab_size, seed=20_001)]
+            for r in random_requests(n if args.batch1 else st["throughput_warmup"], til, tol, 0.0,
+                                     spec.vocab_size, seed=20_001)]
     run_throughput(llm, warm)
     reqs = random_requests(n, til, tol, 0.0, spec.vocab_size, seed=7)
     runner = llm.llm_engine.runner
@@ -424,7 +440,8 @@ def run(args) -> dict:
     launch_ms = {k: {"calls": len(v), **dict(zip(("p10", "p50", "p90"), np.percentile(np.array(v) * 1e3, [10, 50, 90])))}
                  for k, v in sorted(launches.items())}
     print(f"[{args.model}] untraced: {plain['output_tokens_per_s']:.0f} output tok/s "
-          f"({plain['engine_timing']['steps']} steps, {plain['elapsed_s']:.2f} s)", flush=True)
+          f"({plain['engine_timing']['steps']} steps, {plain['elapsed_s']:.2f} s, "
+          f"{1e3 * plain['elapsed_s'] / max(1, plain['engine_timing']['steps']):.2f} ms a step)", flush=True)
     tw = TraceWindows(args.windows, tempfile.mkdtemp())
     annotate_engine(llm, tw)
     reqs2 = random_requests(n, til, tol, 0.0, spec.vocab_size, seed=8)
@@ -443,9 +460,9 @@ def run(args) -> dict:
                  xplane_bytes=os.path.getsize(path))
         res.append(r)
         print(f"[{args.model}] window {start}:{count} parsed in {r['parse_s']:.1f} s ({r['attribution']})", flush=True)
-        with gzip.open(os.path.join(args.out, f"step_trace_{args.model}_w{start}.json.gz"), "wt") as f:
+        with gzip.open(os.path.join(args.out, f"step_trace_{args.model}{args.quantization or ''}_w{start}.json.gz"), "wt") as f:
             json.dump(raw_window(ev), f, default=str)
-    return {"model": spec.label, "engine": spec.engine_kwargs(), "workload": {"input_len": til, "output_len": tol,
+    return {"model": spec.label, "engine": kwargs, "patches": args.patch, "workload": {"input_len": til, "output_len": tol,
             "num_prompts": n}, "startup_s": startup, "ceilings": ceil, "untraced": plain,
             "untraced_launch_ms": launch_ms,
             "traced": traced, "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": jax.devices()[0].device_kind,
@@ -484,6 +501,11 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=0, help="default: the suite's count")
     ap.add_argument("--windows", default="", help="traced steps, START:COUNT[,START:COUNT...] "
                     "(default: llama 250:80,1020:40; smol 300:80)")
+    ap.add_argument("--quantization", default=None, help="the engine's quantization (fp8, gptq, gguf: dummy weights)")
+    ap.add_argument("--patch", action="append", default=[], help="MODULE.NAME=VALUE: a module constant of the "
+                    "engine set before it starts (e.g. models.quantization.FP8_DECODE=xla)")
+    ap.add_argument("--tag", default="", help="added to the output file names")
+    ap.add_argument("--batch1", action="store_true", help="one request, 128 in / 256 out (batch-1 decode)")
     ap.add_argument("--no-graphs-flag", action="store_true", help=f"leave XLA_FLAGS without {GRAPHS_FLAG}")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -495,7 +517,8 @@ def main() -> None:
     spec = args.windows or ("2:6,20:6" if args.smoke else "250:80,1020:40" if args.model == "llama" else "300:80")
     args.windows = [tuple(int(x) for x in w.split(":")) for w in spec.split(",")]
     out = run(args)
-    tag = args.model + ("_smoke" if args.smoke else "")
+    tag = args.model + (f"_{args.quantization}" if args.quantization else "") + ("_b1" if args.batch1 else "") + args.tag \
+        + ("_smoke" if args.smoke else "")
     with open(os.path.join(args.out, f"step_trace_{tag}.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     print_table(out)
