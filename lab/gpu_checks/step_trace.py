@@ -417,6 +417,8 @@ def run(args) -> dict:
         setattr(mod, name, type(getattr(mod, name))(value) if not isinstance(getattr(mod, name), bool)
                 else value.lower() in ("1", "true"))
     kwargs = dict(spec.engine_kwargs())
+    if args.patch:  # programs built under patched constants: a cache of their own (the bundle's key
+        kwargs["compilation_cache_dir"] = tempfile.mkdtemp()  # hashes the source, not the constants)
     if args.quantization:
         kwargs["quantization"] = args.quantization
     if args.batch1:  # one request, 128 in / 256 out; the small engine quant_h100's decode parts use
