@@ -1,10 +1,12 @@
 """XLA options of each compiled program that runs the model's weights, chosen from the weights
 and from the rows the program multiplies them by.
 
-- FP8 weights (`Fp8Weight`): GEMM fusions are not emitted with Triton, so every e4m3 dot goes to
-  cuBLASLt's FP8 GEMM. XLA's autotuner otherwise searches Triton tilings for each fp8 dot of a
-  large token bucket, which on the H100 ran for minutes per program
-  (lab/gpu_checks/fp8_compile_probe.py); cuBLASLt compiles it at once.
+- FP8 weights (`Fp8Weight`): above `quantization.FP8_KERNEL_MAX_ROWS` rows GEMM fusions are not
+  emitted with Triton, so every e4m3 dot goes to cuBLASLt's FP8 GEMM. XLA's autotuner otherwise
+  searches Triton tilings for each fp8 dot of a large token bucket, which on the H100 ran for
+  minutes per program (lab/gpu_checks/fp8_compile_probe.py); cuBLASLt compiles it at once. At
+  most that many rows, with `FP8_DECODE="xla"`, XLA's defaults: the weight's convert to bf16 fuses
+  into a Triton GEMM (small dots, quick to autotune).
 - Plain (bf16 / f16 / f32) weights on the GPU: Triton GEMMs only for programs of at most
   `TRITON_GEMM_MAX_ROWS` rows. On the H100 with the Llama-3-8B shape, cuBLAS alone decoded as
   fast or faster from 32 rows up, while Triton's split-K GEMMs won at the 16-row bucket that

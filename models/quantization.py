@@ -134,23 +134,25 @@ def qeinsum(spec: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Arra
     return y.reshape((t,) + tuple(w.shape[w.in_ndim:]))
 
 
-# Rows up to which fp8 weights meet the activations in the fp8-weight kernel
-# (pallas_kernels/fp8_matmul_gpu.py: W8A16, the weight converted in registers) on GPU; above, the
-# activations are quantized too and XLA's FP8 GEMM runs (W8A8). On the H100 at 16 rows the kernel
-# took Llama-3-8B's four linears in 202 us against 255 for W8A8; at 64 rows it lost 2.3x on gate/up
-# (benchmarks/results/quant_h100.md).
+# Rows up to which fp8 weights meet the activations unquantized on GPU (W8A16: the weight converted
+# to x's dtype on its way into the dot); above, the activations are quantized too and XLA's FP8
+# GEMM runs (W8A8). On the H100 at 16 rows W8A16 took Llama-3-8B's four linears in 202 us against
+# 255 for W8A8; at 64 rows it lost up to 2.3x (benchmarks/results/quant_h100.md).
 FP8_KERNEL_MAX_ROWS = 16
-# How calls of at most FP8_KERNEL_MAX_ROWS rows multiply on the GPU: "kernel", the fp8-weight
-# Pallas kernel; "xla", the e4m3 weight converted to x's dtype inside the graph, where XLA fuses the
-# convert into a Triton GEMM of its own tiling (`xla_options.program_options` keeps Triton GEMMs
-# on for such programs).
-FP8_DECODE = "kernel"
+# How those calls run: "xla", the e4m3 weight converted inside the graph, where XLA fuses the
+# convert into a Triton GEMM it tiles and autotunes itself (`xla_options.program_options` keeps
+# Triton GEMMs on for such programs); "kernel", the fp8-weight Pallas kernel
+# (pallas_kernels/fp8_matmul_gpu.py). In the engine's batch-1 decode step of the Llama-3-8B shape
+# on the H100 the linears took 3.26 ms of device time with "xla" against 3.73 with "kernel"
+# (benchmarks/results/quant_h100.md).
+FP8_DECODE = "xla"
 
 
 def fp8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: jax.Array | None) -> jax.Array:
     """x [T, K] (any float) @ dequant(qweight [N, K] e4m3, scale [N]).T -> [T, N] in x's dtype:
-    on GPU the fp8-weight kernel for at most FP8_KERNEL_MAX_ROWS rows where it takes the shape
-    (the activations stay in their dtype), else `fp8_matmul_w8a8`."""
+    on GPU, for at most FP8_KERNEL_MAX_ROWS rows, the weight converted to x's dtype (the
+    activations stay in theirs) by XLA's fused convert or the fp8-weight kernel (FP8_DECODE), else
+    `fp8_matmul_w8a8`."""
     if jax.default_backend() == "gpu" and x.shape[0] <= FP8_KERNEL_MAX_ROWS and FP8_DECODE == "xla":
         y = jax.lax.dot_general(x, qweight.astype(x.dtype), (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)

@@ -64,8 +64,10 @@ def test_fp8_weights_and_fp8_kv_cache_generate(tiny, xla_cache_dir):
     assert all(len(t) == 8 for t in _greedy(llm))
     k_cache = llm.llm_engine.runner.kv_caches[0][0]
     assert k_cache.dtype == jnp.float8_e4m3fn
-    # fp8 weights send every dot to cuBLASLt on GPU (no Triton GEMM autotuning of large buckets)
-    assert program_options(llm.llm_engine.runner.state, 16) == {"xla_gpu_enable_triton_gemm": False}
+    # fp8 weights send every dot above the decode rows to cuBLASLt on GPU (no Triton GEMM
+    # autotuning of large buckets); the decode rows' converts fuse into Triton GEMMs
+    assert program_options(llm.llm_engine.runner.state, 32) == {"xla_gpu_enable_triton_gemm": False}
+    assert program_options(llm.llm_engine.runner.state, 16) == {}
 
 
 def test_quantization_flag_and_refusals():

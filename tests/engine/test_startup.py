@@ -259,12 +259,14 @@ def test_program_read_from_the_persistent_cache_is_not_bundled(tmp_path):
 def test_program_options_keep_triton_gemms_for_small_programs_on_gpu(monkeypatch):
     """Plain weights on the GPU: Triton GEMMs (autotuned at compile time) only for programs of at
     most TRITON_GEMM_MAX_ROWS rows, cuBLAS above; an explicit XLA_FLAGS choice rules; FP8 weights
-    never use Triton GEMMs; weight-only weights and the CPU keep XLA's defaults."""
+    use Triton GEMMs only at the decode rows of FP8_DECODE="xla"; weight-only weights and the CPU
+    keep XLA's defaults."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxengine import xla_options
+    from jaxengine.models import quantization
     from jaxengine.models.quantization import packed_from_groups, quantize_fp8
     from jaxengine.xla_options import TRITON_GEMM_MAX_ROWS, program_options
 
@@ -273,12 +275,14 @@ def test_program_options_keep_triton_gemms_for_small_programs_on_gpu(monkeypatch
     w4 = {"w": packed_from_groups(np.ones((64, 64), np.uint8), np.ones((1, 64), np.float32),
                                   np.zeros((1, 64), np.uint8), 4, 64)}
     off = {"xla_gpu_enable_triton_gemm": False}
-    assert program_options(plain, 8192) == {} and program_options(fp8, 16) == off  # the CPU: defaults
+    assert program_options(plain, 8192) == {} and program_options(fp8, 17) == off  # the CPU: defaults
     monkeypatch.setattr(xla_options.jax, "default_backend", lambda: "gpu")
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     assert program_options(plain, TRITON_GEMM_MAX_ROWS) == {}
     assert program_options(plain, TRITON_GEMM_MAX_ROWS + 1) == off and program_options(plain, 8192) == off
-    assert program_options(fp8, 1) == off and program_options(w4, 8192) == {}
+    assert program_options(fp8, 1) == {} and program_options(fp8, 8192) == off and program_options(w4, 8192) == {}
+    monkeypatch.setattr(quantization, "FP8_DECODE", "kernel")
+    assert program_options(fp8, 1) == off
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
     assert program_options(plain, 8192) == {}
     assert jax.default_backend() == "gpu"  # the patch held for the whole test

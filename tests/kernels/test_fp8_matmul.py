@@ -55,11 +55,14 @@ def test_kernel_lowers_for_an_h100():
     assert "fp8_weight_matmul" in text
 
 
-def test_fp8_linear_takes_the_kernel_for_few_rows_on_gpu(monkeypatch):
-    """The model's fp8 matmul on a GPU (faked here): the kernel up to FP8_KERNEL_MAX_ROWS rows,
-    the W8A8 path (activations quantized) above; both close to the dequantized product."""
+@pytest.mark.parametrize("path", ["xla", "kernel"])
+def test_fp8_linear_paths_on_gpu(monkeypatch, path):
+    """The model's fp8 matmul on a GPU (faked here): up to FP8_KERNEL_MAX_ROWS rows the weight
+    converted in the graph (`FP8_DECODE="xla"`, the default) or the Pallas kernel ("kernel"), the
+    W8A8 path (activations quantized) above; each close to the dequantized product."""
     from jaxengine.models import quantization as qz
 
+    monkeypatch.setattr(qz, "FP8_DECODE", path)
     calls = []
 
     def fake_kernel(x, qweight, scale, num_warps):
@@ -74,4 +77,7 @@ def test_fp8_linear_takes_the_kernel_for_few_rows_on_gpu(monkeypatch):
         got = np.asarray(qz.fp8_matmul(x, q.qweight, q.scale, None))
         want = np.asarray(x) @ w
         assert np.max(np.abs(got - want)) <= 0.08 * np.max(np.abs(want))
-    assert calls == [3]
+        if t <= qz.FP8_KERNEL_MAX_ROWS and path == "xla":  # the exactly converted weight: x's rounding only
+            exact = np.asarray(x) @ np.asarray(fp8_matmul_reference(jnp.eye(256, dtype=jnp.float32), q.qweight, q.scale))
+            np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
+    assert calls == ([3] if path == "kernel" else [])
