@@ -26,7 +26,7 @@ GROUP = 128
 
 def _fusions(compiled_text: str) -> dict:
     """What the compiled program runs: Triton GEMM fusions, cuBLAS calls, other fusions."""
-    return {"triton_gemm": len(re.findall(r'"kind":"__triton_gemm"|__triton_gemm', compiled_text)),
+    return {"triton_gemm": len(re.findall(r'"kind":"__triton[a-z_]*"', compiled_text)),
             "cublas": len(re.findall(r'custom_call_target="__cublas', compiled_text)),
             "fusions": len(re.findall(r"\bfusion\(", compiled_text))}
 
@@ -47,7 +47,7 @@ def per_call(fn, x, ws, repeats: int = 7) -> tuple[float, str]:
     return float(np.median(times)) / len(ws), run.lower(x, ws).compile().as_text()
 
 
-def probe(rows_list: tuple[int, ...]) -> dict:
+def probe(rows_list: tuple[int, ...], only: tuple[str, ...] = ()) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -85,6 +85,12 @@ def probe(rows_list: tuple[int, ...]) -> dict:
         def dot(x, w):
             return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
+        def grouped3(x, w, s, z=None):  # w [G, GROUP, N] narrow: the group scale broadcast along a
+            v = w.astype(bf)  # dimension of its own, and the dot contracting (G, GROUP) with no reshape
+            v = v - z[:, None, :] if z is not None else v
+            return jax.lax.dot_general(x.reshape(x.shape[0], g, GROUP), v * s[:, None, :],
+                                       (((1, 2), (0, 1)), ((), ())), preferred_element_type=jnp.float32)
+
         def grouped(w, s, z=None):  # [K, N] narrow -> bf16 weight with group scales (and zeros)
             v = w.astype(bf).reshape(g, GROUP, n)
             v = v - z[:, None, :] if z is not None else v
@@ -96,6 +102,13 @@ def probe(rows_list: tuple[int, ...]) -> dict:
             "xla_s4_g128": (lambda x, w: dot(x, grouped(w[0], w[1])).astype(bf), list(zip(s4, gs)), i4_bytes),
             "xla_s4_g128_zero": (lambda x, w: dot(x, grouped(w[0], w[1], w[2])).astype(bf),
                                  list(zip(s4, gs, gz)), i4_bytes + g * n * 2),
+            "xla_s4_g128_3d": (lambda x, w: grouped3(x, w[0], w[1]).astype(bf),
+                               [(w.reshape(g, GROUP, n), sc) for w, sc in zip(s4, gs)], i4_bytes),
+            "xla_s4_g128_3d_zero": (lambda x, w: grouped3(x, w[0], w[1], w[2]).astype(bf),
+                                    [(w.reshape(g, GROUP, n), sc, z) for w, sc, z in zip(s4, gs, gz)],
+                                    i4_bytes + g * n * 2),
+            "xla_s8_g128_3d": (lambda x, w: grouped3(x, w[0], w[1]).astype(bf),
+                               [(w.reshape(g, GROUP, n), sc) for w, sc in zip(s8, gs)], i8_bytes),
             "xla_s8_channel": (lambda x, w: (dot(x, w.astype(bf)) * cs).astype(bf), s8, k * n),
             "xla_s8_g128": (lambda x, w: dot(x, grouped(w[0], w[1])).astype(bf), list(zip(s8, gs)), i8_bytes),
             "xla_f8_kn": (lambda x, w: (dot(x, w.astype(bf)) * fs).astype(bf), f8_kn, k * n),
@@ -112,6 +125,8 @@ def probe(rows_list: tuple[int, ...]) -> dict:
             x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.float32).astype(bf)
             cells: dict = {}
             for label, (fn, ws, nbytes) in variants.items():
+                if only and label not in only:
+                    continue
                 try:
                     t, text = per_call(fn, x, ws)
                     cells[label] = {"us": 1e6 * t, "weight_GBps": nbytes / t / 1e9, **_fusions(text)}
@@ -136,8 +151,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rows", default="1,16,64,256")
+    ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     args = ap.parse_args()
-    res = probe(tuple(int(r) for r in args.rows.split(",")))
+    res = probe(tuple(int(r) for r in args.rows.split(",")), tuple(v for v in args.only.split(",") if v))
     import jax
 
     res["device"] = str(jax.devices()[0].device_kind)
@@ -145,7 +161,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "xla_narrow.json"), "w") as f:
         json.dump(res, f, indent=1)
-    labels = [lab for lab in res["gate_up"]["rows_16"]]
+    labels = list(next(v for k, v in res["gate_up"].items() if k.startswith("rows_")))
     print("\n| shape | rows | " + " | ".join(labels) + " |")
     print("|---|---|" + "---|" * len(labels))
     for name in SHAPES:
