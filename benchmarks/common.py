@@ -46,6 +46,10 @@ def environment() -> dict[str, object]:
         "backend": jax.default_backend(), "device_kind": dev.device_kind, "num_devices": len(jax.devices()),
         "host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
         "jax": jax.__version__, "jaxengine": getattr(jaxengine, "__version__", "unknown"),
+        # the GPU allocator and XLA flags the figures ran under (the engine picks the VMM allocator
+        # and SKIP_TEMP command buffers on one GPU: jaxengine/device_memory.choose_launch_allocator)
+        "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     try:
         import jaxlib
