@@ -47,11 +47,12 @@ def per_call(fn, x, ws, repeats: int = 7) -> tuple[float, str]:
     return float(np.median(times)) / len(ws), run.lower(x, ws).compile().as_text()
 
 
-def probe(rows_list: tuple[int, ...], only: tuple[str, ...] = ()) -> dict:
+def probe(rows_list: tuple[int, ...], only: tuple[str, ...] = (), hlo_dir: str | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
     from jaxengine.benchmarks import ceilings
+    from jaxengine.models.quantization import fp8_matmul_w8a8
     from jaxengine.pallas_kernels import fp8_matmul_gpu as fk
     from jaxengine.pallas_kernels import weight_only_matmul_gpu as wk
 
@@ -119,6 +120,7 @@ def probe(rows_list: tuple[int, ...], only: tuple[str, ...] = ()) -> dict:
                                                                      slabs=True),
                                   list(zip(packed, gs)), i4_bytes),
             "pallas_fp8": (lambda x, w: fk.fp8_weight_matmul(x, w, fs), f8_nk, k * n),
+            "w8a8": (lambda x, w: fp8_matmul_w8a8(x, w, fs, None), f8_nk, k * n),
         }
         shape_res: dict = {"K": k, "N": n, "layers_in_stack": layers}
         for rows in rows_list:
@@ -130,6 +132,10 @@ def probe(rows_list: tuple[int, ...], only: tuple[str, ...] = ()) -> dict:
                 try:
                     t, text = per_call(fn, x, ws)
                     cells[label] = {"us": 1e6 * t, "weight_GBps": nbytes / t / 1e9, **_fusions(text)}
+                    if hlo_dir:  # the optimized program of one call, to read what XLA made of it
+                        one = jax.jit(fn).lower(x, ws[0]).compile().as_text()
+                        with open(os.path.join(hlo_dir, f"{name}_{rows}_{label}.hlo.txt"), "w") as f:
+                            f.write(one)
                 except Exception as e:  # recorded; the other variants still run
                     cells[label] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
             shape_res[f"rows_{rows}"] = cells
@@ -152,8 +158,13 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rows", default="1,16,64,256")
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--hlo", action="store_true", help="also write each variant's optimized HLO under "
+                    "OUT/hlo (tar it: the device returns at most 8 files)")
     args = ap.parse_args()
-    res = probe(tuple(int(r) for r in args.rows.split(",")), tuple(v for v in args.only.split(",") if v))
+    hlo_dir = os.path.join(args.out, "hlo") if args.hlo else None
+    if hlo_dir:
+        os.makedirs(hlo_dir, exist_ok=True)
+    res = probe(tuple(int(r) for r in args.rows.split(",")), tuple(v for v in args.only.split(",") if v), hlo_dir)
     import jax
 
     res["device"] = str(jax.devices()[0].device_kind)
