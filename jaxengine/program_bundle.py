@@ -3,9 +3,9 @@ nor compiles.
 
 A start computes a key from everything that shapes its programs: jax and jaxlib versions, the
 backend, device kind and count, XLA_FLAGS and every other JAX_ / XLA_ variable, x64 and matmul
-precision, a hash of the engine's own source (jaxengine, its models and kernels), the derived
-engine config (buckets follow from it: max_num_batched_tokens, max_num_seqs, max_model_len,
-block_size, ...), the model config, the dtype, the parameter tree (paths, shapes, dtypes,
+precision, a hash of the engine's own source (jaxengine, its models and kernels) and the values of
+its code-path constants (`SWITCH_MODULES`), the derived engine config (buckets follow from it:
+max_num_batched_tokens, max_num_seqs, max_model_len, block_size, ...), the model config, the dtype, the parameter tree (paths, shapes, dtypes,
 placement), the tensor-parallel mesh and the attention backend. Under
 `<compilation_cache_dir>/bundles/`:
 
@@ -27,6 +27,7 @@ import dataclasses
 import contextlib
 import functools
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -71,6 +72,22 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
+# Modules whose upper-case constants choose code paths while the model traces (which kernel a
+# quantized linear runs, row thresholds, XLA options per program). Their values join the key, so a
+# constant set at run time (a laboratory patch) never reuses programs built under another value.
+SWITCH_MODULES = ("jaxengine.models.quantization", "jaxengine.xla_options")
+
+
+def switch_values() -> dict[str, str]:
+    """The current values of SWITCH_MODULES' upper-case scalar constants, by qualified name."""
+    out = {}
+    for name in SWITCH_MODULES:
+        for attr, value in sorted(vars(importlib.import_module(name)).items()):
+            if attr.isupper() and isinstance(value, (bool, int, float, str, tuple)):
+                out[f"{name}.{attr}"] = repr(value)
+    return out
+
+
 def bundle_key_fields(config, model_config, dtype, attention, plan, state) -> dict[str, object]:
     """Everything the start's programs depend on, as JSON-safe values (see the module docstring)."""
     import jaxlib
@@ -85,7 +102,7 @@ def bundle_key_fields(config, model_config, dtype, attention, plan, state) -> di
         "format": BUNDLE_FORMAT, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "backend": jax.default_backend(), "platform_version": getattr(dev.client, "platform_version", ""),
         "device_kind": dev.device_kind, "device_count": jax.device_count(), "process_count": jax.process_count(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_hash(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_hash(), "switches": switch_values(),
         # JAX's settings that change what a trace produces (also when set from the environment)
         "jax_env": sorted((k, v) for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_"))),
         "x64": bool(jax.config.jax_enable_x64), "matmul_precision": str(jax.config.jax_default_matmul_precision),

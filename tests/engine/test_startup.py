@@ -109,6 +109,21 @@ def test_changed_config_and_corrupt_bundle_are_rebuilt(tiny_model_factory, tmp_p
     assert (healed.llm_engine.runner.bundle.loaded, healed.llm_engine.runner.bundle.refused) == (saved, 0)
 
 
+def test_bundle_key_holds_the_code_path_constants(monkeypatch):
+    """A code-path constant changed at run time (which kernel fp8 decode rows run, the Triton GEMM
+    threshold) changes the bundle key's fields, so no program built under the other value is reused."""
+    from jaxengine import program_bundle, xla_options
+    from jaxengine.models import quantization
+
+    before = program_bundle.switch_values()
+    assert before["jaxengine.models.quantization.FP8_DECODE"] == repr(quantization.FP8_DECODE)
+    monkeypatch.setattr(quantization, "FP8_DECODE", "kernel" if quantization.FP8_DECODE == "xla" else "xla")
+    monkeypatch.setattr(xla_options, "TRITON_GEMM_MAX_ROWS", xla_options.TRITON_GEMM_MAX_ROWS * 2)
+    after = program_bundle.switch_values()
+    assert {k for k in before if before[k] != after[k]} == {"jaxengine.models.quantization.FP8_DECODE",
+                                                           "jaxengine.xla_options.TRITON_GEMM_MAX_ROWS"}
+
+
 def test_device_pool_is_sized_to_gpu_memory_utilization(monkeypatch):
     """vLLM's gpu_memory_utilization is a share of the card: the pool JAX reserves is sized to it
     before the backend starts, unless the user set its fraction; the budget stays within the pool."""
