@@ -64,9 +64,10 @@ def choose_launch_allocator(tensor_parallel_size: int) -> bool:
     place and SKIP_TEMP skips those updates: the launch of a small model's step is shorter (the
     SmolLM2-135M shape's throughput higher in every same-machine comparison), a weight-only
     quantized model's decode step loses about 3 ms of device time that the default allocator's
-    command-buffer updates cost it, and a large dense model's figures do not move (docs/design.md, "The launch of a
-    step"). That allocator reports no memory statistics, so the KV cache is then sized through
-    NVML (`free_for_kv_and_step`): without `pynvml` nothing is changed.
+    command-buffer updates cost it, and a large dense model's figures do not move
+    (docs/design.md, "The launch of a step"). That allocator reports no memory statistics, so
+    the KV cache is then sized through NVML (`free_for_kv_and_step`): without `pynvml` nothing
+    is changed.
 
     Left as it is where the user chose (XLA_PYTHON_CLIENT_ALLOCATOR set, any command-buffer update
     mode in XLA_FLAGS), without a CUDA plugin, on several devices (NCCL with the VMM allocator is

@@ -5,8 +5,9 @@ A start computes a key from everything that shapes its programs: jax and jaxlib 
 backend, device kind and count, XLA_FLAGS and every other JAX_ / XLA_ variable, x64 and matmul
 precision, a hash of the engine's own source (jaxengine, its models and kernels) and the values of
 its code-path constants (`SWITCH_MODULES`), the derived engine config (buckets follow from it:
-max_num_batched_tokens, max_num_seqs, max_model_len, block_size, ...), the model config, the dtype, the parameter tree (paths, shapes, dtypes,
-placement), the tensor-parallel mesh and the attention backend. Under
+max_num_batched_tokens, max_num_seqs, max_model_len, block_size, ...), the model config, the
+dtype, the parameter tree (paths, shapes, dtypes, placement), the tensor-parallel mesh and the
+attention backend. Under
 `<compilation_cache_dir>/bundles/`:
 
 - `sizing-<key>.json` keeps the KV-cache size that start chose, so a later start skips the
