@@ -17,9 +17,13 @@ float32 equals gguf-py's `dequantize` bit for bit (tests/models/test_gguf_blocks
 | Q4_K | 4 | 32 (8 per super-block of 256) | float: dmin * m |
 | Q5_K | 8 (5 used) | 32 | float: dmin * m |
 | Q6_K | 8 (6 used) | 16 (16 per super-block) | 32 |
+| Q3_K | 4 (3 used) | 16 (16 per super-block) | 4 |
+| Q2_K | 4 (2 used) | 16 (16 per super-block) | float: dmin * m |
 
 The 5- and 6-bit types are kept in 8-bit words (the packing is along int32 words of 32 / bits
-values): half of bf16's bytes rather than their own 5.5-6.6 bits. A K-quant super-block's scale
+values): half of bf16's bytes rather than their own 5.5-6.6 bits; the 2- and 3-bit K-quants in
+4-bit words, with a scale and a zero (or minimum) per 16 values in the activations' dtype: about
+6 bits a weight rather than their own 2.6-3.4, and 16 dequantized. A K-quant super-block's scale
 is d * sc (f16 times a 6- or 8-bit integer: exact in float32), its minimum dmin * m.
 """
 
@@ -132,6 +136,33 @@ def _q6_k(b):
     return q.reshape(n, QK_K), d[:, None] * sc.astype(np.float32), np.full((n, QK_K // 16), 32, np.uint8)
 
 
+def _k_pairs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K: [n, 64] bytes -> [n, 256] two-bit values. Each half of a super-block is 32
+    bytes; its 128 values are the bytes' bit pairs 0-1, 2-3, 4-5 and 6-7 in turn, 32 at a time."""
+    q = qs.reshape(len(qs), 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    return (q & 0x03).reshape(len(qs), QK_K)
+
+
+def _q2_k(b):
+    sc, d, dmin = b[:, :16], _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    return _k_pairs(b[:, 16:80]), d[:, None] * (sc & 0x0F).astype(np.float32), \
+        dmin[:, None] * (sc >> 4).astype(np.float32)
+
+
+def _q3_k(b):
+    """Values: the two low bits from `qs`, the third from `hmask` (bit j of byte l is value
+    32 j + l), so v - 4 is ggml's signed value. Scales: 16 six-bit values, low nibbles in bytes
+    0-7 (scales 0-7 then 8-15), top bit pairs in bytes 8-11 (scales 0-3 in pairs 0-1, 4-7 in
+    pairs 2-3, ...), offset by 32."""
+    n = len(b)
+    hmask, qs, sc, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
+    high = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    low = (sc[:, :8].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0x0F
+    top = (sc[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)) & 0x03
+    scales = (low.reshape(n, 16) | (top.reshape(n, 16) << 4)).astype(np.float32) - 32
+    return _k_pairs(qs) | (high.reshape(n, QK_K) << 2), d[:, None] * scales, np.full((n, QK_K // 16), 4, np.uint8)
+
+
 class _Type(NamedTuple):
     per_block: int  # values per block
     nbytes: int  # bytes per block
@@ -150,6 +181,8 @@ _TYPES = {name: _Type(*spec) for name, spec in {
     "Q4_K": (QK_K, 144, 32, 4, True, _q4_k),
     "Q5_K": (QK_K, 176, 32, 8, True, _q5_k),
     "Q6_K": (QK_K, 210, 16, 8, False, _q6_k),
+    "Q3_K": (QK_K, 110, 16, 4, False, _q3_k),
+    "Q2_K": (QK_K, 84, 16, 4, True, _q2_k),
 }.items()}
 KEPT_TYPES = tuple(_TYPES)
 

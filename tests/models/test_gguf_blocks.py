@@ -29,7 +29,7 @@ from tests.model_harness import PagedRunner
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 48
 # where each type's float16 scale fields sit in its block (bytes), for random blocks
 _F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,)}
+               "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}
 
 
 def _random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int, scale: float = 0.05) -> np.ndarray:
@@ -50,14 +50,15 @@ def test_blocks_dequantize_bit_for_bit(name):
     b = gguf_blocks.unpack(name, raw, rows, cols)
     want = dequantize(raw, Q[name]).reshape(rows, cols)
     np.testing.assert_array_equal(b.dequantize(), want)
-    assert b.values.max() < 1 << {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(name, b.bits)
+    used = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}.get(name, b.bits)
+    assert b.values.max() == (1 << used) - 1  # random blocks use every value
     assert b.scales.shape == b.zeros.shape == (rows, cols // b.group_size)
-    assert gguf_blocks.form(name) == (b.bits, b.group_size, b.float_min) and gguf_blocks.form("Q2_K") is None
+    assert gguf_blocks.form(name) == (b.bits, b.group_size, b.float_min) and gguf_blocks.form("IQ2_XS") is None
 
 
 def test_unpack_refuses_other_types_and_sizes():
-    with pytest.raises(ValueError, match="Q2_K cannot be kept quantized"):
-        gguf_blocks.unpack("Q2_K", np.zeros(84, np.uint8), 1, 256)
+    with pytest.raises(ValueError, match="IQ2_XS cannot be kept quantized"):
+        gguf_blocks.unpack("IQ2_XS", np.zeros(74, np.uint8), 1, 256)
     with pytest.raises(ValueError, match="do not hold"):
         gguf_blocks.unpack("Q4_K", np.zeros(100, np.uint8), 1, 256)
 
@@ -107,6 +108,11 @@ def _write(path: Path, types: dict[str, str]) -> None:
       "blk.0.ffn_up": "Q8_0", "blk.0.ffn_down": "Q4_0"}, True,
      {"q_proj": (4, 32, True), "k_proj": (4, 32, True), "v_proj": (8, 16, False), "o_proj": None,
       "gate_proj": (4, 32, True), "up_proj": (8, 32, False), "down_proj": (4, 32, False)}),
+    # a Q2_K / Q3_K mix (Q2_K_S-like): 2- and 3-bit values in 4-bit words, groups of 16
+    ({"blk.0.attn_q": "Q2_K", "blk.0.attn_k": "Q2_K", "blk.0.attn_v": "Q3_K", "blk.0.attn_output": "Q3_K",
+      "blk.0.ffn_gate": "Q2_K", "blk.0.ffn_up": "Q2_K", "blk.0.ffn_down": "Q3_K"}, True,
+     {"q_proj": (4, 16, True), "k_proj": (4, 16, True), "v_proj": (4, 16, False), "o_proj": (4, 16, False),
+      "gate_proj": (4, 16, True), "up_proj": (4, 16, True), "down_proj": (4, 16, False)}),
 ])
 def test_tiny_llama_kept_quantized_equals_dequantized(tmp_path, types, split, forms):
     """quantization="gguf" keeps every linear of a kept type as a PackedWeight in its type's form
