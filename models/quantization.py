@@ -155,6 +155,7 @@ def fp8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: 
     `fp8_matmul_w8a8`."""
     if jax.default_backend() == "gpu" and x.shape[0] <= FP8_KERNEL_MAX_ROWS and FP8_DECODE == "xla":
         y = jax.lax.dot_general(x, qweight.astype(x.dtype), (((1,), (1,)), ((), ())),
+                                precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,
                                 preferred_element_type=jnp.float32)
         return (y * scale[None, :].astype(jnp.float32)).astype(x.dtype)
     if jax.default_backend() == "gpu" and x.shape[0] <= FP8_KERNEL_MAX_ROWS and \
