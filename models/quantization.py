@@ -153,15 +153,15 @@ def fp8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: 
     on GPU, for at most FP8_KERNEL_MAX_ROWS rows, the weight converted to x's dtype (the
     activations stay in theirs) by XLA's fused convert or the fp8-weight kernel (FP8_DECODE), else
     `fp8_matmul_w8a8`."""
-    if jax.default_backend() == "gpu" and x.shape[0] <= FP8_KERNEL_MAX_ROWS and FP8_DECODE == "xla":
-        y = jax.lax.dot_general(x, qweight.astype(x.dtype), (((1,), (1,)), ((), ())),
-                                precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,
-                                preferred_element_type=jnp.float32)
-        return (y * scale[None, :].astype(jnp.float32)).astype(x.dtype)
-    if jax.default_backend() == "gpu" and x.shape[0] <= FP8_KERNEL_MAX_ROWS and \
-            fp8_kernel.supported(x.shape[0], x.shape[1], qweight.shape[0]):
-        # narrow outputs (o_proj, down_proj): 8 warps measured 7-15% faster at 16 rows
-        return fp8_kernel.fp8_weight_matmul(x, qweight, scale, num_warps=8 if qweight.shape[0] <= 4096 else 4)
+    if jax.default_backend() == "gpu" and x.shape[0] <= FP8_KERNEL_MAX_ROWS:
+        if FP8_DECODE == "xla":
+            y = jax.lax.dot_general(x, qweight.astype(x.dtype), (((1,), (1,)), ((), ())),
+                                    precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,
+                                    preferred_element_type=jnp.float32)
+            return (y * scale[None, :].astype(jnp.float32)).astype(x.dtype)
+        if fp8_kernel.supported(x.shape[0], x.shape[1], qweight.shape[0]):
+            # narrow outputs (o_proj, down_proj): 8 warps measured 7-15% faster at 16 rows
+            return fp8_kernel.fp8_weight_matmul(x, qweight, scale, num_warps=8 if qweight.shape[0] <= 4096 else 4)
     return fp8_matmul_w8a8(x, qweight, scale, input_scale)
 
 

@@ -21,6 +21,8 @@ import statistics
 import subprocess
 import sys
 
+from jaxengine.device_memory import STABLE_TEMP_FLAG
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 VMM = {"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm"}
 JAX_ALLOCATOR = {"XLA_PYTHON_CLIENT_ALLOCATOR": "default"}  # the engine then leaves JAX's allocator alone
@@ -28,8 +30,8 @@ VARIANTS = {  # name -> (extra environment, XLA_FLAGS added)
     "engine_default": ({}, ""),  # since device_memory.choose_launch_allocator: VMM + SKIP_TEMP on one GPU
     "jax_allocator": (JAX_ALLOCATOR, ""),  # the engine's default before that
     "triton_gemm": (JAX_ALLOCATOR, "--xla_gpu_enable_triton_gemm=true"),
-    "vmm_skip_temp": (VMM, "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"),
-    "vmm_skip_temp_triton": (VMM, "--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_enable_triton_gemm=true"),
+    "vmm_skip_temp": (VMM, STABLE_TEMP_FLAG),
+    "vmm_skip_temp_triton": (VMM, f"{STABLE_TEMP_FLAG} --xla_gpu_enable_triton_gemm=true"),
 }
 RUN = re.compile(r"run (\d+): start ([\d.]+) s, (\d+) output tok/s, step ([\d.]+) ms, device wait ([\d.]+) ms")
 CALL = re.compile(r"run (\d+): (\S+ \S+) call ms p10/p50/p90 ([\d.]+) / ([\d.]+) / ([\d.]+) \((\d+) calls\)")

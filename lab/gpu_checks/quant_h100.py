@@ -35,6 +35,8 @@ import time
 
 import numpy as np
 
+from jaxengine.device_memory import STABLE_TEMP_FLAG
+
 # engine part -> (quantization, kv_cache_dtype)
 ENGINES = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "w4a16": ("gptq", "auto"), "fp8kv": (None, "fp8"),
            "gguf": ("gguf", "auto"), "w4a16_slabs": ("gptq", "auto"), "w4a16_slabs_vmm": ("gptq", "auto"),
@@ -45,7 +47,7 @@ PATCHES = {"w4a16": {"SLABS": False}, "gguf": {"SLABS": False}, "w4a16_slabs": {
            "w4a16_slabs_vmm": {"SLABS": True}, "gguf_slabs": {"SLABS": True}, "gguf_slabs_vmm": {"SLABS": True}}
 # engine part -> environment of its process: XLA's command buffers updated only where buffers moved
 # (docs/design.md, "The launch of a step")
-_VMM = {"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm", "XLA_FLAGS": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"}
+_VMM = {"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm", "XLA_FLAGS": STABLE_TEMP_FLAG}
 ENVS = {"w4a16_slabs_vmm": _VMM, "gguf_slabs_vmm": _VMM, "bf16_vmm": _VMM}
 TIME_LIMIT_S = {"micro": 170, "micro_fp8": 150, "bf16": 150, "fp8": 200, "w4a16": 110, "fp8kv": 130,
                 "gguf": 110, "w4a16_slabs": 110,
