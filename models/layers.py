@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxengine.models.config import ModelConfig, RopeScaling
 from jaxengine.models.lora import LoRALayer
-from jaxengine.models.quantization import qeinsum
+from jaxengine.models.quantization import gated_mlp_fp8, qeinsum
 
 
 class RMSNorm(nnx.Module):
@@ -184,10 +184,15 @@ class MLP(nnx.Module):
             self.up_proj = nnx.Param(init(rngs.params(), (d, f), dtype))  # DF
         self.down_proj = nnx.Param(init(rngs.params(), (f, d), dtype))  # FD
         self.act = activation(cfg.hidden_act, cfg.architecture)
+        self.act_name = cfg.hidden_act
 
     def __call__(self, x: jax.Array, lora: LoRALayer | None = None) -> jax.Array:
         """x [T, D] -> [T, D]; `lora`: the gate / up / down adapters' deltas are added."""
         if self.fused:
+            if lora is None:  # fp8 weights may take the activation fused with its quantization
+                out = gated_mlp_fp8(x, self.gate_up_proj[...], self.down_proj[...], self.act_name)
+                if out is not None:
+                    return out
             gate, up = jnp.split(qeinsum("TD,DF->TF", x, self.gate_up_proj[...]), 2, axis=-1)
         else:
             gate = qeinsum("TD,DF->TF", x, self.gate_proj[...])

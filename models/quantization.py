@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.pallas_kernels import act_quant_gpu as act_quant_kernel
 from jaxengine.pallas_kernels import fp8_matmul_gpu as fp8_kernel
 from jaxengine.pallas_kernels import weight_only_matmul_gpu as kernel
 from jaxengine.pallas_kernels.weight_only_matmul_gpu import dequantize_packed, unpack_rows  # noqa: F401
@@ -165,21 +166,80 @@ def fp8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: 
     return fp8_matmul_w8a8(x, qweight, scale, input_scale)
 
 
+# The type the W8A8 GEMM writes on GPU before the two scales are applied: "input", x's own type
+# when it is 16-bit (cuBLASLt accumulates in float32 and rounds once on the way out), or
+# "float32". A per-row activation scale and a per-channel weight scale cannot ride in cuBLASLt's
+# scalar scales, so the [T, N] product is written, then read by the fusion that scales it: in
+# float32 that pass doubles the traffic of the product (at 2,048 tokens the Llama-3-8B shape's
+# gate/up product is 235 MB a layer).
+FP8_GEMM_OUT = "input"
+# Whether x is written once before its dynamic per-row scale is taken (GPU only): the row maximum
+# and the e4m3 convert are two passes over x, and without a barrier XLA fuses x's producer into
+# both, so a producer that reads more than it writes (the MLP's activation, reading the
+# [T, 2 x intermediate] gate/up product to make [T, intermediate]) runs twice.
+FP8_MATERIALIZE_INPUT = True
+
+
 def fp8_matmul_w8a8(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: jax.Array | None) -> jax.Array:
     """x [T, K] (any float) @ dequant(qweight [N, K] e4m3, scale [N]).T -> [T, N] in x's dtype.
 
-    Activations are quantized to e4m3 per row (absmax / 448), or with the static `input_scale`;
-    the product of two e4m3 operands accumulates in float32 (on Hopper XLA emits cuBLASLt's FP8
-    GEMM; on CPU it converts the operands and runs a float32 dot), then both scales are applied.
+    Activations are quantized to e4m3 per row (absmax / 448), or with the static `input_scale`
+    (`fp8_quantize_rows`), then meet the weight in `fp8_gemm`.
     """
+    xq, xs = fp8_quantize_rows(x, input_scale)
+    return fp8_gemm(xq, xs, qweight, scale, x.dtype)
+
+
+def fp8_quantize_rows(x: jax.Array, input_scale: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] -> (e4m3 [T, K], float32 scale [T, 1] or [1, 1]): per-row absmax / 448, or the
+    static `input_scale`."""
+    if input_scale is None and FP8_MATERIALIZE_INPUT and jax.default_backend() == "gpu":
+        x = jax.lax.optimization_barrier(x)
     xf = x.astype(jnp.float32)
     if input_scale is None:
         xs = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True) / FP8_MAX, 1e-12)  # [T, 1]
     else:
         xs = jnp.broadcast_to(input_scale.astype(jnp.float32), (1, 1))
-    xq = jnp.clip(xf / xs, -FP8_MAX, FP8_MAX).astype(FP8)
-    y = jax.lax.dot_general(xq, qweight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (y * xs * scale[None, :]).astype(x.dtype)
+    return jnp.clip(xf / xs, -FP8_MAX, FP8_MAX).astype(FP8), xs
+
+
+def fp8_gemm(xq: jax.Array, xs: jax.Array, qweight: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """e4m3 xq [T, K] with row scales xs [T, 1] (or [1, 1]) @ (qweight [N, K] * scale [N]).T ->
+    [T, N] in out_dtype. The product accumulates in float32 (on Hopper XLA emits cuBLASLt's FP8
+    GEMM; on CPU it converts the operands and runs a float32 dot), is written in float32 or, on
+    GPU, in a 16-bit out_dtype (FP8_GEMM_OUT), then both scales are applied in float32."""
+    narrow_out = (FP8_GEMM_OUT == "input" and jax.default_backend() == "gpu"
+                  and jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16))
+    y = jax.lax.dot_general(xq, qweight, (((1,), (1,)), ((), ())),
+                            preferred_element_type=out_dtype if narrow_out else jnp.float32)
+    return (y.astype(jnp.float32) * xs * scale[None, :]).astype(out_dtype)
+
+
+# Whether, on GPU, the gated MLP's SiLU, its product with up and the e4m3 quantization of the
+# result run as one Pallas kernel (pallas_kernels/act_quant_gpu.py) where the down projection is
+# W8A8 with dynamic activation scales; otherwise XLA makes three passes over the activation.
+FP8_FUSED_ACT_QUANT = True
+
+
+def gated_mlp_fp8(x: jax.Array, gate_up: object, down: object, act_name: str) -> jax.Array | None:
+    """down(silu(gate(x)) * up(x)) with the fused gate/up weight [2F, D] and the down weight
+    through the fused activation kernel: x quantized per row, the gate/up FP8 GEMM's unscaled
+    product handed to the kernel with both scales, its e4m3 output and row scales into the down
+    GEMM. None where that path does not apply (not a GPU, another activation, weights that are
+    not dynamic-scale fp8, a decode call of at most FP8_KERNEL_MAX_ROWS rows, a shape the kernel
+    does not take): the caller then computes the MLP unfused."""
+    t = x.shape[0]
+    if not (FP8_FUSED_ACT_QUANT and jax.default_backend() == "gpu" and act_name in ("silu", "swish")
+            and t > FP8_KERNEL_MAX_ROWS and all(isinstance(w, Fp8Weight) and not w.static_input
+                                                for w in (gate_up, down))):
+        return None
+    f2 = gate_up.qweight.shape[0]
+    if down.qweight.shape[1] * 2 != f2 or not act_quant_kernel.supported(t, f2 // 2):
+        return None
+    xq, xs = fp8_quantize_rows(x, None)
+    y = jax.lax.dot_general(xq, gate_up.qweight, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+    hq, hs = act_quant_kernel.silu_mul_quant(y, xs[:, 0], gate_up.scale)
+    return fp8_gemm(hq, hs[:, None], down.qweight, down.scale, x.dtype)
 
 
 # Rows up to which the weight-only kernel runs; above, the weight is dequantized in the graph and

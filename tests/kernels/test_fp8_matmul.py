@@ -81,3 +81,21 @@ def test_fp8_linear_paths_on_gpu(monkeypatch, path):
             exact = np.asarray(x) @ np.asarray(fp8_matmul_reference(jnp.eye(256, dtype=jnp.float32), q.qweight, q.scale))
             np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
     assert calls == ([3] if path == "kernel" else [])
+
+
+@pytest.mark.parametrize("gemm_out,want_type", [("input", "bf16"), ("float32", "f32")])
+def test_w8a8_gemm_output_type_on_gpu(monkeypatch, gemm_out, want_type):
+    """On GPU the W8A8 GEMM writes bf16 activations' product in bf16 (FP8_GEMM_OUT="input", the
+    default) or float32, behind an optimization barrier on x; both close to the exact product."""
+    from jaxengine.models import quantization as qz
+
+    monkeypatch.setattr(qz.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(qz, "FP8_GEMM_OUT", gemm_out)
+    w, q = _weight(128, 256, seed=7)
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(32, 256)), jnp.bfloat16)
+    jaxpr = str(jax.make_jaxpr(lambda a: qz.fp8_matmul(a, q.qweight, q.scale, None))(x))
+    assert f"preferred_element_type={'bfloat16' if want_type == 'bf16' else 'float32'}" in jaxpr
+    assert "optimization_barrier" in jaxpr
+    got = np.asarray(qz.fp8_matmul(x, q.qweight, q.scale, None).astype(jnp.float32))
+    want = np.asarray(x.astype(jnp.float32)) @ w
+    assert np.max(np.abs(got - want)) <= 0.08 * np.max(np.abs(want))
