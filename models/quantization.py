@@ -7,8 +7,10 @@ model's structure does not change:
 - `Fp8Weight`: float8_e4m3fn weights `[N, K]` (output-major, the layout the FP8 GEMM wants) with a
   float32 scale per output channel; activations are quantized per token (or with a static scale
   from the checkpoint) and the matmul is an e4m3 x e4m3 `dot_general` accumulating in float32;
-  on GPU, calls of a decode step's few rows keep bf16 activations and run the fp8-weight kernel
-  (pallas_kernels/fp8_matmul_gpu.py), which converts the weight in registers.
+  on GPU, calls of a decode step's few rows keep bf16 activations and meet the weight converted
+  inside the graph (or the fp8-weight kernel, pallas_kernels/fp8_matmul_gpu.py), and a gated
+  MLP's activation is quantized by the kernel that computes it (pallas_kernels/act_quant_gpu.py,
+  `gated_mlp_fp8`).
 - `PackedWeight`: weight-only 4- or 8-bit integers packed into int32 along the input axis
   (`[K / (32 / bits), N]`, value j of word i is input row i * (32 / bits) + j, lowest bits first),
   per-group scales and zeros `[K / group, N]`: unsigned integer zero points, weight = (value -
