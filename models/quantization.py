@@ -221,6 +221,10 @@ def fp8_gemm(xq: jax.Array, xs: jax.Array, qweight: jax.Array, scale: jax.Array,
 # result run as one Pallas kernel (pallas_kernels/act_quant_gpu.py) where the down projection is
 # W8A8 with dynamic activation scales; otherwise XLA makes three passes over the activation.
 FP8_FUSED_ACT_QUANT = True
+# Which form of that kernel runs: one pass holding each row in registers (False; the form timed on
+# the H100), or two passes over the row one tile at a time (True: fewer registers a program, so
+# more programs an SM; the same outputs, not yet timed in the engine).
+ACT_QUANT_TWO_PASS = False
 
 
 def gated_mlp_fp8(x: jax.Array, gate_up: object, down: object, act_name: str) -> jax.Array | None:
@@ -240,7 +244,7 @@ def gated_mlp_fp8(x: jax.Array, gate_up: object, down: object, act_name: str) ->
         return None
     xq, xs = fp8_quantize_rows(x, None)
     y = jax.lax.dot_general(xq, gate_up.qweight, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
-    hq, hs = act_quant_kernel.silu_mul_quant(y, xs[:, 0], gate_up.scale)
+    hq, hs = act_quant_kernel.silu_mul_quant(y, xs[:, 0], gate_up.scale, two_pass=ACT_QUANT_TWO_PASS)
     return fp8_gemm(hq, hs[:, None], down.qweight, down.scale, x.dtype)
 
 

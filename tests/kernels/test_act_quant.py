@@ -4,6 +4,8 @@ unquantized product and the unfused path."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,17 +19,18 @@ def _f32(a):
     return np.asarray(a.astype(jnp.float32))
 
 
+@pytest.mark.parametrize("two_pass", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("t,f,rows,scaled", [(4, 96, 1, False), (6, 64, 2, True), (3, 2048 * 2, 1, True)])
-def test_kernel_matches_reference(dtype, t, f, rows, scaled):
+def test_kernel_matches_reference(dtype, t, f, rows, scaled, two_pass):
     """Several register tiles a row (F = 96: three of 32), two rows a program, the product's row
-    and column scales applied on the read: the same e4m3 values and row scales as the jnp
-    reference."""
+    and column scales applied on the read, in either form (the row held, or read twice): the same
+    e4m3 values and row scales as the jnp reference."""
     rng = np.random.default_rng(t * f)
     gu = jnp.asarray(rng.normal(size=(t, 2 * f)) * (300.0 if scaled else 1.0), dtype)
     scales = ((jnp.asarray(rng.uniform(1e-3, 3e-3, t), jnp.float32),
                jnp.asarray(rng.uniform(1e-3, 3e-3, 2 * f), jnp.float32)) if scaled else ())
-    q, s = ak.silu_mul_quant(gu, *scales, rows=rows, interpret=True)
+    q, s = ak.silu_mul_quant(gu, *scales, rows=rows, two_pass=two_pass, interpret=True)
     qr, sr = ak.silu_mul_quant_reference(gu, *scales)
     assert q.dtype == jnp.float8_e4m3fn and q.shape == (t, f) and s.shape == (t,)
     np.testing.assert_allclose(np.asarray(s), np.asarray(sr), rtol=1e-6)
@@ -59,15 +62,16 @@ def test_tiles_and_refused_shapes():
         ak.silu_mul_quant(jnp.zeros((2, 128)), jnp.ones(3), jnp.ones(128), interpret=True)
 
 
-def test_kernel_lowers_for_an_h100():
-    """The whole-row register tiles, the e4m3 store and the scale vectors lower through Triton at
-    the Llama-3-8B shape's width."""
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_kernel_lowers_for_an_h100(two_pass):
+    """The whole-row register tiles (or the two loops over the row), the e4m3 store and the scale
+    vectors lower through Triton at the Llama-3-8B shape's width."""
     from tests.kernels.cuda_target import abstract_h100
 
     gu = jnp.zeros((256, 2 * 14336), jnp.bfloat16)
+    fn = functools.partial(ak.silu_mul_quant, two_pass=two_pass)
     with abstract_h100():
-        text = jax.jit(ak.silu_mul_quant).trace(gu, jnp.ones(256), jnp.ones(2 * 14336)).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(fn).trace(gu, jnp.ones(256), jnp.ones(2 * 14336)).lower(lowering_platforms=("cuda",)).as_text()
     assert "silu_mul_quant" in text
 
 
@@ -93,9 +97,9 @@ def test_gated_mlp_fp8_on_a_gpu_matches_the_unfused_path(monkeypatch):
     calls = []
     real = ak.silu_mul_quant
 
-    def fake_kernel(*args):
+    def fake_kernel(*args, two_pass):
         calls.append(args[0].shape)
-        return real(*args, interpret=True)
+        return real(*args, two_pass=two_pass, interpret=True)
 
     monkeypatch.setattr(qz.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(qz.act_quant_kernel, "silu_mul_quant", fake_kernel)
