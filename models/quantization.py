@@ -210,11 +210,15 @@ def fp8_gemm(xq: jax.Array, xs: jax.Array, qweight: jax.Array, scale: jax.Array,
     [T, N] in out_dtype. The product accumulates in float32 (on Hopper XLA emits cuBLASLt's FP8
     GEMM; on CPU it converts the operands and runs a float32 dot), is written in float32 or, on
     GPU, in a 16-bit out_dtype (FP8_GEMM_OUT), then both scales are applied in float32."""
-    narrow_out = (FP8_GEMM_OUT == "input" and jax.default_backend() == "gpu"
-                  and jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16))
-    y = jax.lax.dot_general(xq, qweight, (((1,), (1,)), ((), ())),
-                            preferred_element_type=out_dtype if narrow_out else jnp.float32)
+    y = jax.lax.dot_general(xq, qweight, (((1,), (1,)), ((), ())), preferred_element_type=_gemm_out(out_dtype))
     return (y.astype(jnp.float32) * xs * scale[None, :]).astype(out_dtype)
+
+
+def _gemm_out(dtype: jnp.dtype) -> jnp.dtype:
+    """The type an FP8 GEMM writes for activations of `dtype` (FP8_GEMM_OUT)."""
+    narrow = FP8_GEMM_OUT == "input" and jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16,
+                                                                                                 jnp.float16)
+    return dtype if narrow else jnp.float32
 
 
 # Whether, on GPU, the gated MLP's SiLU, its product with up and the e4m3 quantization of the
@@ -243,7 +247,7 @@ def gated_mlp_fp8(x: jax.Array, gate_up: object, down: object, act_name: str) ->
     if down.qweight.shape[1] * 2 != f2 or not act_quant_kernel.supported(t, f2 // 2):
         return None
     xq, xs = fp8_quantize_rows(x, None)
-    y = jax.lax.dot_general(xq, gate_up.qweight, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+    y = jax.lax.dot_general(xq, gate_up.qweight, (((1,), (1,)), ((), ())), preferred_element_type=_gemm_out(x.dtype))
     hq, hs = act_quant_kernel.silu_mul_quant(y, xs[:, 0], gate_up.scale, two_pass=ACT_QUANT_TWO_PASS)
     return fp8_gemm(hq, hs[:, None], down.qweight, down.scale, x.dtype)
 
