@@ -251,7 +251,7 @@ def _sample_padded(logits: jax.Array, packed_md: jax.Array, prev_tokens: jax.Arr
 def _decode_sample(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, packed_md: jax.Array, *,
                    layout: Layout, attention: AttentionBackend, md_layout: Layout, pad_to: int, truncate: bool):
     """A decode step's forward and its plain sampler as one program (FUSED_DECODE_SAMPLE): the
-    forward's outputs but the KV caches stay on the device inside it, and the step is one launch."""
+    logits never leave the program, and the step is one launch instead of two."""
     kv_caches, logits, _ = _forward(graphdef, state, kv_caches, packed, prev_tokens, layout=layout,
                                     attention=attention)
     out, tokens, nan_rows = _sample_padded(logits, packed_md, prev_tokens, layout=md_layout, use_processors=False,
