@@ -210,7 +210,7 @@ class DraftModel:
             tokens[i], positions[i], steps[i] = req.output_token_ids[-1], req.num_tokens - 1, n
             tables[i, :len(blocks)] = blocks
         inputs = ProposeInputs(tokens, positions, tables, steps, np.asarray([len(rows)], np.int32))
-        self.kv_caches, drafts = self._get_propose()(self.param_leaves, self.kv_caches, pack(inputs))
+        self.kv_caches, drafts = self._get_propose()(self.param_leaves, self.kv_caches, jax.device_put(pack(inputs)))
         drafts = np.asarray(jax.device_get(drafts))
         out = []
         for i, (req, n, _) in enumerate(rows):
@@ -238,6 +238,6 @@ class DraftModel:
             total = budget - left
             t = pick_bucket(self.token_buckets, total)
             inputs = self.builder.build(seqs, t, min(t, self.config.max_num_seqs))
-            self.kv_caches = self._get_catch_up(t)(self.param_leaves, self.kv_caches, pack(inputs))
+            self.kv_caches = self._get_catch_up(t)(self.param_leaves, self.kv_caches, jax.device_put(pack(inputs)))
             self.num_catch_up_tokens += total
             pending = [item for item in pending if item[1] < item[2]]

@@ -335,6 +335,12 @@ class ModelRunner:
         self.attention_impl = self.attention.description  # what runs (benchmarks record it)
         logger.info("attention: %s", self.attention_impl)
 
+    def _put(self, host: np.ndarray) -> jax.Array:
+        """A step's packed input (or sampling metadata), copied to the device before the
+        program's call: handed to a program of many arguments as numpy, the copy happens inside
+        the call, which then takes the host longer (lab/gpu_checks/launch_parts.py)."""
+        return jax.device_put(host, self._rep)
+
     # -- buckets ---------------------------------------------------------------------------
     def rows_for(self, t: int) -> int:
         return min(t, self.config.max_num_seqs)
@@ -619,10 +625,10 @@ class ModelRunner:
                 packed_md, truncate = sampling
                 step = self._get(self._decode_sample_fns, (t, bool(truncate)), self._lower_decode_sample,
                                  "decode step (token bucket, truncate)")
-                packed = self.builder.packed(t, r)
+                packed = self._put(self.builder.packed(t, r))
                 with self.launch_window():
                     self.kv_caches, sampler_out, tokens, nan_rows = step(self.param_leaves, self.kv_caches, packed,
-                                                                         prev_tokens, packed_md)
+                                                                         prev_tokens, self._put(packed_md))
                 return InFlight(sampler_out, len(seqs), None, tokens, seqs, nan_rows,
                                 row_ids=rows.ids if sched.all_sample else None)
         if lora_slots is None:  # the base model's program: steps without adapters pay nothing for LoRA
@@ -631,7 +637,7 @@ class ModelRunner:
             fwd = self._get(self._forward_lora_fns, t, lambda t_: self._lower_forward(t_, lora=True),
                             "LoRA token bucket")
             extra = (self.lora_layers,)
-        packed = self.builder.packed(t, r)
+        packed = self._put(self.builder.packed(t, r))
         with self.launch_window():
             self.kv_caches, logits, hidden = fwd(self.param_leaves, self.kv_caches, packed, prev_tokens, *extra)
         prompt_lp = None
@@ -640,7 +646,7 @@ class ModelRunner:
         if rows is None or self.batch.wants_prompt_logprobs(rows.slots):
             targets = prompt_logprob_targets(seqs, t)
         if targets is not None:
-            prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, targets)
+            prompt_lp = self._get_prompt_lp(t)(self.param_leaves, hidden, self._put(targets))
         pooled = None
         if self.pooling:
             # a copy: the builder reuses its buffers, and the CPU backend may read numpy memory late
@@ -671,7 +677,7 @@ class ModelRunner:
             packed_md = pack(md)
         sampler = self._get_sampler(r, processors, masked, truncate)
         with self.launch_window():
-            sampler_out, tokens, nan_rows = sampler(step.logits, packed_md, step.prev_tokens)
+            sampler_out, tokens, nan_rows = sampler(step.logits, self._put(packed_md), step.prev_tokens)
         return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, seqs, nan_rows, step.pooled,
                         row_ids=step.row_ids)
 
@@ -700,7 +706,7 @@ class ModelRunner:
                 num[i] = d
         spec = SpecInputs(positions, drafts, num)
         out, nan_rows = self._get(self._verify_fns, (t, bool(truncate)), self._lower_verify, "verify program")(
-            self.param_leaves, pending.hidden, pack(spec), pack(md))
+            self.param_leaves, pending.hidden, self._put(pack(spec)), self._put(pack(md)))
         return InFlight(out, len(seqs), pending.prompt_lp, self._no_prev, seqs, nan_rows, pending.pooled,
                         spec=True)
 
