@@ -66,10 +66,12 @@ def cmd_latency(args: argparse.Namespace) -> int:
     import jax
 
     from jaxengine.benchmarks.ceilings import copy_bandwidth
-    from jaxengine.device_memory import size_device_pool
+    from jaxengine.device_memory import choose_launch_allocator, size_device_pool
     from jaxengine.model_runner import kv_bytes_per_block
 
-    size_device_pool(args.gpu_memory_utilization)  # as the engine would: the ceiling below starts the backend
+    # as the engine would, before the ceiling below starts the backend (its pool and allocator)
+    size_device_pool(args.gpu_memory_utilization)
+    choose_launch_allocator(args.tensor_parallel_size)
     on_cpu = jax.default_backend() == "cpu"
     nbytes = args.bandwidth_bytes or ((256 << 20) if on_cpu else (2 << 30))
     bw = copy_bandwidth(nbytes)

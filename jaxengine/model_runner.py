@@ -248,25 +248,6 @@ def _sample_padded(logits: jax.Array, packed_md: jax.Array, prev_tokens: jax.Arr
     return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0])), nan_rows
 
 
-def _decode_sample(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, packed_md: jax.Array, *,
-                   layout: Layout, attention: AttentionBackend, md_layout: Layout, pad_to: int, truncate: bool):
-    """A decode step's forward and its plain sampler as one program (FUSED_DECODE_SAMPLE): the
-    logits never leave the program, and the step is one launch instead of two."""
-    kv_caches, logits, _ = _forward(graphdef, state, kv_caches, packed, prev_tokens, layout=layout,
-                                    attention=attention)
-    out, tokens, nan_rows = _sample_padded(logits, packed_md, prev_tokens, layout=md_layout, use_processors=False,
-                                           pad_to=pad_to, truncate=truncate)
-    return kv_caches, out, tokens, nan_rows
-
-
-# Whether a steady decode step (one token a row, no LoRA adapter, prompt logprobs, pooling,
-# structured-output bitmask or logits processors) runs its forward and sampler as one program
-# (`_decode_sample`, two per decode token bucket, with and without truncation) instead of two:
-# one launch a step instead of two, for models whose step the host's launches bound. Not yet
-# timed on a GPU.
-FUSED_DECODE_SAMPLE = False
-
-
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype, head_dim: int | None = None) -> int:
     """Bytes of one KV block over all layers; `head_dim`: the cache's head size where the
     attention backend pads it (AttentionBackend.kv_head_dim), else the model's."""
@@ -307,7 +288,6 @@ class ModelRunner:
         self._no_prev = jax.device_put(np.zeros((config.max_num_seqs,), np.int32), self._rep)
         self._forward_fns: dict[int, jax.stages.Compiled] = {}
         self._sample_fns: dict[tuple[int, bool, bool, bool | None], jax.stages.Compiled] = {}
-        self._decode_sample_fns: dict[tuple[int, bool], jax.stages.Compiled] = {}  # (token bucket, truncate)
         self.mask_words = -(-model_config.vocab_size // 32)  # width of the structured-output bitmask
         self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
         self._pool_fns: dict[int, jax.stages.Compiled] = {}
@@ -452,24 +432,6 @@ class ModelRunner:
         prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
         return fn.lower(logits, layout.abstract(self._rep), prev).compile
 
-    def decode_buckets(self) -> list[int]:
-        """The token buckets a step of one-token rows can land in (at most max_num_seqs rows)."""
-        top = pick_bucket(self.token_buckets, self.config.max_num_seqs)
-        return [t for t in self.token_buckets if t <= top]
-
-    def _lower_decode_sample(self, t: int, truncate: bool) -> Callable[[], jax.stages.Compiled]:
-        r = self.rows_for(t)
-        layout = Layout.of(abstract_inputs(t, r, self.config.max_blocks_per_seq))
-        md_layout = self._sampler_layout(r, False, False)
-        out = None if self._fwd_out is None else (self._fwd_out[0], self._rep, self._rep, self._rep)
-        fn = jax.jit(_flat(_decode_sample, self.graphdef, self.param_treedef, layout=layout, attention=self.attention,
-                           md_layout=md_layout, pad_to=self.config.max_num_seqs, truncate=truncate),
-                     donate_argnums=(1,), out_shardings=out)
-        prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
-        lowered = fn.lower(self._params_abs, _abstract(self.kv_caches), layout.abstract(self._rep), prev,
-                           md_layout.abstract(self._rep))
-        return functools.partial(lowered.compile, compiler_options=program_options(self.state, t))
-
     def verify_rows(self, t: int) -> int:
         """Rows of token bucket t's verify program: a speculative step has at most
         `disable_by_batch_size` requests (more unfinished requests turn speculation off)."""
@@ -504,13 +466,10 @@ class ModelRunner:
             + [("prompt_logprobs", t) for t in self.token_buckets]
             + [("sampler", (r, *v)) for r in rows for v in SAMPLER_VARIANTS]
             + ([("pool", t) for t in self.token_buckets] if self.pooling else [])
-            + ([("verify", (t, tr)) for t in self.token_buckets for tr in (False, True)] if self.spec else [])
-            + ([("decode_sample", (t, tr)) for t in self.decode_buckets() for tr in (False, True)]
-               if FUSED_DECODE_SAMPLE and not self.pooling else []))
+            + ([("verify", (t, tr)) for t in self.token_buckets for tr in (False, True)] if self.spec else []))
         build = {"forward": self._lower_forward, "prompt_logprobs": self._lower_prompt_logprobs,
                  "sampler": self._lower_sampler, "pool": self._lower_pool,
-                 "forward_lora": lambda t: self._lower_forward(t, lora=True), "verify": self._lower_verify,
-                 "decode_sample": self._lower_decode_sample}
+                 "forward_lora": lambda t: self._lower_forward(t, lora=True), "verify": self._lower_verify}
         tables = self._program_tables()
         if self.draft is not None:  # the draft model's catch-up per token bucket and its propose program
             draft_jobs = {(name, key): fn for name, key, fn in self.draft.compile_jobs()}
@@ -539,8 +498,7 @@ class ModelRunner:
     def _program_tables(self) -> dict[str, dict]:
         """Kind -> the table of its compiled programs (the kind names them in the program bundle)."""
         return {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns,
-                "pool": self._pool_fns, "forward_lora": self._forward_lora_fns, "verify": self._verify_fns,
-                "decode_sample": self._decode_sample_fns}
+                "pool": self._pool_fns, "forward_lora": self._forward_lora_fns, "verify": self._verify_fns}
 
     def _build(self, kind: str, key, lower_fn) -> jax.stages.Compiled:
         """Program `kind` of `key`: read from the bundle of an earlier start, else lowered
@@ -594,15 +552,11 @@ class ModelRunner:
         placeholder. The model's eos ids are banned with a row's stop ids until its min_tokens
         are out; rows that asked for prompt logprobs get them for this step's prompt tokens.
         """
-        step = self.dispatch_forward(sched, prev, fuse_sampler=FUSED_DECODE_SAMPLE and not self.pooling)
-        return step if isinstance(step, InFlight) else self.dispatch_sampler(step)
+        return self.dispatch_sampler(self.dispatch_forward(sched, prev))
 
-    def dispatch_forward(self, sched: SchedulerOutput, prev: InFlight | None = None,
-                         fuse_sampler: bool = False) -> PendingStep | InFlight:
+    def dispatch_forward(self, sched: SchedulerOutput, prev: InFlight | None = None) -> PendingStep:
         """Enqueues a step's forward (and prompt logprobs, pooling); its sampler waits for
-        `dispatch_sampler`, so the host can compute the bitmask of constrained rows meanwhile.
-        `fuse_sampler` (from `dispatch` only): a steady decode step whose rows need nothing but
-        the plain sampler runs forward and sampler as one program and comes back dispatched."""
+        `dispatch_sampler`, so the host can compute the bitmask of constrained rows meanwhile."""
         seqs = sched.seqs
         t = pick_bucket(self.token_buckets, sched.num_batched_tokens)
         r = self.rows_for(t)
@@ -619,18 +573,6 @@ class ModelRunner:
                                     (self.batch, rows) if rows is not None else None, same_rows)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         # Each numpy argument is its own host-to-device copy: one packed buffer per program.
-        if fuse_sampler and rows is not None and lora_slots is None and not self.batch.wants_prompt_logprobs(rows.slots):
-            sampling = rows_sampling_packed(self.batch, rows, r)
-            if sampling is not None:
-                packed_md, truncate = sampling
-                step = self._get(self._decode_sample_fns, (t, bool(truncate)), self._lower_decode_sample,
-                                 "decode step (token bucket, truncate)")
-                packed = self._put(self.builder.packed(t, r))
-                with self.launch_window():
-                    self.kv_caches, sampler_out, tokens, nan_rows = step(self.param_leaves, self.kv_caches, packed,
-                                                                         prev_tokens, self._put(packed_md))
-                return InFlight(sampler_out, len(seqs), None, tokens, seqs, nan_rows,
-                                row_ids=rows.ids if sched.all_sample else None)
         if lora_slots is None:  # the base model's program: steps without adapters pay nothing for LoRA
             fwd, extra = self._get_forward(t), ()
         else:
