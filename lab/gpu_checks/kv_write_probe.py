@@ -48,9 +48,14 @@ def variants():
         kf = kc.reshape(n * kh * p, h).at[rows].set(k.reshape(-1, h), unique_indices=True, mode="promise_in_bounds")
         vf = vc.reshape(n * kh * p, h).at[rows].set(v.reshape(-1, h), unique_indices=True, mode="promise_in_bounds")
         return kf.reshape(kc.shape), vf.reshape(vc.shape)
+    def kernel(kc, vc, k, v, blk, off):  # lab/kernels/kv_write_gpu.py (interpret mode off the GPU)
+        from lab.kernels.kv_write_gpu import write_kv_kernel
+        import jax
+        slots = blk * kc.shape[2] + off
+        return write_kv_kernel(kc, vc, k, v, slots, interpret=jax.default_backend() != "gpu")
     return {"write_kv as is": (plain, False), "unique_indices": (unique, False),
             "promise_in_bounds": (in_bounds, False), "unique + in bounds": (both, False),
-            "flat rows, unique + in bounds": (flat_rows, False)}
+            "flat rows, unique + in bounds": (flat_rows, False), "Pallas kernel (lab)": (kernel, False)}
 
 
 def layout_npkh():
