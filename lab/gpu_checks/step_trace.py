@@ -414,6 +414,11 @@ def run(args) -> dict:
         import importlib
 
         mod = importlib.import_module(f"jaxengine.{module}")
+        if value.startswith("@"):  # a function from this repository, e.g. @lab.kernels.kv_write_gpu:write_kv_engine
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+            where, attr = value[1:].split(":")
+            setattr(mod, name, getattr(importlib.import_module(where), attr))
+            continue
         setattr(mod, name, type(getattr(mod, name))(value) if not isinstance(getattr(mod, name), bool)
                 else value.lower() in ("1", "true"))
     kwargs = dict(spec.engine_kwargs())
@@ -504,7 +509,8 @@ def main() -> None:
     ap.add_argument("--windows", default="", help="traced steps, START:COUNT[,START:COUNT...] "
                     "(default: llama 250:80,1020:40; smol 300:80)")
     ap.add_argument("--quantization", default=None, help="the engine's quantization (fp8, gptq, gguf: dummy weights)")
-    ap.add_argument("--patch", action="append", default=[], help="MODULE.NAME=VALUE: a module constant of the "
+    ap.add_argument("--patch", action="append", default=[], help="MODULE.NAME=VALUE (or =@PKG.MOD:ATTR, a "
+                    "function of this repository): a module constant of the "
                     "engine set before it starts (e.g. models.quantization.FP8_DECODE=xla)")
     ap.add_argument("--tag", default="", help="added to the output file names")
     ap.add_argument("--batch1", action="store_true", help="one request, 128 in / 256 out (batch-1 decode)")

@@ -34,9 +34,8 @@ def _kernel(slot_ref, k_ref, v_ref, kc_in, vc_in, kc_ref, vc_ref, *, tokens: int
     plgpu.store(vc_ref.at[rows[:, None], cols], v_ref[r, c].astype(vc_ref.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("tokens", "num_warps", "interpret"), donate_argnums=(0, 1))
-def write_kv_kernel(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
-                    *, tokens: int = 16, num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def _write(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+           *, tokens: int = 16, num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """write_kv's contract (same arguments, same result for distinct live slots)."""
     n, heads, p, h = k_cache.shape
     t = k.shape[0]
@@ -53,3 +52,20 @@ def write_kv_kernel(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax
     )(slot_mapping.astype(jnp.int32), k.reshape(t, heads * h), v.reshape(t, heads * h),
       k_cache.reshape(flat), v_cache.reshape(flat))
     return kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
+
+
+write_kv_kernel = jax.jit(_write, static_argnames=("tokens", "num_warps", "interpret"), donate_argnums=(0, 1))
+
+
+def write_kv_engine(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+                    slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """write_kv's signature, for an engine A/B without changing the engine:
+    `step_trace.py --patch attention_backend.write_kv=@lab.kernels.kv_write_gpu:write_kv_engine`.
+    The kernel on GPU where it takes the shapes (T a multiple of 16, H a power of two), else
+    XLA's scatter; an fp8 cache gets write_kv's saturating convert first."""
+    from jaxengine.pallas_kernels.ragged_paged_attention import _to_cache, write_kv
+
+    t, _, h = k.shape
+    if jax.default_backend() != "gpu" or t % 16 or h & (h - 1):
+        return write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return _write(k_cache, v_cache, _to_cache(k, k_cache.dtype), _to_cache(v, v_cache.dtype), slot_mapping)
