@@ -4,6 +4,10 @@ and timed beside XLA's unfused computation of the same outputs at the Llama-3-8B
 width. Prints a table, writes act_quant.json.
 
     python -m lab.gpu_checks.act_quant_check --out $OUT
+    python -m lab.gpu_checks.act_quant_check --warps 8,16,32 --out $OUT   # each form at these num_warps
+
+The one-pass form holds a row's 7 tiles of 2,048 float32 values (F = 14,336) in registers: at 8
+warps that is more than 255 registers a thread, so it spills; 16 warps halve the share.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ def _time(fn, x, reps=50):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--warps", default="", help="num_warps values to time each form at (default: the kernel's)")
     args = ap.parse_args()
+    warps = [int(w) for w in args.warps.split(",")] if args.warps else [None]
     rows = []
     ref = jax.jit(silu_mul_quant_reference)
     for t, f in ((256, 14336), (2048, 14336)):
@@ -43,12 +49,13 @@ def main() -> int:
         qr, sr = ref(x, rs, cs)
         bytes_moved = t * 2 * f * 2 + t * f + t * 4
         us_x = _time(lambda a: ref(a, rs, cs), x)
-        for two_pass in (False, True):
-            q, s = silu_mul_quant(x, rs, cs, two_pass=two_pass)
+        for two_pass, nw in ((tp, w) for tp in (False, True) for w in warps):
+            q, s = silu_mul_quant(x, rs, cs, two_pass=two_pass, num_warps=nw)
             mismatch = int(jnp.sum(q.astype(jnp.float32) != qr.astype(jnp.float32)))
             scale_err = float(jnp.max(jnp.abs(s - sr) / sr))
-            us_k = _time(lambda a, tp=two_pass: silu_mul_quant(a, rs, cs, two_pass=tp), x)
-            rows.append({"t": t, "f": f, "form": "two_pass" if two_pass else "one_pass", "mismatched_values": mismatch,
+            us_k = _time(lambda a, tp=two_pass, w=nw: silu_mul_quant(a, rs, cs, two_pass=tp, num_warps=w), x)
+            form = ("two_pass" if two_pass else "one_pass") + (f" {nw} warps" if nw else "")
+            rows.append({"t": t, "f": f, "form": form, "mismatched_values": mismatch,
                          "values": t * f, "scale_rel_err": scale_err, "kernel_us": us_k, "xla_us": us_x,
                          "kernel_GBps": bytes_moved / us_k / 1e3})
             print(rows[-1], flush=True)
