@@ -6,8 +6,9 @@ width. Prints a table, writes act_quant.json.
     python -m lab.gpu_checks.act_quant_check --out $OUT
     python -m lab.gpu_checks.act_quant_check --warps 8,16,32 --out $OUT   # each form at these num_warps
 
-The one-pass form holds a row's 7 tiles of 2,048 float32 values (F = 14,336) in registers: at 8
-warps that is more than 255 registers a thread, so it spills; 16 warps halve the share.
+The one-pass form holds a row's 7 tiles of 2,048 float32 values (F = 14,336) in registers (56 a
+thread at 8 warps): how many programs share an SM, and so how many loads are in flight, depends
+on the warps a program has.
 """
 
 from __future__ import annotations
