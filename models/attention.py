@@ -19,7 +19,7 @@ from flax import nnx
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import RMSNorm, RotaryEmbedding
 from jaxengine.models.lora import LoRALayer
-from jaxengine.models.quantization import QuantizedWeight, is_quantized, qeinsum
+from jaxengine.models.quantization import QuantizedRows, QuantizedWeight, is_quantized, qeinsum
 
 if TYPE_CHECKING:
     from jaxengine.attention_backend import AttentionBackend
@@ -65,8 +65,17 @@ def init_qkv(layer: nnx.Module, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rn
     layer.o_proj = nnx.Param(init(rngs.params(), (n, h, d), dtype))  # NHD
 
 
-def qkv(layer: nnx.Module, x: jax.Array, lora: LoRALayer | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [T, D] -> q [T, N, H], k [T, K, H], v [T, K, H] (biases added; LoRA deltas with `lora`)."""
+def qkv_weights(layer: nnx.Module) -> list:
+    """The q/k/v projection weights `qkv` reads x with (one fused weight, or three)."""
+    if layer.fused_qkv:
+        return [layer.qkv_proj[...]]
+    return [layer.q_proj[...], layer.k_proj[...], layer.v_proj[...]]
+
+
+def qkv(layer: nnx.Module, x: jax.Array | QuantizedRows, lora: LoRALayer | None = None
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] (or its e4m3 rows for fp8 weights) -> q [T, N, H], k [T, K, H], v [T, K, H]
+    (biases added; LoRA deltas with `lora`, which needs x itself)."""
     if layer.fused_qkv:
         fused = qeinsum("TD,DJH->TJH", x, layer.qkv_proj[...])  # J = N + 2K
         q, k, v = jnp.split(fused, layer.qkv_split, axis=1)
@@ -106,9 +115,10 @@ class Attention(nnx.Module):
         self.sm_scale = h ** -0.5
         self.sliding_window = cfg.sliding_window
 
-    def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache, md: AttentionMetadata,
+    def __call__(self, x: jax.Array | QuantizedRows, positions: jax.Array, kv: KVCache, md: AttentionMetadata,
                  attention: AttentionBackend, lora: LoRALayer | None = None) -> tuple[jax.Array, KVCache]:
-        """x [T, D] -> ([T, D], this layer's cache with the step's K/V written)."""
+        """x [T, D] (or its e4m3 rows: `qkv`) -> ([T, D], this layer's cache with the step's K/V
+        written)."""
         q, k, v = qkv(self, x, lora)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxengine.models.config import ModelConfig, RopeScaling
 from jaxengine.models.lora import LoRALayer
-from jaxengine.models.quantization import gated_mlp_fp8, qeinsum
+from jaxengine.models.quantization import QuantizedRows, fp8_rows_apply, gated_mlp_fp8, qeinsum, rmsnorm_fp8_rows
 
 
 class RMSNorm(nnx.Module):
@@ -26,6 +26,13 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
+
+    def into(self, x: jax.Array, weights: list) -> jax.Array | QuantizedRows:
+        """self(x) for the linears `weights` that read it; where they are all W8A8 fp8
+        (quantization.fp8_rows_apply), the same rows normed and quantized to e4m3 in one step."""
+        if fp8_rows_apply(x.shape[0], weights):
+            return rmsnorm_fp8_rows(x, self.weight[...], self.eps)
+        return self(x)
 
 
 class LayerNorm(nnx.Module):
@@ -186,8 +193,13 @@ class MLP(nnx.Module):
         self.act = activation(cfg.hidden_act, cfg.architecture)
         self.act_name = cfg.hidden_act
 
-    def __call__(self, x: jax.Array, lora: LoRALayer | None = None) -> jax.Array:
-        """x [T, D] -> [T, D]; `lora`: the gate / up / down adapters' deltas are added."""
+    def input_weights(self) -> list:
+        """The weights that read x (gate/up fused, or gate and up)."""
+        return [self.gate_up_proj[...]] if self.fused else [self.gate_proj[...], self.up_proj[...]]
+
+    def __call__(self, x: jax.Array | QuantizedRows, lora: LoRALayer | None = None) -> jax.Array:
+        """x [T, D] (or its e4m3 rows, for fp8 weights) -> [T, D]; `lora`: the gate / up / down
+        adapters' deltas are added (they need x itself)."""
         if self.fused:
             if lora is None:  # fp8 weights may take the activation fused with its quantization
                 out = gated_mlp_fp8(x, self.gate_up_proj[...], self.down_proj[...], self.act_name)

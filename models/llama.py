@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models import weights as w
-from jaxengine.models.attention import Attention, AttentionMetadata, KVCache
+from jaxengine.models.attention import Attention, AttentionMetadata, KVCache, qkv_weights
 from jaxengine.models.config import ModelConfig, hf_dtype, hf_eos_ids, hf_field, hf_rope, scaled_max_positions
 from jaxengine.models.layer_call import call_layer
 from jaxengine.models.layers import MLP, RMSNorm
@@ -35,9 +35,11 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVCache, md: AttentionMetadata,
                  attention: AttentionBackend, lora: LoRALayer | None = None) -> tuple[jax.Array, KVCache]:
-        h, kv = self.self_attn(self.input_layernorm(x), positions, kv, md, attention, lora)
+        # fp8 linears may take the norms' outputs as e4m3 rows (RMSNorm.into); LoRA needs them unquantized
+        a_w, m_w = (qkv_weights(self.self_attn), self.mlp.input_weights()) if lora is None else ([], [])
+        h, kv = self.self_attn(self.input_layernorm.into(x, a_w), positions, kv, md, attention, lora)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), lora), kv
+        return x + self.mlp(self.post_attention_layernorm.into(x, m_w), lora), kv
 
 
 class Model(nnx.Module):

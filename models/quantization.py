@@ -122,17 +122,36 @@ class PackedWeight(_QuantizedBase):
 QuantizedWeight = Fp8Weight | PackedWeight
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedRows:
+    """A linear's input already quantized per row to e4m3 (`rmsnorm_fp8_rows`), for the W8A8
+    GEMMs of dynamic-scale fp8 weights: what `fp8_quantize_rows` would have made of it."""
+
+    q: jax.Array  # [T, K] float8_e4m3fn
+    scale: jax.Array  # [T, 1] float32: x = q * scale
+    dtype: jnp.dtype = _static()  # the activations' own dtype (the GEMMs' outputs)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+
 def is_quantized(w: object) -> bool:
     return isinstance(w, _QuantizedBase)
 
 
 # -- the forward's entry points -----------------------------------------------------------------
-def qeinsum(spec: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+def qeinsum(spec: str, x: jax.Array | QuantizedRows, w: jax.Array | QuantizedWeight) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain weight; for a quantized one, the same contraction
-    (x [T, K...] against the weight's input axes) through its matmul, reshaped to [T, outputs]."""
+    (x [T, K...] against the weight's input axes) through its matmul, reshaped to [T, outputs];
+    x already quantized (QuantizedRows, [T, K]) goes straight into the W8A8 GEMM."""
+    t = x.shape[0]
+    if isinstance(x, QuantizedRows):  # only for dynamic-scale fp8 weights (fp8_rows_apply)
+        y = fp8_gemm(x.q, x.scale, w.qweight, w.scale, x.dtype)
+        return y.reshape((t,) + tuple(w.shape[w.in_ndim:]))
     if not is_quantized(w):
         return jnp.einsum(spec, x, w)
-    t = x.shape[0]
     y = w.matmul(x.reshape(t, w.in_features))
     return y.reshape((t,) + tuple(w.shape[w.in_ndim:]))
 
@@ -221,6 +240,36 @@ def _gemm_out(dtype: jnp.dtype) -> jnp.dtype:
     return dtype if narrow else jnp.float32
 
 
+# Whether a decoder layer's RMSNorm and the e4m3 quantization of its output run as one step
+# (`rmsnorm_fp8_rows`) where every linear reading the norm's output is W8A8 with dynamic scales:
+# the norm's mean square and the absmax of the normed row are taken in one pass over the residual
+# row, and the row is read once more to write e4m3, instead of the norm's output being written in
+# 16 bits, read for its maximum and read again to convert. Not yet timed on a GPU.
+FP8_FUSED_NORM_QUANT = False
+
+
+def fp8_rows_apply(t: int, weights: list) -> bool:
+    """Whether a norm's output for `t` rows may reach `weights` (the linears reading it) as
+    QuantizedRows: FP8_FUSED_NORM_QUANT, each weight dynamic-scale fp8, and not a call that fp8
+    serves as W8A16 (at most FP8_KERNEL_MAX_ROWS rows on GPU)."""
+    return (FP8_FUSED_NORM_QUANT and bool(weights)
+            and all(isinstance(w, Fp8Weight) and not w.static_input for w in weights)
+            and not (jax.default_backend() == "gpu" and t <= FP8_KERNEL_MAX_ROWS))
+
+
+def rmsnorm_fp8_rows(h: jax.Array, weight: jax.Array, eps: float) -> QuantizedRows:
+    """RMSNorm(h) (weight [D], `eps`) quantized per row to e4m3 with absmax / 448 scales, in
+    float32 from h [T, D] (the 16-bit rounding of the normed row that the unfused path makes is
+    skipped): both row reductions read h once, the quantized row a second time."""
+    if jax.default_backend() == "gpu":
+        h = jax.lax.optimization_barrier(h)  # the residual row written once, not recomputed per read
+    hf, wf = h.astype(jnp.float32), weight.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(hf * hf, axis=1, keepdims=True) + eps)
+    amax = jnp.max(jnp.abs(hf * wf), axis=1, keepdims=True)
+    xs = jnp.maximum(amax * r / FP8_MAX, 1e-12)  # [T, 1]
+    return QuantizedRows(jnp.clip(hf * wf * (r / xs), -FP8_MAX, FP8_MAX).astype(FP8), xs, h.dtype)
+
+
 # Whether, on GPU, the gated MLP's SiLU, its product with up and the e4m3 quantization of the
 # result run as one Pallas kernel (pallas_kernels/act_quant_gpu.py) where the down projection is
 # W8A8 with dynamic activation scales; otherwise XLA makes three passes over the activation.
@@ -231,7 +280,7 @@ FP8_FUSED_ACT_QUANT = True
 ACT_QUANT_TWO_PASS = False
 
 
-def gated_mlp_fp8(x: jax.Array, gate_up: object, down: object, act_name: str) -> jax.Array | None:
+def gated_mlp_fp8(x: jax.Array | QuantizedRows, gate_up: object, down: object, act_name: str) -> jax.Array | None:
     """down(silu(gate(x)) * up(x)) with the fused gate/up weight [2F, D] and the down weight
     through the fused activation kernel: x quantized per row, the gate/up FP8 GEMM's unscaled
     product handed to the kernel with both scales, its e4m3 output and row scales into the down
@@ -246,7 +295,7 @@ def gated_mlp_fp8(x: jax.Array, gate_up: object, down: object, act_name: str) ->
     f2 = gate_up.qweight.shape[0]
     if down.qweight.shape[1] * 2 != f2 or not act_quant_kernel.supported(t, f2 // 2):
         return None
-    xq, xs = fp8_quantize_rows(x, None)
+    xq, xs = (x.q, x.scale) if isinstance(x, QuantizedRows) else fp8_quantize_rows(x, None)
     y = jax.lax.dot_general(xq, gate_up.qweight, (((1,), (1,)), ((), ())), preferred_element_type=_gemm_out(x.dtype))
     hq, hs = act_quant_kernel.silu_mul_quant(y, xs[:, 0], gate_up.scale, two_pass=ACT_QUANT_TWO_PASS)
     return fp8_gemm(hq, hs[:, None], down.qweight, down.scale, x.dtype)

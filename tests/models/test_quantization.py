@@ -293,6 +293,64 @@ def test_fp8_at_load_time_close_to_float(base):
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.8
 
 
+def test_fused_norm_quant_equals_norm_then_quantize():
+    """rmsnorm_fp8_rows makes the e4m3 rows and scales that RMSNorm followed by the per-row
+    quantization makes (float32: the same arithmetic, up to the order of two products)."""
+    from jaxengine.models import quantization as qz
+    from jaxengine.models.layers import RMSNorm
+    from flax import nnx
+
+    rng = np.random.default_rng(6)
+    h = jnp.asarray(rng.normal(size=(7, 64)) * rng.uniform(0.1, 10, size=(7, 1)), jnp.float32)
+    norm = RMSNorm(64, 1e-5, jnp.float32)
+    norm.weight = nnx.Param(jnp.asarray(rng.uniform(0.5, 2.0, size=64), jnp.float32))
+    rows = qz.rmsnorm_fp8_rows(h, norm.weight[...], norm.eps)
+    wq, ws = qz.fp8_quantize_rows(norm(h), None)
+    assert rows.q.dtype == jnp.float8_e4m3fn and rows.shape == (7, 64) and rows.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(rows.scale), np.asarray(ws), rtol=1e-5)
+    got, want = np.asarray(rows.q.astype(jnp.float32)), np.asarray(wq.astype(jnp.float32))
+    assert np.mean(got == want) > 0.97  # a value on an e4m3 rounding boundary may go either way
+    np.testing.assert_allclose(got, want, rtol=0.07, atol=2.0 ** -9)  # and then by one e4m3 step
+
+
+def test_fused_norm_quant_applies_only_to_dynamic_fp8_linears(monkeypatch):
+    from jaxengine.models import quantization as qz
+
+    q = np.zeros((8, 16), ml_dtypes.float8_e4m3fn)
+    dyn = Fp8Weight(q, np.ones(8, np.float32), np.float32(1), (16, 8), 1, False)
+    static = Fp8Weight(q, np.ones(8, np.float32), np.float32(1), (16, 8), 1, True)
+    assert not qz.fp8_rows_apply(32, [dyn])  # off by default
+    monkeypatch.setattr(qz, "FP8_FUSED_NORM_QUANT", True)
+    assert qz.fp8_rows_apply(32, [dyn, dyn])
+    assert not qz.fp8_rows_apply(32, [dyn, static])
+    assert not qz.fp8_rows_apply(32, [dyn, np.zeros((16, 8), np.float32)])
+    assert not qz.fp8_rows_apply(32, [])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a GPU's decode calls stay W8A16
+    assert not qz.fp8_rows_apply(qz.FP8_KERNEL_MAX_ROWS, [dyn])
+    assert qz.fp8_rows_apply(qz.FP8_KERNEL_MAX_ROWS + 1, [dyn])
+
+
+def test_fused_norm_quant_model_close_to_unfused(base, monkeypatch):
+    """With FP8_FUSED_NORM_QUANT the fp8 model's two norms a layer feed its W8A8 linears e4m3 rows
+    directly (the norm's 16-bit output is never made): the logits stay those of the unfused path."""
+    from jaxengine.models import layers
+    from jaxengine.models import quantization as qz
+
+    path, _ = base
+    jax.clear_caches()  # the switch is read while tracing: no program traced before may be reused
+    want = _logits(path, "fp8")
+    jax.clear_caches()
+    calls = []
+    real = layers.rmsnorm_fp8_rows
+    monkeypatch.setattr(layers, "rmsnorm_fp8_rows", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(qz, "FP8_FUSED_NORM_QUANT", True)
+    got = _logits(path, "fp8")
+    jax.clear_caches()
+    assert len(calls) == 2  # one layer: before attention and before the MLP
+    assert _fp8_error(got, want) < 0.01
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
 # -- errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,tensor,cut,message", [
     ("gptq", "model.layers.0.mlp.down_proj.qweight", 0,
