@@ -170,12 +170,22 @@ FP8_KERNEL_MAX_ROWS = 16
 FP8_DECODE = "xla"
 
 
+def _w8a16_call(rows: int) -> bool:
+    """Whether an fp8 weight meets a call of `rows` rows unquantized (W8A16; GPU decode calls)."""
+    return jax.default_backend() == "gpu" and rows <= FP8_KERNEL_MAX_ROWS
+
+
+def _dynamic_fp8(w: object) -> bool:
+    """Whether `w` is an fp8 weight whose activations take per-row scales (no static input scale)."""
+    return isinstance(w, Fp8Weight) and not w.static_input
+
+
 def fp8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, input_scale: jax.Array | None) -> jax.Array:
     """x [T, K] (any float) @ dequant(qweight [N, K] e4m3, scale [N]).T -> [T, N] in x's dtype:
     on GPU, for at most FP8_KERNEL_MAX_ROWS rows, the weight converted to x's dtype (the
     activations stay in theirs) by XLA's fused convert or the fp8-weight kernel (FP8_DECODE), else
     `fp8_matmul_w8a8`."""
-    if jax.default_backend() == "gpu" and x.shape[0] <= FP8_KERNEL_MAX_ROWS:
+    if _w8a16_call(x.shape[0]):
         if FP8_DECODE == "xla":
             y = jax.lax.dot_general(x, qweight.astype(x.dtype), (((1,), (1,)), ((), ())),
                                     precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,
@@ -252,9 +262,7 @@ def fp8_rows_apply(t: int, weights: list) -> bool:
     """Whether a norm's output for `t` rows may reach `weights` (the linears reading it) as
     QuantizedRows: FP8_FUSED_NORM_QUANT, each weight dynamic-scale fp8, and not a call that fp8
     serves as W8A16 (at most FP8_KERNEL_MAX_ROWS rows on GPU)."""
-    return (FP8_FUSED_NORM_QUANT and bool(weights)
-            and all(isinstance(w, Fp8Weight) and not w.static_input for w in weights)
-            and not (jax.default_backend() == "gpu" and t <= FP8_KERNEL_MAX_ROWS))
+    return FP8_FUSED_NORM_QUANT and bool(weights) and all(map(_dynamic_fp8, weights)) and not _w8a16_call(t)
 
 
 def rmsnorm_fp8_rows(h: jax.Array, weight: jax.Array, eps: float) -> QuantizedRows:
@@ -274,9 +282,10 @@ def rmsnorm_fp8_rows(h: jax.Array, weight: jax.Array, eps: float) -> QuantizedRo
 # result run as one Pallas kernel (pallas_kernels/act_quant_gpu.py) where the down projection is
 # W8A8 with dynamic activation scales; otherwise XLA makes three passes over the activation.
 FP8_FUSED_ACT_QUANT = True
-# Which form of that kernel runs: one pass holding each row in registers (False; the form timed on
-# the H100), or two passes over the row one tile at a time (True: fewer registers a program, so
-# more programs an SM; the same outputs, not yet timed in the engine).
+# Which form of that kernel runs: one pass holding each row in registers (False), or two passes
+# over the row one tile at a time (True: fewer registers a program, so more programs an SM; the
+# same outputs). On the H100 the two-pass form lost in the engine (16,371 against 16,976 output
+# tok/s, benchmarks/results/quant_h100.md).
 ACT_QUANT_TWO_PASS = False
 
 
@@ -289,8 +298,7 @@ def gated_mlp_fp8(x: jax.Array | QuantizedRows, gate_up: object, down: object, a
     does not take): the caller then computes the MLP unfused."""
     t = x.shape[0]
     if not (FP8_FUSED_ACT_QUANT and jax.default_backend() == "gpu" and act_name in ("silu", "swish")
-            and t > FP8_KERNEL_MAX_ROWS and all(isinstance(w, Fp8Weight) and not w.static_input
-                                                for w in (gate_up, down))):
+            and not _w8a16_call(t) and _dynamic_fp8(gate_up) and _dynamic_fp8(down)):
         return None
     f2 = gate_up.qweight.shape[0]
     if down.qweight.shape[1] * 2 != f2 or not act_quant_kernel.supported(t, f2 // 2):
