@@ -46,12 +46,17 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
 
     Padding tokens carry slot 0..P-1 of the null block 0, which no live sequence reads.
     Under jit with the caches donated, XLA updates them in place.
+
+    The scatter is declared `unique_indices`: live tokens never share a slot, and where padding
+    tokens share a null-block slot, which of their (finite) rows lands there does not matter.
+    On the GPU this lets XLA store the rows without its duplicate-safe scatter
+    (lab/gpu_checks/kv_write_probe.py).
     """
     p = k_cache.shape[2]
     blk = slot_mapping // p
     off = slot_mapping % p
-    k_cache = k_cache.at[blk, :, off].set(_to_cache(k, k_cache.dtype))
-    v_cache = v_cache.at[blk, :, off].set(_to_cache(v, v_cache.dtype))
+    k_cache = k_cache.at[blk, :, off].set(_to_cache(k, k_cache.dtype), unique_indices=True)
+    v_cache = v_cache.at[blk, :, off].set(_to_cache(v, v_cache.dtype), unique_indices=True)
     return k_cache, v_cache
 
 

@@ -128,3 +128,14 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def write_kv_duplicate_safe(k_cache, v_cache, k, v, slot_mapping):
+    """write_kv as it was before `unique_indices` (XLA's duplicate-safe scatter), for engine A/Bs:
+    step_trace.py --patch attention_backend.write_kv=@lab.gpu_checks.kv_write_probe:write_kv_duplicate_safe"""
+    from jaxengine.pallas_kernels.ragged_paged_attention import _to_cache
+
+    p = k_cache.shape[2]
+    blk, off = slot_mapping // p, slot_mapping % p
+    return (k_cache.at[blk, :, off].set(_to_cache(k, k_cache.dtype)),
+            v_cache.at[blk, :, off].set(_to_cache(v, v_cache.dtype)))

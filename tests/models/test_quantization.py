@@ -319,7 +319,9 @@ def test_fused_norm_quant_applies_only_to_dynamic_fp8_linears(monkeypatch):
     q = np.zeros((8, 16), ml_dtypes.float8_e4m3fn)
     dyn = Fp8Weight(q, np.ones(8, np.float32), np.float32(1), (16, 8), 1, False)
     static = Fp8Weight(q, np.ones(8, np.float32), np.float32(1), (16, 8), 1, True)
-    assert not qz.fp8_rows_apply(32, [dyn])  # off by default
+    assert qz.FP8_FUSED_NORM_QUANT  # on by default
+    monkeypatch.setattr(qz, "FP8_FUSED_NORM_QUANT", False)
+    assert not qz.fp8_rows_apply(32, [dyn])
     monkeypatch.setattr(qz, "FP8_FUSED_NORM_QUANT", True)
     assert qz.fp8_rows_apply(32, [dyn, dyn])
     assert not qz.fp8_rows_apply(32, [dyn, static])
@@ -338,6 +340,7 @@ def test_fused_norm_quant_model_close_to_unfused(base, monkeypatch):
 
     path, _ = base
     jax.clear_caches()  # the switch is read while tracing: no program traced before may be reused
+    monkeypatch.setattr(qz, "FP8_FUSED_NORM_QUANT", False)
     want = _logits(path, "fp8")
     jax.clear_caches()
     calls = []
