@@ -194,7 +194,7 @@ def versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "platform": platform.platform(), "host": platform.node(),
            "cpu_count": str(os.cpu_count())}
     for pkg in ("jaxengine", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "numpy",
-                "transformers", "tokenizers", "torch", "fastapi", "uvicorn", "httpx"):
+                "transformers", "tokenizers", "torch", "fastapi", "uvicorn", "httpx", "aiohttp"):
         try:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:

@@ -55,21 +55,21 @@ def _payload(req: SampleRequest, endpoint: str, model: str, ignore_eos: bool) ->
     return {**common, "prompt": req.prompt if req.prompt is not None else req.prompt_token_ids}
 
 
-async def send_request(client, url: str, body: dict, prompt_len: int, headers: dict[str, str]) -> RequestResult:
-    """One streamed request; chunk arrival times relative to the send."""
+async def send_request(session, url: str, body: dict, prompt_len: int, headers: dict[str, str]) -> RequestResult:
+    """One streamed request (an aiohttp session); chunk arrival times relative to the send."""
     res = RequestResult(prompt_len=prompt_len)
     chunks = 0
     st = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text(errors='replace'))[:200]}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in resp.content:  # one line of the SSE stream at a time
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     break
                 msg = json.loads(data)
                 if "error" in msg:
@@ -101,15 +101,20 @@ async def run_serve(base_url: str, endpoint: str, model: str, requests: list[Sam
                     burstiness: float, max_concurrency: int | None, ignore_eos: bool = True,
                     api_key: str | None = None, seed: int = 0, timeout_s: float = 600.0
                     ) -> tuple[list[RequestResult], float]:
-    """Sends every request on schedule; returns the results (input order) and the run's seconds."""
-    import httpx
+    """Sends every request on schedule; returns the results (input order) and the run's seconds.
+
+    The client is aiohttp, as vLLM's: at rate inf with hundreds of streams the client reads a
+    chunk per stream per engine step, and a client that costs more per chunk than the server
+    becomes what the run measures (benchmarks/results/serve_vs_offline_cpu.md)."""
+    import aiohttp
 
     url = base_url.rstrip("/") + ENDPOINTS[endpoint]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)  # 0: no cap on open connections
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     read_bufsize=1 << 20) as session:  # a chunk with logprobs is one long line
         start = time.perf_counter()
 
         async def one(req: SampleRequest, at: float) -> RequestResult:
@@ -118,9 +123,9 @@ async def run_serve(base_url: str, endpoint: str, model: str, requests: list[Sam
                 await asyncio.sleep(delay)
             body = _payload(req, endpoint, model, ignore_eos)
             if sem is None:
-                return await send_request(client, url, body, req.prompt_len, headers)
+                return await send_request(session, url, body, req.prompt_len, headers)
             async with sem:
-                return await send_request(client, url, body, req.prompt_len, headers)
+                return await send_request(session, url, body, req.prompt_len, headers)
 
         results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets)))
         duration = time.perf_counter() - start
