@@ -54,6 +54,12 @@ METRICS_VLLM_NAMES_ENV = "JAXENGINE_METRICS_VLLM_NAMES"
 # 1.2-1.5x the output tok/s in alternating rounds; on one H100 (Llama-3-8B shape, 48 ms steps) it made
 # no difference (benchmarks/results/serve_vs_offline_{cpu,h100}.md).
 SERVER_SWITCH_INTERVAL_S = 0.0005
+# The cyclic collector's thresholds while serving (CPython's default: 700, 10, 10). Streaming
+# allocates a few objects per token: at the default, a rate-inf run of 1000 requests x 64 tokens
+# (tiny model, 2-core CPU) ran ~570 young, ~52 middle and 4-5 full collections (up to 82 ms each,
+# holding the GIL), 0.45-0.7 s in all, 10-14% of the run; with young collections every 50,000
+# allocations, 4-5 collections and 0.04-0.1 s (benchmarks/results/serve_vs_offline_cpu.md).
+SERVER_GC_THRESHOLD = (50_000, 10, 10)
 _NOT_CONFIGURABLE = {"help", "config", "func", "_serve_actions"}
 
 
@@ -343,7 +349,8 @@ def run_server(engine: LLMEngine | PoolingEngineBase, settings: ServerSettings,
     # walk only what requests allocate (vLLM does the same after its start-up).
     gc.collect()
     gc.freeze()
-    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)  # process-wide: this process serves one engine
+    gc.set_threshold(*SERVER_GC_THRESHOLD)  # process-wide, as the switch interval: one engine per process
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
     with _quiet_signals():
         server.run(sockets=list(sockets) if sockets else None)
     if async_engine.error is not None:

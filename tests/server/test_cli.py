@@ -317,22 +317,25 @@ def test_serve_tiny_model_from_config_file(tiny_llama, xla_cache_dir, tmp_path):
 
 def test_run_server_freezes_what_start_up_allocated(monkeypatch):
     """Before serving, the start-up's objects are collected once and frozen out of the garbage
-    collector's view (gc.freeze), so collections during serving walk only requests' objects; and
-    the GIL switch interval is the server's short one (the engine thread gets the GIL back sooner)."""
+    collector's view (gc.freeze), so collections during serving walk only requests' objects; the
+    collector's young generation is collected less often (SERVER_GC_THRESHOLD); and the GIL switch
+    interval is the server's short one (the engine thread gets the GIL back sooner)."""
     import gc
 
     from jaxengine.server import uvicorn_server
-    from jaxengine.server.cli import SERVER_SWITCH_INTERVAL_S, ServerSettings, run_server
+    from jaxengine.server.cli import SERVER_GC_THRESHOLD, SERVER_SWITCH_INTERVAL_S, ServerSettings, run_server
     from tests.server.fake_engine import FakeEngine
 
     seen = []
-    monkeypatch.setattr(uvicorn_server.DrainingServer, "run",
-                        lambda self, sockets=None: seen.append((gc.get_freeze_count(), sys.getswitchinterval())))
-    interval = sys.getswitchinterval()
+    monkeypatch.setattr(uvicorn_server.DrainingServer, "run", lambda self, sockets=None: seen.append(
+        (gc.get_freeze_count(), sys.getswitchinterval(), gc.get_threshold())))
+    interval, threshold = sys.getswitchinterval(), gc.get_threshold()
     try:
         assert run_server(FakeEngine(max_model_len=64), ServerSettings(port=0)) == 0
     finally:
         gc.unfreeze()  # the test process goes on to build other engines
         sys.setswitchinterval(interval)
+        gc.set_threshold(*threshold)
     assert len(seen) == 1 and seen[0][0] > 0
     assert seen[0][1] == pytest.approx(SERVER_SWITCH_INTERVAL_S) and SERVER_SWITCH_INTERVAL_S < interval
+    assert seen[0][2] == SERVER_GC_THRESHOLD and SERVER_GC_THRESHOLD[0] > threshold[0]
