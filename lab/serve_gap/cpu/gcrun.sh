@@ -9,6 +9,6 @@ for r in $(seq $3); do
   touch /tmp/sg/gc_req_$1; sleep 0.3
   python -m jaxengine.cli $A --output-json /tmp/sg/gc_r.json > /dev/null 2>&1
   touch /tmp/sg/gc_req_$1; sleep 0.3
-  echo "thr=[$2] run $r: $(python ttft.py gc_r.json | cut -c1-60) gc $(cat /tmp/sg/gc_$1.json)"
+  echo "thr=[$2] run $r: $(python ttft.py gc_r.json | cut -c1-45) rss_MB $(( $(awk "/VmRSS/{print \$2}" /proc/$P/status) / 1024 )) tracked $(python -c "import json;print(json.load(open('/tmp/sg/gc_$1.json'))['tracked'])")"
 done
 kill $P; wait $P 2>/dev/null
