@@ -301,7 +301,7 @@ def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(s, e) for s, e in out]
 
 
-def analyze(ev: dict, top: int = 12) -> dict:
+def analyze(ev: dict, top: int = 40) -> dict:
     """The breakdown: per forward bucket and sampler size, mean device ms per instance by category,
     span and busy time; the device's idle gaps inside the loop's steps, by host phase."""
     instances, method = attribute_programs(ev)
