@@ -68,22 +68,14 @@ class RunnerOutput:
     num_tokens: np.ndarray | None = None
 
 
-def _forward(graphdef, state, kv_caches, staging, packed: jax.Array, prev_tokens: jax.Array, lora_layers=None, *,
+def _forward(graphdef, state, kv_caches, packed: jax.Array, prev_tokens: jax.Array, lora_layers=None, *,
              layout: Layout, attention: AttentionBackend, lora_rank: int = 0):
     """packed: the step's StepInputs as one int32 buffer of `layout` (jaxengine.packing).
-    staging: None, or the bucket's donated [layout.size + 1] int32 buffer (STAGED_FORWARD_INPUT):
-    `packed` is copied into it first and every other kernel reads the step's inputs from there,
-    so across steps they read one address and the launch leaves their command-buffer entries
-    as they are; it comes back as the last output. (One element longer than `packed`: a copy
-    over the whole buffer would be simplified into reading `packed` itself.)
     prev_tokens [max_num_seqs] int32: the previous step's samples, still on the device; rows
     with prev_index >= 0 take their input token from there (scheduling ran ahead of them).
     attention: the runner's attention backend (static: it picks the kernel traced in).
     lora_layers: the LoRA slot arrays (models/lora.py), each token's adapter chosen by its
     `lora_slot`; None: the base model only (the program of steps without adapters)."""
-    if staging is not None:
-        staging = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(staging, packed, (0,)))
-        packed = staging[:packed.shape[0]]
     inputs: StepInputs = unpack(packed, layout)
     model = nnx.merge(graphdef, state)
     from_prev = prev_tokens[jnp.maximum(inputs.prev_index, 0)]
@@ -95,8 +87,6 @@ def _forward(graphdef, state, kv_caches, staging, packed: jax.Array, prev_tokens
         hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, attention,
                                   lora=LoRAInputs(mask, lora_layers))
     logits = model.compute_logits(hidden[inputs.logits_indices])
-    if staging is not None:
-        return kv_caches, logits, hidden, staging
     return kv_caches, logits, hidden
 
 
@@ -175,7 +165,7 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
     layout = Layout.of(abstract_inputs(t, r, config.max_blocks_per_seq))
     lowered = [(jax.jit(functools.partial(_forward, graphdef, layout=layout, attention=attention),
                         donate_argnums=(1,)).lower(
-        _abstract(state), [(kv, kv)] * c.num_layers, None, layout.abstract(rep),
+        _abstract(state), [(kv, kv)] * c.num_layers, layout.abstract(rep),
         jax.ShapeDtypeStruct((config.max_num_seqs,), jnp.int32, sharding=rep)),
         {**program_options(state, t), **(xla_options or {})})]
     md = Layout.of(build_sampling_metadata([], r, config.max_model_len, processors=True,
@@ -258,13 +248,6 @@ def _sample_padded(logits: jax.Array, packed_md: jax.Array, prev_tokens: jax.Arr
     return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0])), nan_rows
 
 
-# Whether the forward programs copy the step's packed input into a donated staging buffer of
-# their token bucket before anything reads it (see _forward). Every kernel that reads an input
-# whose address changed since the last call has its command-buffer entry updated at launch;
-# with the staging buffer only the copy does.
-STAGED_FORWARD_INPUT = True
-
-
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: jnp.dtype, head_dim: int | None = None) -> int:
     """Bytes of one KV block over all layers; `head_dim`: the cache's head size where the
     attention backend pads it (AttentionBackend.kv_head_dim), else the model's."""
@@ -322,9 +305,6 @@ class ModelRunner:
         self._fwd_out = None
         if plan is not None:  # fixed output placement, so the sampler programs can be compiled for it
             self._fwd_out = ([(self.kv_sharding, self.kv_sharding)] * model_config.num_layers, self._rep, self._rep)
-            if STAGED_FORWARD_INPUT:
-                self._fwd_out += (self._rep,)
-        self._staging: dict[int, jax.Array] = {}  # token bucket -> its forward's input staging buffer
         self._jit_prompt_lp = jax.jit(_flat(_prompt_logprobs, graphdef, self.param_treedef,
                                             k=config.max_logprobs or 1))
         self.compile_seconds = 0.0
@@ -358,11 +338,9 @@ class ModelRunner:
         layout = Layout.of(abstract_inputs(t, self.rows_for(t), self.config.max_blocks_per_seq))
         fn = jax.jit(_flat(_forward, self.graphdef, self.param_treedef, layout=layout, attention=self.attention,
                            lora_rank=self.config.max_lora_rank if lora else 0),
-                     donate_argnums=(1, 2) if STAGED_FORWARD_INPUT else (1,), out_shardings=self._fwd_out)
+                     donate_argnums=(1,), out_shardings=self._fwd_out)
         prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
-        staging = (jax.ShapeDtypeStruct((layout.size + 1,), jnp.int32, sharding=self._rep)
-                   if STAGED_FORWARD_INPUT else None)
-        args = [self._params_abs, _abstract(self.kv_caches), staging, layout.abstract(self._rep), prev]
+        args = [self._params_abs, _abstract(self.kv_caches), layout.abstract(self._rep), prev]
         if lora:
             args.append(_abstract(self.lora_layers))
         return functools.partial(fn.lower(*args).compile, compiler_options=program_options(self.state, t))
@@ -602,16 +580,8 @@ class ModelRunner:
                             "LoRA token bucket")
             extra = (self.lora_layers,)
         packed = self._put(self.builder.packed(t, r))
-        staging = None
-        if STAGED_FORWARD_INPUT:
-            staging = self._staging.pop(t, None)
-            if staging is None:
-                staging = jax.device_put(np.zeros((packed.shape[0] + 1,), np.int32), self._rep)
         with self.launch_window():
-            out = fwd(self.param_leaves, self.kv_caches, staging, packed, prev_tokens, *extra)
-        self.kv_caches, logits, hidden = out[:3]
-        if STAGED_FORWARD_INPUT:
-            self._staging[t] = out[3]
+            self.kv_caches, logits, hidden = fwd(self.param_leaves, self.kv_caches, packed, prev_tokens, *extra)
         prompt_lp = None
         # (a step of persistent-batch rows none of which asked for them has no targets)
         targets = None

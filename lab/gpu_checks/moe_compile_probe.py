@@ -56,7 +56,7 @@ def one(variant: str, layers: int, tokens: int) -> dict:
     kv = jax.ShapeDtypeStruct((1024, mc.num_kv_heads, 16, attention.kv_head_dim(mc.head_dim)), jnp.bfloat16)
     fn = jax.jit(functools.partial(mr._forward, graphdef, layout=layout, attention=attention), donate_argnums=(1,))
     t0 = time.perf_counter()
-    lowered = fn.trace(state, [(kv, kv)] * layers, None, layout.abstract(None),  # no staging buffer
+    lowered = fn.trace(state, [(kv, kv)] * layers, layout.abstract(None),
                        jax.ShapeDtypeStruct((256,), jnp.int32)).lower()
     t1 = time.perf_counter()
     opts = {"xla_gpu_enable_triton_gemm": False} if variant == "no_triton_gemm" else None

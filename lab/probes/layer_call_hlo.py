@@ -53,7 +53,7 @@ def main() -> None:
         fn = jax.jit(_flat(_forward, r.graphdef, r.param_treedef, layout=layout, attention=r.attention, lora_rank=0),
                      donate_argnums=(1,), out_shardings=r._fwd_out)
         prev = jax.ShapeDtypeStruct((r.config.max_num_seqs,), jnp.int32, sharding=r._rep)
-        a = [r._params_abs, _abstract(r.kv_caches), None, layout.abstract(r._rep), prev]  # no staging buffer
+        a = [r._params_abs, _abstract(r.kv_caches), layout.abstract(r._rep), prev]
         t0 = time.perf_counter()
         traced = fn.trace(*a)
         t1 = time.perf_counter()
