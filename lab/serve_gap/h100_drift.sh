@@ -1,0 +1,30 @@
+# Does one server slow from run to run? (issue #32, 256/256 x 1000 at rate inf, Llama-3-8B shape, one
+# H100): offline once; server A: warm-up and three runs; a fresh server B: warm-up and two runs.
+# Engine step timing read around each run (lab/serve_gap/srv.py). Run after the wheel line; prints
+# one line a run and writes only $OUT/drift/summary.json.
+O=/tmp/drift;D=/tmp/sg;mkdir -p $O $D $OUT/drift; export SERVE_GAP_DIR=$D
+lscpu | grep -E "Model name" | tr -s ' '
+python3 -c "from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer as s;s('/tmp/tok',128256)"
+E="--load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --tokenizer /tmp/tok --compilation-cache-dir /tmp/xc"
+W="--num-prompts 1000 --input-len 256 --output-len 256"
+python3 -m jaxengine.cli bench throughput --model llama-3-8b $E $W --output-json $O/off.json >$O/off.log 2>&1
+echo "offline: $(grep Throughput $O/off.log)"
+b(){ python3 -m jaxengine.cli bench serve --base-url http://127.0.0.1:8000 $2 --request-rate inf --vocab-size 128256 --output-json $O/s_$1.json >$O/s_$1.log 2>&1;}
+for s in A B; do
+  python3 lab/serve_gap/srv.py llama-3-8b $E --port 8000 --uvicorn-log-level warning >$O/srv_$s.log 2>&1 & P=$!
+  for i in $(seq 300);do curl -sf localhost:8000/health>/dev/null&&break;sleep 1;done
+  b ${s}warm "--num-prompts 64 --input-len 256 --output-len 256"
+  for r in $(seq $([ $s = A ] && echo 3 || echo 2)); do
+    bash lab/serve_gap/cpu/timing.sh 8000 $O/t0_$s$r.json; b $s$r "$W"; bash lab/serve_gap/cpu/timing.sh 8000 $O/t1_$s$r.json
+    echo "$s$r $(grep -E 'Output token thr|Mean TPOT' $O/s_$s$r.log|tr -s ' '|tr '\n' ';') engine $(python3 -c "import json;a=json.load(open('$O/t0_$s$r.json'));b=json.load(open('$O/t1_$s$r.json'));n=b['steps']-a['steps'];print(n,'steps',round(1e3*(b['step_s']-a['step_s'])/n,2),'ms/step, wait',round(1e3*(b['device_wait_s']-a['device_wait_s'])/n,2))") rss $(grep VmRSS /proc/$P/status | tr -s ' ')"
+  done
+  kill $P; wait $P 2>/dev/null
+done
+python3 - <<'P' > $OUT/drift/summary.json
+import json,glob,os
+o={'offline':json.load(open('/tmp/drift/off.json'))['results']}
+for f in sorted(glob.glob('/tmp/drift/s_[AB][0-9].json')):
+    k=os.path.basename(f)[2:-5]; o[k]={kk:v for kk,v in json.load(open(f))['results'].items() if not isinstance(v,list)}
+    a=json.load(open(f'/tmp/drift/t0_{k}.json'));b=json.load(open(f'/tmp/drift/t1_{k}.json')); o[k]['engine']={'t0':a,'t1':b}
+print(json.dumps(o))
+P
