@@ -56,15 +56,6 @@ logger = logging.getLogger(__name__)
 PromptInput = str | list[int] | dict[str, object]
 
 
-# Whether the engine thread hands a step's outputs to the event loop when its next device wait
-# begins (the next step's first program launch or its wait for tokens) instead of as soon as
-# the step returns them. The event loop's work on them (waking each stream, building and writing
-# its chunk) then overlaps the engine's wait for the device instead of the Python that schedules
-# and launches the next step, which it would slow down under the shared GIL. Outputs reach the
-# streams later by that Python's time; with nothing left to step they go out at once.
-DELIVER_AT_DEVICE_WAIT = True
-
-
 class OutputObserver(Protocol):
     """Sees every output and every step on the engine thread (the server's Prometheus metrics).
     Its methods run inside the loop, so they must be O(1) per call and never block."""
@@ -220,7 +211,6 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._accepting = False
         self._stats: dict[str, float] = dict(engine.stats())
-        self._outbox: list[tuple[RequestStream, object]] = []  # engine thread: deliveries not yet sent
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -388,29 +378,24 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
-        worker = getattr(getattr(engine, "core", None), "worker", None)
-        held = DELIVER_AT_DEVICE_WAIT and worker is not None
-        if held:
-            worker.on_loop_wait = self._flush
         try:
             while True:
-                running = self._drain_commands(block=not engine.has_unfinished_requests())
+                deliveries: list[tuple[RequestStream, object]] = []
+                running = self._drain_commands(block=not engine.has_unfinished_requests(), out=deliveries)
                 if self.channel is not None:
                     events, self._events = self._events, []
                     self.channel.exchange(events if running else events + [("stop",)])
                 if not running:
-                    self._flush()
+                    self._send(deliveries)
                     break
                 stepped = engine.has_unfinished_requests()
                 if stepped:
-                    outputs = engine.step()  # sends what is held when its first device wait begins
-                    for output in outputs:
-                        self._on_output(output, self._outbox)
+                    for output in engine.step():
+                        self._on_output(output, deliveries)
                 self._stats = dict(engine.stats())
                 if stepped and self.observer is not None:
                     self.observer.on_step(self._stats)
-                if not held or not engine.has_unfinished_requests():
-                    self._flush()
+                self._send(deliveries)
         except BaseException as e:  # noqa: BLE001 - any failure ends the engine; it is reported, not lost
             self._error = e
             logger.exception("the engine loop died")
@@ -421,12 +406,9 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001
                     logger.exception("on_death callback failed")
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Applies queued commands, their answers queued behind what is held; False once a stop
-        command arrived. Sends what is held before it blocks."""
+    def _drain_commands(self, block: bool, out: list) -> bool:
+        """Applies queued commands; False once a stop command arrived."""
         timeout = self.HEARTBEAT_S if self.channel is not None else None
-        if block:
-            self._flush()
         while True:
             try:
                 cmd = self._commands.get(block=block, timeout=timeout if block else None)
@@ -435,7 +417,7 @@ class AsyncEngine:
             block = False
             if isinstance(cmd, _Stop):
                 return False
-            self._apply(cmd, self._outbox)
+            self._apply(cmd, out)
 
     def _apply(self, cmd: _Command, out: list) -> None:
         engine = self.engine
@@ -489,12 +471,6 @@ class AsyncEngine:
                 return
         out.append((live.stream, output))
 
-    def _flush(self) -> None:
-        """Sends the held deliveries (engine thread; also `OutputWorker.on_loop_wait`)."""
-        if self._outbox:
-            deliveries, self._outbox = self._outbox, []
-            self._send(deliveries)
-
     def _send(self, deliveries: list) -> None:
         if deliveries and self._loop is not None:
             try:
@@ -503,7 +479,6 @@ class AsyncEngine:
                 pass
 
     def _fail_all(self, error: BaseException) -> None:
-        self._flush()  # what the streams were owed before the failure
         dead = EngineDeadError(f"the engine loop died: {type(error).__name__}: {error}")
         deliveries: list = [(live.stream, dead) for live in self._live.values()]
         self._live.clear()

@@ -31,7 +31,7 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from jaxengine.output_processor import OutputProcessor, ProcessedStep, ResolvedStep
 
@@ -50,9 +50,6 @@ class OutputWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None  # started on the first submit
         self._pending: concurrent.futures.Future[ProcessedStep] | None = None
-        # Called on the loop thread as each of its waits begins (the server's AsyncEngine hands the
-        # event loop the outputs it holds then: see async_engine.DELIVER_AT_DEVICE_WAIT).
-        self.on_loop_wait: Callable[[], None] | None = None
 
     @property
     def busy(self) -> bool:
@@ -86,8 +83,6 @@ class OutputWorker:
     def loop_waiting(self) -> Iterator[None]:
         """Around a wait of the loop (for the device, or for `take`): the worker may run then;
         on leaving, the loop waits for the step the worker is processing to finish."""
-        if self.on_loop_wait is not None:
-            self.on_loop_wait()
         self._turn.release()
         try:
             yield

@@ -4,7 +4,6 @@ Files in $SERVE_GAP_DIR (default /tmp/serve_gap), polled every 50 ms by a daemon
 - `timing_req_<port>` appears -> `timing_<port>.json` gets `LLMEngine.timing` (steps, step_s,
   device_wait_s) and the GIL switch interval now;
 - `switch_<port>` appears holding seconds -> `sys.setswitchinterval(seconds)`, then it is removed.
-Environment: `SG_DELIVER_AT_WAIT=0|1` sets `async_engine.DELIVER_AT_DEVICE_WAIT` before the server starts.
 Used by lab/serve_gap/h100_switch.sh and the CPU runs of benchmarks/results/serve_vs_offline_cpu.md.
 """
 
@@ -45,8 +44,6 @@ def _poll() -> None:
             os.replace(out + ".tmp", out)
 
 
-if "SG_DELIVER_AT_WAIT" in os.environ:  # A/B of async_engine.DELIVER_AT_DEVICE_WAIT (read when the loop starts)
-    async_engine.DELIVER_AT_DEVICE_WAIT = os.environ["SG_DELIVER_AT_WAIT"] == "1"
 os.makedirs(DIR, exist_ok=True)
 async_engine.AsyncEngine.__init__ = _remember
 threading.Thread(target=_poll, daemon=True).start()
