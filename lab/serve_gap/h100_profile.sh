@@ -2,7 +2,7 @@
 # one server (lab/serve_gap/srv.py: engine-timing side door), a warm-up, then two `bench serve` runs of
 # 1000 prompts: per-thread CPU (/proc) and the engine's timing around each; the second under
 # `py-spy record --gil --threads --nonblocking` (samples only the thread holding the GIL). Writes $OUT/prof/.
-O=$OUT/prof;D=/tmp/sg;mkdir -p $O $D;R=$PWD
+O=$OUT/prof;D=/tmp/sg;mkdir -p $O $D;R=$PWD;export SERVE_GAP_DIR=$D
 cp lab/serve_gap/cpu/thr.py lab/serve_gap/cpu/timing.sh lab/serve_gap/srv.py $D/; chmod +x $D/timing.sh
 python3 -c "from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer as s;s('/tmp/tok',128256)"
 E="--load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --tokenizer /tmp/tok --compilation-cache-dir /tmp/xc"
