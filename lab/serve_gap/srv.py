@@ -4,6 +4,7 @@ Files in $SERVE_GAP_DIR (default /tmp/serve_gap), polled every 50 ms by a daemon
 - `timing_req_<port>` appears -> `timing_<port>.json` gets `LLMEngine.timing` (steps, step_s,
   device_wait_s) and the GIL switch interval now;
 - `switch_<port>` appears holding seconds -> `sys.setswitchinterval(seconds)`, then it is removed.
+Environment: `SG_UVICORN_LOOP=asyncio` runs uvicorn on asyncio's own loop instead of uvloop.
 Used by lab/serve_gap/h100_switch.sh and the CPU runs of benchmarks/results/serve_vs_offline_cpu.md.
 """
 
@@ -44,6 +45,16 @@ def _poll() -> None:
             os.replace(out + ".tmp", out)
 
 
+if os.environ.get("SG_UVICORN_LOOP"):  # e.g. "asyncio": uvicorn's event loop instead of its "auto" (uvloop)
+    import uvicorn
+
+    _config_init = uvicorn.Config.__init__
+
+    def _config(self, *a, **kw):
+        kw["loop"] = os.environ["SG_UVICORN_LOOP"]
+        _config_init(self, *a, **kw)
+
+    uvicorn.Config.__init__ = _config
 os.makedirs(DIR, exist_ok=True)
 async_engine.AsyncEngine.__init__ = _remember
 threading.Thread(target=_poll, daemon=True).start()
