@@ -4,12 +4,7 @@
 # releases the GIL during the write. Offline, then a server per loop (warm-up, two runs each),
 # engine timing around each run. Not run yet. Writes $OUT/loop/summary.json.
 O=/tmp/lp;D=/tmp/sg;mkdir -p $O $D $OUT/loop; export SERVE_GAP_DIR=$D
-lscpu | grep -E "Model name" | tr -s ' '
-python3 -c "from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer as s;s('/tmp/tok',128256)"
-E="--load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --tokenizer /tmp/tok --compilation-cache-dir /tmp/xc"
-W="--num-prompts 1000 --input-len 256 --output-len 256"
-python3 -m jaxengine.cli bench throughput --model llama-3-8b $E $W --output-json $O/off.json >$O/off.log 2>&1
-echo "offline: $(grep Throughput $O/off.log)"
+source lab/serve_gap/h100_env.sh; off $O
 b(){ python3 -m jaxengine.cli bench serve --base-url http://127.0.0.1:8000 $2 --request-rate inf --vocab-size 128256 --output-json $O/s_$1.json >$O/s_$1.log 2>&1;}
 for l in uvloop asyncio; do
   SG_UVICORN_LOOP=$l python3 lab/serve_gap/srv.py llama-3-8b $E --port 8000 --uvicorn-log-level warning >$O/srv_$l.log 2>&1 & P=$!

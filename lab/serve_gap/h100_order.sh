@@ -2,10 +2,7 @@
 # runs of h100_drift.sh slowed with time on the machine, and offline always ran first. Here:
 # server (warm-up, one run), offline, a fresh server (warm-up, one run), offline again.
 O=/tmp/order;mkdir -p $O $OUT/order
-lscpu | grep -E "Model name" | tr -s ' '
-python3 -c "from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer as s;s('/tmp/tok',128256)"
-E="--load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --tokenizer /tmp/tok --compilation-cache-dir /tmp/xc"
-W="--num-prompts 1000 --input-len 256 --output-len 256"
+source lab/serve_gap/h100_env.sh
 off(){ python3 -m jaxengine.cli bench throughput --model llama-3-8b $E $W --output-json $O/off$1.json >$O/off$1.log 2>&1; echo "offline $1: $(grep Throughput $O/off$1.log) $(date +%T)"; }
 srv(){ python3 -m jaxengine.server llama-3-8b $E --port 8000 --uvicorn-log-level warning >$O/srv$1.log 2>&1 & P=$!
   for i in $(seq 300);do curl -sf localhost:8000/health>/dev/null&&break;sleep 1;done

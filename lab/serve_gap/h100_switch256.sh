@@ -3,12 +3,7 @@
 # a file, and the engine's timing read before and after each run) and `bench serve` alternating
 # 0.5 ms (the server's default), 0.1 ms and 0.02 ms, twice. Run after the wheel line; writes $OUT/sw/.
 O=$OUT/sw;D=/tmp/sg;mkdir -p $O $D; export SERVE_GAP_DIR=$D
-lscpu | grep -E "Model name|^CPU\(s\)" | tr -s ' '
-python3 -c "from jaxengine.benchmarks.gpu_suite import synthetic_tokenizer as s;s('/tmp/tok',128256)"
-E="--load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --tokenizer /tmp/tok --compilation-cache-dir /tmp/xc"
-W="--num-prompts 1000 --input-len 256 --output-len 256"
-python3 -m jaxengine.cli bench throughput --model llama-3-8b $E $W --output-json $O/off.json >$O/off.log 2>&1
-echo "offline: $(grep Throughput $O/off.log)"
+source lab/serve_gap/h100_env.sh; off $O
 python3 lab/serve_gap/srv.py llama-3-8b $E --port 8000 --uvicorn-log-level warning >$O/srv.log 2>&1 & P=$!
 for i in $(seq 300);do curl -sf localhost:8000/health>/dev/null&&break;sleep 1;done
 b(){ python3 -m jaxengine.cli bench serve --base-url http://127.0.0.1:8000 $2 --request-rate inf --vocab-size 128256 --output-json $O/s_$1.json >$O/s_$1.log 2>&1;}
