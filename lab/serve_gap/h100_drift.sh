@@ -4,14 +4,12 @@
 # one line a run and writes only $OUT/drift/summary.json.
 O=/tmp/drift;D=/tmp/sg;mkdir -p $O $D $OUT/drift; export SERVE_GAP_DIR=$D
 source lab/serve_gap/h100_env.sh; off $O
-b(){ python3 -m jaxengine.cli bench serve --base-url http://127.0.0.1:8000 $2 --request-rate inf --vocab-size 128256 --output-json $O/s_$1.json >$O/s_$1.log 2>&1;}
 for s in A B; do
   python3 lab/serve_gap/srv.py llama-3-8b $E --port 8000 --uvicorn-log-level warning >$O/srv_$s.log 2>&1 & P=$!
   for i in $(seq 300);do curl -sf localhost:8000/health>/dev/null&&break;sleep 1;done
   b ${s}warm "--num-prompts 64 --input-len 256 --output-len 256"
   for r in $(seq $([ $s = A ] && echo 3 || echo 2)); do
-    bash lab/serve_gap/cpu/timing.sh 8000 $O/t0_$s$r.json; b $s$r "$W"; bash lab/serve_gap/cpu/timing.sh 8000 $O/t1_$s$r.json
-    echo "$s$r $(grep -E 'Output token thr|Mean TPOT' $O/s_$s$r.log|tr -s ' '|tr '\n' ';') engine $(python3 -c "import json;a=json.load(open('$O/t0_$s$r.json'));b=json.load(open('$O/t1_$s$r.json'));n=b['steps']-a['steps'];print(n,'steps',round(1e3*(b['step_s']-a['step_s'])/n,2),'ms/step, wait',round(1e3*(b['device_wait_s']-a['device_wait_s'])/n,2))") rss $(grep VmRSS /proc/$P/status | tr -s ' ')"
+    timed $s$r; grep VmRSS /proc/$P/status | tr -s ' '
   done
   kill $P; wait $P 2>/dev/null
 done

@@ -5,14 +5,12 @@
 # engine timing around each run. Not run yet. Writes $OUT/loop/summary.json.
 O=/tmp/lp;D=/tmp/sg;mkdir -p $O $D $OUT/loop; export SERVE_GAP_DIR=$D
 source lab/serve_gap/h100_env.sh; off $O
-b(){ python3 -m jaxengine.cli bench serve --base-url http://127.0.0.1:8000 $2 --request-rate inf --vocab-size 128256 --output-json $O/s_$1.json >$O/s_$1.log 2>&1;}
 for l in uvloop asyncio; do
   SG_UVICORN_LOOP=$l python3 lab/serve_gap/srv.py llama-3-8b $E --port 8000 --uvicorn-log-level warning >$O/srv_$l.log 2>&1 & P=$!
   for i in $(seq 300);do curl -sf localhost:8000/health>/dev/null&&break;sleep 1;done
   b w$l "--num-prompts 64 --input-len 256 --output-len 256"
   for r in 1 2; do
-    bash lab/serve_gap/cpu/timing.sh 8000 $O/t0_$l$r.json; b $l$r "$W"; bash lab/serve_gap/cpu/timing.sh 8000 $O/t1_$l$r.json
-    echo "loop=$l run $r: $(grep -E 'Output token thr|Mean TPOT' $O/s_$l$r.log|tr -s ' '|tr '\n' ';') engine $(python3 -c "import json;a=json.load(open('$O/t0_$l$r.json'));b=json.load(open('$O/t1_$l$r.json'));n=b['steps']-a['steps'];print(n,'steps',round(1e3*(b['step_s']-a['step_s'])/n,2),'ms/step, wait',round(1e3*(b['device_wait_s']-a['device_wait_s'])/n,2))")"
+    timed $l$r
   done
   kill $P; wait $P 2>/dev/null
 done

@@ -6,7 +6,6 @@ O=$OUT/sw;D=/tmp/sg;mkdir -p $O $D; export SERVE_GAP_DIR=$D
 source lab/serve_gap/h100_env.sh; off $O
 python3 lab/serve_gap/srv.py llama-3-8b $E --port 8000 --uvicorn-log-level warning >$O/srv.log 2>&1 & P=$!
 for i in $(seq 300);do curl -sf localhost:8000/health>/dev/null&&break;sleep 1;done
-b(){ python3 -m jaxengine.cli bench serve --base-url http://127.0.0.1:8000 $2 --request-rate inf --vocab-size 128256 --output-json $O/s_$1.json >$O/s_$1.log 2>&1;}
 b warm "--num-prompts 64 --input-len 256 --output-len 256"
 for r in 1 2; do for sw in 0.0005 0.0001 0.00002; do
   echo $sw > $D/switch_8000; sleep 0.3; bash lab/serve_gap/cpu/timing.sh 8000 $O/t0_${r}_$sw.json
