@@ -38,6 +38,7 @@ from jaxengine.server.serving_tools import ToolSettings
 from jaxengine.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
+    from jaxengine.async_engine import AsyncEngine
     from jaxengine.engine import LLMEngine
     from jaxengine.lora import LoRARequest
     from jaxengine.pooling import PoolingEngineBase
@@ -122,6 +123,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "--enable-auto-tool-choice)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split the model's <think>...</think> into reasoning_content (default: none)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine loop in its own process, so HTTP streaming and the engine do not "
+                        "share one GIL (vLLM's engine-core process; one host, generative models)")
     add_engine_args(parser)
     add_multihost_args(parser)
     actions = [a for a in parser._actions if a.dest not in _NOT_CONFIGURABLE or a.dest == "config"]
@@ -246,6 +250,7 @@ class ServerSettings:
     metrics_vllm_names: bool = False  # /metrics also under vLLM's `vllm:` names
     lora_modules: tuple[LoRAModulePath, ...] = ()  # --lora-modules, loaded at start-up
     tools: ToolSettings = dataclasses.field(default_factory=ToolSettings)  # tool call / reasoning parsers
+    engine_process: bool = False  # --engine-process: the engine loop in a child process
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -266,7 +271,8 @@ class ServerSettings:
                                        max_queued_requests=args.max_queued_requests),
                    metrics_vllm_names=bool(args.metrics_vllm_names), lora_modules=lora_modules,
                    tools=ToolSettings(enable_auto_tool_choice=bool(args.enable_auto_tool_choice),
-                                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser))
+                                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser),
+                   engine_process=bool(args.engine_process))
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -293,6 +299,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not pooling:
         distributed.start_local_workers(args)  # --distributed-executor-backend mp: one process per GPU
     mh = multihost_config(args)
+    if settings.engine_process:
+        if pooling or mh.enabled or getattr(args, "distributed_executor_backend", "uni") != "uni":
+            raise ValueError("--engine-process serves a generative model from one host: drop it for pooling "
+                             "models, --num-hosts and --distributed-executor-backend mp")
+        return _serve_from_engine_process(config, settings)
     distributed.initialize(mh)
     with _interrupt_on_sigterm():
         try:
@@ -309,11 +320,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(engine, settings, channel=channel, lora_requests=lora_requests)
 
 
-def run_server(engine: LLMEngine | PoolingEngineBase, settings: ServerSettings,
+def _serve_from_engine_process(config, settings: ServerSettings) -> int:
+    """--engine-process: the engine (and the start-up adapters) built in a child process."""
+    import functools
+
+    from jaxengine.engine_process import ProcessAsyncEngine
+
+    setup = functools.partial(load_lora_modules, modules=settings.lora_modules) if settings.lora_modules else None
+    with _interrupt_on_sigterm():
+        try:
+            engine = ProcessAsyncEngine.launch(config, setup=setup)
+        except KeyboardInterrupt:
+            logger.info("interrupted while starting; exiting")
+            return 130
+    return run_server(engine, settings, lora_requests=engine.setup_result or ())
+
+
+def run_server(engine: LLMEngine | PoolingEngineBase | AsyncEngine, settings: ServerSettings,
                sockets: Sequence[socket.socket] | None = None, channel=None,
                lora_requests: Sequence[LoRARequest] = ()) -> int:
     """Serves `engine` until a signal or the engine's death; returns the exit status. `channel`:
     rank 0's `StepChannel` when the engine spans several processes (generative models only).
+    `engine` may be an `AsyncEngine` already (a `ProcessAsyncEngine`), served as it is.
     `lora_requests`: the adapters `load_lora_modules` added to `engine`, served by name."""
     import prometheus_client
     import uvicorn
@@ -325,8 +353,12 @@ def run_server(engine: LLMEngine | PoolingEngineBase, settings: ServerSettings,
     from jaxengine.server.uvicorn_server import DrainingServer
 
     prometheus_client.disable_created_metrics()  # no `*_created` series, as in vLLM (process-wide)
-    async_engine = AsyncPoolingEngine(engine) if isinstance(engine, PoolingEngineBase) \
-        else AsyncEngine(engine, channel=channel)
+    if isinstance(engine, AsyncEngine):  # already wrapped (--engine-process)
+        async_engine = engine
+    elif isinstance(engine, PoolingEngineBase):
+        async_engine = AsyncPoolingEngine(engine)
+    else:
+        async_engine = AsyncEngine(engine, channel=channel)
     server: DrainingServer | None = None
     app = build_app(async_engine, served_model_names=list(settings.served_model_names or []) or None,
                     model_path=settings.model, api_key=settings.api_key, chat_template=settings.chat_template,

@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import operator
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -173,7 +174,7 @@ class LoRAAdapters:
             request = LoRARequest(name, self._next_id, path)
             self._next_id += 1
             try:
-                await self.engine.call(lambda engine: engine.add_lora(request))
+                await self.engine.call(operator.methodcaller("add_lora", request))
             except (ValueError, OSError) as e:
                 raise OpenAIError(str(e), 400, param="lora_path") from e
             self._by_name[name] = request
@@ -192,7 +193,7 @@ class LoRAAdapters:
                 raise OpenAIError(f"The lora adapter '{name}' cannot be found.", 404, param="lora_name",
                                   code="model_not_found")
             try:
-                known = await self.engine.call(lambda engine: engine.remove_lora(request.lora_int_id))
+                known = await self.engine.call(operator.methodcaller("remove_lora", request.lora_int_id))
             except ValueError as e:
                 raise OpenAIError(f"The lora adapter '{name}' cannot be unloaded now: {e}", 409,
                                   param="lora_name", code="lora_adapter_in_use") from e

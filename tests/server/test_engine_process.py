@@ -1,0 +1,166 @@
+"""The engine loop in its own process (`ProcessAsyncEngine`, `jaxengine serve --engine-process`):
+the same outputs as the in-process engine, streams that grow as they should (deltas rebuilt into
+cumulative outputs), aborts, bad input, `call`, the metrics observer's calls replayed, the child's
+death reported to every stream, and the server end to end with the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import os
+import signal
+import sys
+import threading
+
+import openai
+import pytest
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.exceptions import EngineDeadError
+from tests.server.conftest import ENGINE_KW, free_port
+from tests.server.test_cli import finish_reason, start, stream_in_background
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4 5 6 7 8"]
+
+
+class Recorder:
+    """An observer that keeps what the engine loop told it."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+        self.first: list[str] = []
+        self.finished: dict[str, str | None] = {}
+        self.steps = 0
+
+    def on_step(self, stats: dict[str, float]) -> None:
+        assert "num_running" in stats
+        self.steps += 1
+
+    def on_output(self, output, new_tokens: int, first: bool) -> None:  # noqa: ANN001
+        self.tokens[output.request_id] = self.tokens.get(output.request_id, 0) + new_tokens
+        if first:
+            self.first.append(output.request_id)
+
+    def on_finished(self, output) -> None:  # noqa: ANN001
+        self.finished[output.request_id] = output.outputs[0].finish_reason
+
+
+def test_engine_in_its_own_process(tiny_llama, xla_cache_dir):
+    from jaxengine.config import EngineConfig
+    from jaxengine.engine_process import ProcessAsyncEngine
+
+    config = EngineConfig(model=tiny_llama, compilation_cache_dir=xla_cache_dir, **ENGINE_KW)
+    with pytest.raises(ValueError, match="max_num_seqs"):  # the child's start-up error, raised here
+        ProcessAsyncEngine.launch(EngineConfig(model=tiny_llama, compilation_cache_dir=xla_cache_dir,
+                                               **{**ENGINE_KW, "max_num_seqs": 0}))
+    engine = ProcessAsyncEngine.launch(config)
+    assert engine.engine.config.max_model_len == ENGINE_KW["max_model_len"]
+    assert engine.engine.tokenizer is not None
+    recorder = Recorder()
+    engine.observer = recorder
+    deaths: list[BaseException] = []
+    engine.on_death = deaths.append
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reference = LLM(tiny_llama, compilation_cache_dir=xla_cache_dir, **ENGINE_KW).generate(PROMPTS, greedy)
+
+    async def run() -> None:
+        engine.start()
+
+        async def follow(i: int, params: SamplingParams) -> list:
+            return [out async for out in engine.generate(PROMPTS[i], params, f"r{i}")]
+
+        streams = await asyncio.gather(*(follow(i, greedy) for i in range(len(PROMPTS))))
+        for outs, ref in zip(streams, reference):
+            final = outs[-1]
+            assert final.finished and final.outputs[0].token_ids == ref.outputs[0].token_ids
+            assert final.outputs[0].text == ref.outputs[0].text
+            assert final.prompt_token_ids == ref.prompt_token_ids
+            for a, b in zip(outs, outs[1:]):  # cumulative: each output extends the one before
+                assert b.outputs[0].token_ids[:len(a.outputs[0].token_ids)] == a.outputs[0].token_ids
+                assert b.outputs[0].text.startswith(a.outputs[0].text)
+            assert recorder.tokens[final.request_id] == len(final.outputs[0].token_ids)
+            assert recorder.finished[final.request_id] == "length"
+        assert sorted(recorder.first) == ["r0", "r1", "r2"] and recorder.steps > 0
+
+        # logprobs and n > 1 travel too
+        params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, logprobs=2, ignore_eos=True)
+        final = (await follow(0, params))[-1]
+        assert [len(c.token_ids) for c in final.outputs] == [12, 12]
+        assert all(len(c.logprobs) == 12 and c.cumulative_logprob is not None for c in final.outputs)
+
+        # bad input: a ValueError from `add`, and the engine goes on
+        with pytest.raises(ValueError, match="exceeds max_num_seqs"):
+            await engine.add("bad", "x", SamplingParams(n=100))
+
+        # an abort: the stream ends, the request leaves the engine
+        stream = await engine.add("long", PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        first = await stream.__anext__()
+        assert not first.finished
+        stream.close()
+        for _ in range(200):
+            stats = await engine.call(operator.methodcaller("stats"))
+            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert stats["num_running"] == 0 and recorder.finished["long"] == "abort"
+        assert engine.num_open_requests == 0
+
+        # call: picklable functions run on the engine; a result that cannot travel is the caller's error
+        timing = await engine.call(operator.attrgetter("timing"))
+        assert timing["steps"] > 0
+        with pytest.raises(TypeError, match="cannot be sent"):
+            await engine.call(operator.attrgetter("runner"))
+        assert engine.stats()["num_running"] == 0
+
+        # the child dies: the open stream and later requests raise EngineDeadError
+        stream = await engine.add("doomed", PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        os.kill(engine.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="exit code"):
+            async for _ in stream:
+                pass
+        for _ in range(100):  # on_death runs on the reader thread, after the streams were told
+            if deaths:
+                break
+            await asyncio.sleep(0.05)
+        assert not engine.is_alive and isinstance(deaths[0], EngineDeadError)
+        with pytest.raises(EngineDeadError):
+            await engine.add("after", "x", greedy)
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_serve_with_engine_process(tiny_llama, xla_cache_dir):
+    port = free_port()
+    proc = start([sys.executable, "-m", "jaxengine.server", tiny_llama, "--engine-process", "--port", str(port),
+                  "--served-model-name", "tiny", "--max-model-len", "256", "--max-num-seqs", "8",
+                  "--max-num-batched-tokens", "64", "--num-kv-blocks", "128",
+                  "--compilation-cache-dir", xla_cache_dir], port)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=4, temperature=0)
+        assert out.choices[0].finish_reason in ("length", "stop")
+        chunks = list(client.completions.create(model="tiny", prompt="Count:", max_tokens=16, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        whole = client.completions.create(model="tiny", prompt="Count:", max_tokens=16, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt="x", max_tokens=100_000)
+        started = threading.Event()
+        res = stream_in_background(f"http://127.0.0.1:{port}/v1/completions",
+                                   {"prompt": "Count:", "max_tokens": 60, "temperature": 0, "ignore_eos": True},
+                                   started)
+        assert started.wait(60)
+        proc.send_signal(signal.SIGINT)  # drains the running request, stops the engine process, exits 0
+        _, err = proc.communicate(timeout=90)
+        res["thread"].join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+    assert "engine process" in err
+    assert res["lines"][-1] == "data: [DONE]" and finish_reason(res["lines"]) == "length"
