@@ -6,7 +6,8 @@ reference, then runs N concurrent clients for a bounded time: each loops over st
 completions of mixed prompt lengths and max_tokens, and a share of them hang up mid-stream.
 Checked: every stream that ran to its end is well formed, complete (`[DONE]`, finish_reason
 "length", usage = max_tokens) and equal to the same request served alone; zero 5xx; at the end
-no request is running or waiting and no KV block is held; the server's RSS stays flat after the
+no request is running or waiting and no KV block is held; the server's RSS (with its engine
+process's) stays flat after the
 warm-up; SIGTERM then exits 0. Writes the figures as JSON + Markdown.
 
     python benchmarks/soak.py [--clients 200] [--duration 150] [--model PATH]
@@ -106,11 +107,31 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> No
 
 
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    """The RSS of `pid` and its child processes (the server's engine process among them)."""
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) / 1024
+                        break
+        except OSError:  # exited meanwhile
+            pass
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
 
 
 def metrics(url: str) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""The engine loop in its own process (`jaxengine serve --engine-process`), as vLLM's EngineCore.
+"""The engine in its own process (`jaxengine serve`, unless --no-engine-process), as vLLM's EngineCore.
 
 In one process the HTTP server's event loop, the engine loop and the output worker share one GIL;
 at high request rates the event loop's streaming (SSE chunks, socket writes) takes GIL time the

@@ -123,9 +123,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "--enable-auto-tool-choice)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split the model's <think>...</think> into reasoning_content (default: none)")
-    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
-                   help="run the engine loop in its own process, so HTTP streaming and the engine do not "
-                        "share one GIL (vLLM's engine-core process; one host, generative models)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process, so HTTP streaming and the engine loop do not "
+                        "share one GIL, as vLLM's engine-core process (generative models on one host; "
+                        "pooling models and several hosts keep one process)")
     add_engine_args(parser)
     add_multihost_args(parser)
     actions = [a for a in parser._actions if a.dest not in _NOT_CONFIGURABLE or a.dest == "config"]
@@ -250,7 +251,7 @@ class ServerSettings:
     metrics_vllm_names: bool = False  # /metrics also under vLLM's `vllm:` names
     lora_modules: tuple[LoRAModulePath, ...] = ()  # --lora-modules, loaded at start-up
     tools: ToolSettings = dataclasses.field(default_factory=ToolSettings)  # tool call / reasoning parsers
-    engine_process: bool = False  # --engine-process: the engine loop in a child process
+    engine_process: bool = True  # --engine-process: the engine in a child process (cmd_serve)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -279,8 +280,10 @@ class ServerSettings:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Builds the engine (model load + compile), then serves until SIGINT / SIGTERM.
 
-    A pooling model (--runner pooling, --task embed|classify|score|encode, or an encoder folder)
-    gets the pooling engine, on this process only. Across hosts (--num-hosts > 1) every rank builds
+    A generative model on one host is served from an engine in its own process (--engine-process,
+    the default; --no-engine-process keeps it in this one). A pooling model (--runner pooling,
+    --task embed|classify|score|encode, or an encoder folder) gets the pooling engine, on this
+    process only. Across hosts (--num-hosts > 1) every rank builds
     the generating engine; rank 0 serves HTTP and the others follow its steps
     (jaxengine/distributed.py) until rank 0 stops.
     """
@@ -300,10 +303,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         distributed.start_local_workers(args)  # --distributed-executor-backend mp: one process per GPU
     mh = multihost_config(args)
     if settings.engine_process:
-        if pooling or mh.enabled or getattr(args, "distributed_executor_backend", "uni") != "uni":
-            raise ValueError("--engine-process serves a generative model from one host: drop it for pooling "
-                             "models, --num-hosts and --distributed-executor-backend mp")
-        return _serve_from_engine_process(config, settings)
+        if not (pooling or mh.enabled or getattr(args, "distributed_executor_backend", "uni") != "uni"):
+            return _serve_from_engine_process(config, settings)
+        logger.info("the engine runs in this process (--engine-process covers generative models on one host)")
     distributed.initialize(mh)
     with _interrupt_on_sigterm():
         try:

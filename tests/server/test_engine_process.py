@@ -1,4 +1,4 @@
-"""The engine loop in its own process (`ProcessAsyncEngine`, `jaxengine serve --engine-process`):
+"""The engine loop in its own process (`ProcessAsyncEngine`, what `jaxengine serve` runs by default):
 the same outputs as the in-process engine, streams that grow as they should (deltas rebuilt into
 cumulative outputs), aborts, bad input, `call`, the metrics observer's calls replayed, the child's
 death reported to every stream, and the server end to end with the official client."""
