@@ -164,3 +164,32 @@ def test_serve_with_engine_process(tiny_llama, xla_cache_dir):
     assert "Traceback" not in err, err
     assert "engine process" in err
     assert res["lines"][-1] == "data: [DONE]" and finish_reason(res["lines"]) == "length"
+
+
+def test_engine_process_death_exits_nonzero(tiny_llama, xla_cache_dir):
+    """The engine process killed under a live server: its request gets an error, the server exits 1
+    (so a supervisor restarts it)."""
+    from jaxengine.benchmarks.soak import _children
+
+    port = free_port()
+    proc = start([sys.executable, "-m", "jaxengine.server", tiny_llama, "--port", str(port),
+                  "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                  "--num-kv-blocks", "128", "--compilation-cache-dir", xla_cache_dir], port)
+    try:
+        started = threading.Event()
+        res = stream_in_background(f"http://127.0.0.1:{port}/v1/completions",
+                                   {"prompt": "Count:", "max_tokens": 200, "temperature": 0, "ignore_eos": True},
+                                   started)
+        assert started.wait(60)
+        engines = _children(proc.pid)
+        assert len(engines) >= 1
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=90)
+        res["thread"].join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "the engine loop died" in err and "exit code -9" in err
+    assert res["lines"][-1] == "data: [DONE]" and "error" in res["lines"][-2]
