@@ -320,9 +320,6 @@ KERNEL_MAX_ROWS = 64
 # rows too. On the H100: 5-25% faster on most linear shapes, the same batch-1 decode. (The kernel's
 # `post_scale` form was no faster than the default and is not used: weight_only_h100.md.)
 SLABS = True
-# Whether each kernel step loads the next block before the current block's arithmetic (the
-# kernel's `prefetch`).
-PREFETCH = False
 
 
 def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
@@ -334,7 +331,7 @@ def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     if jax.default_backend() == "gpu" and x.shape[0] <= KERNEL_MAX_ROWS and \
             kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
         return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size,
-                                         float_min=float_min, slabs=SLABS, prefetch=PREFETCH)
+                                         float_min=float_min, slabs=SLABS)
     return weight_only_matmul(x, packed, scales, zeros, bits, group_size, float_min)
 
 

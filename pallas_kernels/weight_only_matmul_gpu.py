@@ -128,7 +128,7 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, bk: int, steps: int, magic: bool,
-            float_min: bool, post_scale: bool, slabs: bool, prefetch: bool = False):
+            float_min: bool, post_scale: bool, slabs: bool):
     """One (row tile, column tile, K split): `steps` blocks of bk = min(group, 128) rows from
     split * steps on. Each block's words [bk / per, block_n] unpack at once into
     [bk / per, per, block_n] (value j of word i is row i * per + j, so merging the two leading axes
@@ -146,12 +146,7 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, bk
     matching columns (x arrives with its columns permuted so that those are contiguous). A block
     may then span several groups (groups of 16-64 rows in 128-row blocks): word i's rows all lie in
     group i // (group_size / per), so one [rows, block_n] tile of scales (each group's row repeated
-    group_size / per times) serves every slab of the block.
-
-    `prefetch`: each step first loads the next block's words, scales and zeros (carried through
-    the loop in registers), then computes the block loaded the step before, so a program always
-    has its next load in flight while it unpacks and multiplies (the last step reloads its own
-    block, unused)."""
+    group_size / per times) serves every slab of the block."""
     per = 32 // bits
     rows = bk // per
     mask = (1 << bits) - 1
@@ -160,15 +155,11 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, bk
     shifts = (lax.broadcasted_iota(jnp.int32, (1, per, 1), 1) * bits)
     gpb = max(1, bk // group_size)  # groups in one block (more than one only with slabs)
 
-    def load(kb):
-        g = (kb * bk) // group_size
-        # [rows, block_n] int32 words; [1 or rows, block_n] scales and zeros
-        return p_ref[pl.ds(kb * rows, rows), :], _group_rows(s_ref, g, gpb, rows), _group_rows(z_ref, g, gpb, rows)
-
     def body(kb, acc):
-        return block(kb, acc, *load(kb))
-
-    def block(kb, acc, words, scale, zero):
+        words = p_ref[pl.ds(kb * rows, rows), :]  # [rows, block_n] int32
+        g = (kb * bk) // group_size
+        scale = _group_rows(s_ref, g, gpb, rows)  # [1 or rows, block_n]
+        zero = _group_rows(z_ref, g, gpb, rows)
         if slabs:
             for j in range(per):
                 w = _dequantize((words >> (j * bits)) & mask, scale, zero, magic, float_min)  # [rows, block_n]
@@ -187,34 +178,25 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bits: int, group_size: int, bk
         w = _dequantize(ints, scale[None], zero[None], magic, float_min)
         return acc + _dot(xb, w.reshape(bk, block_n).astype(x_ref.dtype))
 
-    acc = jnp.zeros((block_m, block_n), jnp.float32)
-    if prefetch:
-        def step(kb, carry):
-            acc, loaded = carry[0], carry[1:]
-            ahead = load(jnp.minimum(kb + 1, first + steps - 1))
-            return (block(kb, acc, *loaded), *ahead)
-
-        acc = lax.fori_loop(first, first + steps, step, (acc, *load(first)))[0]
-    else:
-        acc = lax.fori_loop(first, first + steps, body, acc)
+    acc = lax.fori_loop(first, first + steps, body, jnp.zeros((block_m, block_n), jnp.float32))
     o_ref[...] = acc[None]
 
 
-def pick_splits(programs: int, k_steps: int, target_programs: int = TARGET_PROGRAMS) -> int:
-    """K splits so that programs x splits reaches about `target_programs`: the largest divisor of
-    the K steps not above target / programs (at least 1)."""
-    want = max(1, -(-target_programs // programs))
+def pick_splits(programs: int, k_steps: int, target_programs: int | None = None) -> int:
+    """K splits so that programs x splits reaches about `target_programs` (default
+    TARGET_PROGRAMS): the largest divisor of the K steps not above target / programs (at least 1)."""
+    want = max(1, -(-(target_programs or TARGET_PROGRAMS) // programs))
     return max(d for d in range(1, min(want, k_steps) + 1) if k_steps % d == 0)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n", "splits", "num_warps",
                                              "num_stages", "magic", "float_min", "post_scale", "slabs", "block_k_rows",
-                                             "prefetch", "interpret"))
+                                             "interpret"))
 def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, bits: int,
                        group_size: int, block_m: int = 16, block_n: int = 128, splits: int | None = None,
                        num_warps: int = 4, num_stages: int = 2, magic: bool = True, float_min: bool = False,
                        post_scale: bool = False, slabs: bool = False, block_k_rows: int | None = None,
-                       prefetch: bool = False, interpret: bool = False) -> jax.Array:
+                       interpret: bool = False) -> jax.Array:
     """x [T, K] @ dequant(packed) -> [T, N] in x's dtype; shapes as in the module docstring.
     T is padded to a multiple of `block_m` (at least 16, Triton's smallest dot). `splits`: K is
     split over that many programs per output tile (default `pick_splits`: a narrow output at a
@@ -223,8 +205,7 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     up to 7 bits, or f16 up to 10; `post_scale_ok`): scales and zeros applied to the dot's sums
     (see `_kernel`). `slabs`: one dot per value position of the words (see `_kernel`).
     `block_k_rows`: rows of K per step (a divisor of min(group, 128), at least 16 * 32 / bits
-    with `slabs`); default min(group, 128). `prefetch`: the next block's load issued before the
-    current block's arithmetic (see `_kernel`)."""
+    with `slabs`); default min(group, 128)."""
     t, k = x.shape
     n = packed.shape[1]
     per = 32 // bits
@@ -259,7 +240,7 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     sums = pl.pallas_call(
         functools.partial(_kernel, bits=bits, group_size=group_size, bk=bk, steps=k_steps // splits, magic=magic,
-                          float_min=float_min, post_scale=post_scale, slabs=slabs, prefetch=prefetch),
+                          float_min=float_min, post_scale=post_scale, slabs=slabs),
         grid=(tp // block_m, n // block_n, splits),
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
                   pl.BlockSpec((k // per, block_n), lambda i, j, s: (0, j)),

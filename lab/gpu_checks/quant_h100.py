@@ -41,12 +41,14 @@ from jaxengine.device_memory import STABLE_TEMP_FLAG
 ENGINES = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "w4a16": ("gptq", "auto"), "fp8kv": (None, "fp8"),
            "gguf": ("gguf", "auto"), "w4a16_slabs": ("gptq", "auto"), "w4a16_slabs_vmm": ("gptq", "auto"),
            "gguf_slabs": ("gguf", "auto"), "gguf_slabs_vmm": ("gguf", "auto"), "bf16_vmm": (None, "auto"),
-           "w4a16_prefetch": ("gptq", "auto")}
+           "w4a16_splits2x": ("gptq", "auto"),
+           "w4a16_splits4x": ("gptq", "auto")}
 # engine part -> module constants of models/quantization set in its process (kernel variants)
 # (the parts without `_slabs` run the one-dot-per-block form, as the engine did before slabs)
 PATCHES = {"w4a16": {"SLABS": False}, "gguf": {"SLABS": False}, "w4a16_slabs": {"SLABS": True},
            "w4a16_slabs_vmm": {"SLABS": True}, "gguf_slabs": {"SLABS": True}, "gguf_slabs_vmm": {"SLABS": True},
-           "w4a16_prefetch": {"SLABS": True, "PREFETCH": True}}
+           "w4a16_splits2x": {"SLABS": True, "KERNEL.TARGET_PROGRAMS": 528},
+           "w4a16_splits4x": {"SLABS": True, "KERNEL.TARGET_PROGRAMS": 1056}}
 # engine part -> environment of its process: XLA's command buffers updated only where buffers moved
 # (docs/design.md, "The launch of a step")
 _VMM = {"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm", "XLA_FLAGS": STABLE_TEMP_FLAG}
@@ -54,7 +56,7 @@ ENVS = {"w4a16_slabs_vmm": _VMM, "gguf_slabs_vmm": _VMM, "bf16_vmm": _VMM}
 TIME_LIMIT_S = {"micro": 170, "micro_fp8": 150, "bf16": 150, "fp8": 200, "w4a16": 110, "fp8kv": 130,
                 "gguf": 110, "w4a16_slabs": 110,
                 "w4a16_slabs_vmm": 110, "gguf_slabs": 110, "gguf_slabs_vmm": 110, "bf16_vmm": 110,
-                "w4a16_prefetch": 110}
+                "w4a16_splits2x": 110, "w4a16_splits4x": 110}
 PARTS = ("micro", "micro_fp8", *ENGINES)
 # fp8-weight kernel configurations (block_n, num_stages, num_warps, splits or None)
 FP8_CONFIGS = [(64, 3, 4, None), (128, 3, 4, None), (128, 4, 4, None), (256, 3, 4, None), (128, 3, 8, None),
@@ -235,8 +237,13 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     from jaxengine.models import quantization
 
-    for name, value in PATCHES.get(kind, {}).items():
-        setattr(quantization, name, value)
+    from jaxengine.pallas_kernels import weight_only_matmul_gpu
+
+    for name, value in PATCHES.get(kind, {}).items():  # "KERNEL." names: the weight-only kernel's module
+        if name.startswith("KERNEL."):
+            setattr(weight_only_matmul_gpu, name[len("KERNEL."):], value)
+        else:
+            setattr(quantization, name, value)
     t0 = time.perf_counter()
     quant, kv_dtype = ENGINES[kind]
     # decode only: fewer token buckets to compile (batch-1 decode runs the 16-token bucket either way)

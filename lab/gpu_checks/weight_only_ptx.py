@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from jaxengine.pallas_kernels import weight_only_matmul_gpu as kernel
 
 VARIANTS = {"bk128_w4": dict(), "bk128_w8_bn256": dict(num_warps=8, block_n=256), "bk64": dict(block_k_rows=64),
-            "bk32": dict(block_k_rows=32), "slabs": dict(slabs=True), "post": dict(post_scale=True),
-            "slabs_prefetch": dict(slabs=True, prefetch=True)}
+            "bk32": dict(block_k_rows=32), "slabs": dict(slabs=True), "post": dict(post_scale=True)}
 
 
 def main(dump: str) -> int:

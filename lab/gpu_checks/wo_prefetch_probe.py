@@ -1,11 +1,12 @@
 """The int4 weight-only kernel with and without `prefetch` (the next block's words, scales and
-zeros loaded before the current block's arithmetic) at a batch-1 decode step's 16 rows, Llama-3-8B
+zeros loaded before the current block's arithmetic; an option of the kernel at 0c8336b, removed
+after it lost: run this at that commit) at a batch-1 decode step's 16 rows, Llama-3-8B
 shapes, groups of 128, slabs form (the engine's): whether the kernel's loads were waiting on its
 arithmetic (weight_only_h100.md: the loads alone reached 21-43% of the copy rate). Also twice the
 default K splits (more programs in flight). bf16 `jnp.dot` beside them; each figure is the median
 of one compiled program running the layer over distinct weights (lab/gpu_checks/xla_narrow_probe.py).
 
-    python -m lab.gpu_checks.wo_prefetch_probe --out $OUT      # writes wo_prefetch.json
+    python -m lab.gpu_checks.wo_prefetch_probe --out $OUT [--splits]   # writes wo_prefetch.json (wo_splits.json)
 """
 
 from __future__ import annotations
@@ -20,13 +21,20 @@ VARIANTS = {"slabs": dict(slabs=True), "slabs_prefetch": dict(slabs=True, prefet
             "slabs_prefetch_st3": dict(slabs=True, prefetch=True, num_stages=3),
             "slabs_2x_splits": dict(slabs=True, splits="2x"),
             "slabs_prefetch_2x_splits": dict(slabs=True, prefetch=True, splits="2x")}
+# --splits: the K splits' multiple of the default (more, shorter programs), slabs form
+SPLITS = {f"slabs_{m}x_splits": dict(slabs=True, splits=f"{m}x") for m in (1, 2, 4, 8, 16)} | \
+    {"slabs_bn64_4x_splits": dict(slabs=True, splits="4x", block_n=64),
+     "slabs_4x_splits_st3": dict(slabs=True, splits="4x", num_stages=3),
+     "slabs_4x_splits_w8": dict(slabs=True, splits="4x", num_warps=8)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--splits", action="store_true", help="the K-splits sweep instead of the prefetch variants")
     args = ap.parse_args()
+    variants = SPLITS if args.splits else VARIANTS
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -56,12 +64,12 @@ def main() -> int:
         cells["bf16"] = {"us": 1e6 * t, "weight_GBps": 2 * k * n / t / 1e9}
         want = np.asarray(wk.weight_only_matmul(x, packed[0], gs[0], pz, bits=4, group_size=128, slabs=True),
                           np.float32)
-        for label, opts in VARIANTS.items():
+        for label, opts in variants.items():
             o = dict(opts)
-            if o.get("splits") == "2x":
-                o["splits"] = 2 * wk.pick_splits((16 // 16) * (n // 128), k // 128)
+            if isinstance(o.get("splits"), str):
+                o["splits"] = int(o["splits"][:-1]) * wk.pick_splits(n // o.get("block_n", 128), k // 128)
                 if (k // 128) % o["splits"]:
-                    cells[label] = {"error": "splits do not divide the steps"}
+                    cells[label] = {"error": f"{o['splits']} splits do not divide the steps"}
                     continue
             try:
                 got = np.asarray(wk.weight_only_matmul(x, packed[0], gs[0], pz, bits=4, group_size=128, **o),
@@ -81,7 +89,7 @@ def main() -> int:
     res["sum_us"] = totals
     print("sum over the four linears (us): " + "; ".join(f"{k} {v:.1f}" for k, v in totals.items()), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "wo_prefetch.json"), "w") as f:
+    with open(os.path.join(args.out, "wo_splits.json" if args.splits else "wo_prefetch.json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0
 

@@ -91,8 +91,6 @@ def test_post_scale_matches_reference(dtype, bits, group, float_min):
     (4, 64, False, dict(slabs=True)), (8, 128, True, dict(slabs=True)), (4, 128, False, dict(block_k_rows=32)),
     (4, 256, True, dict(block_k_rows=64, splits=2)), (4, 16, True, dict(slabs=True)),  # GGUF Q2_K's form
     (4, 16, False, dict(slabs=True, splits=2)),  # Q3_K's
-    (4, 128, False, dict(slabs=True, prefetch=True)), (4, 32, True, dict(slabs=True, prefetch=True, splits=2)),
-    (8, 128, False, dict(prefetch=True, splits=2)),  # the next block loaded before this one's arithmetic
 ])
 def test_slabs_and_smaller_steps_match_reference(bits, group, float_min, kw):
     """Slabs (one dot per value position of the words, x's columns permuted; 128-row blocks over
@@ -140,7 +138,7 @@ def test_unsupported_shapes_refused():
 @pytest.mark.parametrize("magic,group,float_min,post,slabs", [
     (True, 128, False, False, False), (False, 128, False, False, False), (True, 32, True, False, False),
     (True, 128, False, True, False), (True, 32, True, True, False), (True, 128, False, False, True),
-    (True, 32, True, False, True), (True, 16, True, False, True), (True, 128, False, False, "prefetch")])
+    (True, 32, True, False, True), (True, 16, True, False, True)])
 def test_kernel_lowers_for_an_h100(magic, group, float_min, post, slabs):
     """Both conversions lower through Triton (3-D shifts, the bitcast and the reshape included),
     and so do groups of 32 with float minimums, the post-scale form (16-bit bitcast, row sums) and
@@ -149,8 +147,7 @@ def test_kernel_lowers_for_an_h100(magic, group, float_min, post, slabs):
 
     x, packed, scales, zeros = _inputs(16, 512, 256, 4, group, seed=3, dtype=jnp.bfloat16, float_min=float_min)
     fn = jax.jit(lambda x, p, s, z: weight_only_matmul(x, p, s, z, bits=4, group_size=group, magic=magic,
-                                                       float_min=float_min, post_scale=post, slabs=bool(slabs),
-                                                       prefetch=slabs == "prefetch"))
+                                                       float_min=float_min, post_scale=post, slabs=slabs))
     with abstract_h100():
         text = fn.trace(x, packed, scales, zeros).lower(lowering_platforms=("cuda",)).as_text()
     assert "weight_only_matmul" in text
