@@ -12,11 +12,13 @@ import signal
 import sys
 import threading
 
+import httpx
 import openai
 import pytest
 
-from jaxengine import LLM, SamplingParams
+from jaxengine import LLM, BeamSearchParams, SamplingParams
 from jaxengine.exceptions import EngineDeadError
+from jaxengine.structured_outputs import StructuredOutputsParams
 from tests.server.conftest import ENGINE_KW, free_port
 from tests.server.test_cli import finish_reason, start, stream_in_background
 
@@ -61,7 +63,10 @@ def test_engine_in_its_own_process(tiny_llama, xla_cache_dir):
     deaths: list[BaseException] = []
     engine.on_death = deaths.append
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    reference = LLM(tiny_llama, compilation_cache_dir=xla_cache_dir, **ENGINE_KW).generate(PROMPTS, greedy)
+    llm = LLM(tiny_llama, compilation_cache_dir=xla_cache_dir, **ENGINE_KW)
+    reference = llm.generate(PROMPTS, greedy)
+    beams = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    beam_reference = llm.beam_search(PROMPTS[:1], beams)
 
     async def run() -> None:
         engine.start()
@@ -112,6 +117,18 @@ def test_engine_in_its_own_process(tiny_llama, xla_cache_dir):
             await engine.call(operator.attrgetter("runner"))
         assert engine.stats()["num_running"] == 0
 
+        # structured outputs: the grammar is compiled in the child; a bad one is this request's ValueError
+        choice = SamplingParams(temperature=0, max_tokens=8,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        assert (await follow(1, choice))[-1].outputs[0].text in ("yes", "no")
+        with pytest.raises(ValueError):
+            await engine.add("bad-regex", "x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")))
+
+        # beam search: one-token requests a step, through the pipe
+        [out] = await engine.beam_search([(PROMPTS[0], reference[0].prompt_token_ids)], beams, "beam")
+        assert [q.output_text for q in out.sequences] == [q.output_text for q in beam_reference[0].sequences]
+        assert engine.num_open_requests == 0
+
         # the child dies: the open stream and later requests raise EngineDeadError
         stream = await engine.add("doomed", PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         await stream.__anext__()
@@ -149,6 +166,10 @@ def test_serve_with_engine_process(tiny_llama, xla_cache_dir):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="tiny", prompt="x", max_tokens=100_000)
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text  # recorded from the engine's messages
+        generated = [float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("jaxengine:generation_tokens_total")]
+        assert generated and generated[0] >= 4 + 16 + 16
         started = threading.Event()
         res = stream_in_background(f"http://127.0.0.1:{port}/v1/completions",
                                    {"prompt": "Count:", "max_tokens": 60, "temperature": 0, "ignore_eos": True},
