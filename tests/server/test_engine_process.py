@@ -128,6 +128,7 @@ def test_engine_in_its_own_process(tiny_llama, xla_cache_dir):
         [out] = await engine.beam_search([(PROMPTS[0], reference[0].prompt_token_ids)], beams, "beam")
         assert [q.output_text for q in out.sequences] == [q.output_text for q in beam_reference[0].sequences]
         assert engine.num_open_requests == 0
+        assert not engine._streams and not engine._outputs  # nothing kept for finished requests
 
         # the child dies: the open stream and later requests raise EngineDeadError
         stream = await engine.add("doomed", PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
