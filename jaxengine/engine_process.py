@@ -213,7 +213,11 @@ def _child_main(config: EngineConfig, setup: Callable | None, conn, log_level: i
     """The child's entry point: builds the engine, reports ready, runs the loop until stopped."""
     import gc
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the process group: the HTTP process decides
+    # Ctrl+C reaches the whole process group, and a service manager's SIGTERM often does too
+    # (systemd's default KillMode): the HTTP process drains its requests and then stops this one; if
+    # it dies instead, its end of the pipe closes and this process stops too.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s [engine] %(name)s: %(message)s")
     from jaxengine.engine import LLMEngine
 

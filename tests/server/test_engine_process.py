@@ -153,7 +153,7 @@ def test_serve_with_engine_process(tiny_llama, xla_cache_dir):
     port = free_port()
     proc = start([sys.executable, "-m", "jaxengine.server", tiny_llama, "--engine-process", "--port", str(port),
                   "--served-model-name", "tiny", "--max-model-len", "256", "--max-num-seqs", "8",
-                  "--max-num-batched-tokens", "64", "--num-kv-blocks", "128",
+                  "--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--shutdown-timeout", "60",
                   "--compilation-cache-dir", xla_cache_dir], port)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -176,7 +176,14 @@ def test_serve_with_engine_process(tiny_llama, xla_cache_dir):
                                    {"prompt": "Count:", "max_tokens": 60, "temperature": 0, "ignore_eos": True},
                                    started)
         assert started.wait(60)
-        proc.send_signal(signal.SIGINT)  # drains the running request, stops the engine process, exits 0
+        # SIGTERM to both processes, as systemd's default KillMode sends it: the running request
+        # drains, the HTTP process stops the engine process, exits 0
+        from jaxengine.benchmarks.soak import _children
+
+        engines = _children(proc.pid)
+        assert engines
+        for pid in [proc.pid, *engines]:
+            os.kill(pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=90)
         res["thread"].join(30)
     finally:
