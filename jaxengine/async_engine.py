@@ -222,8 +222,14 @@ class AsyncEngine:
         self._idle.set()
         self._hurry = asyncio.Event()
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="jaxengine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, name=self._thread_name, daemon=True)
         self._thread.start()
+
+    _thread_name = "jaxengine-loop"
+
+    def _thread_main(self) -> None:
+        """The background thread `start` runs: here the engine loop (a subclass may run another)."""
+        self._run()
 
     @property
     def is_alive(self) -> bool:

@@ -333,16 +333,10 @@ class ProcessAsyncEngine(AsyncEngine):
         return cls(info, parent, process, setup_result=setup_result)
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("the engine loop is already started")
-        self._loop = asyncio.get_running_loop()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._hurry = asyncio.Event()
-        self._accepting = True
-        self._thread = threading.Thread(target=self._read, name="jaxengine-outputs", daemon=True)
-        self._thread.start()
+    _thread_name = "jaxengine-outputs"  # `start` runs the reader of the child's messages
+
+    def _thread_main(self) -> None:
+        self._read()
 
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         self._stopping = True

@@ -16,9 +16,9 @@ import os
 import sys
 
 try:
-    from lab.gpu_checks.xla_narrow_probe import SHAPES, per_call
+    from lab.gpu_checks.xla_narrow_probe import SHAPES, int4_layers, per_call
 except ImportError:
-    from xla_narrow_probe import SHAPES, per_call
+    from xla_narrow_probe import SHAPES, int4_layers, per_call
 
 FP8 = [dict(block_k=bk, num_stages=st, block_n=bn, num_warps=w) for bk, st, bn, w in
        itertools.product((128, 256, 512), (3, 5), (64, 128), (4, 8))]
@@ -55,17 +55,12 @@ def main() -> int:
     bf = jnp.bfloat16
     for name, (k, n) in SHAPES.items():
         g = k // 128
-        layers = max(4, min(16, int(2e9 // (2 * k * n))))
+        wb, packed, gs, pz = int4_layers(key, k, n)
+        layers = len(wb)
         ks = jax.random.split(jax.random.fold_in(key, k * n), 3)
-        wb = [(0.02 * jax.random.normal(jax.random.fold_in(ks[0], i), (k, n), jnp.float32)).astype(bf)
-              for i in range(layers)]
         f8 = [jnp.clip(16 * jax.random.normal(jax.random.fold_in(ks[1], i), (n, k), jnp.float32), -448, 448)
               .astype(jnp.float8_e4m3fn) for i in range(layers)]
         fs = jnp.full((n,), 0.02 / 16, jnp.float32)
-        packed = [jax.lax.bitcast_convert_type(jax.random.bits(jax.random.fold_in(ks[2], i), (k // 8, n),
-                                                               jnp.uint32), jnp.int32) for i in range(layers)]
-        gs = [jnp.full((g, n), 0.005 + 1e-4 * i, bf) for i in range(layers)]
-        pz = jnp.full((g, n), 8, jnp.uint8)
         x = jax.random.normal(key, (args.rows, k), jnp.float32).astype(bf)
         cells: dict = {}
 

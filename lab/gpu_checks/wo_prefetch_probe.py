@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 
-from lab.gpu_checks.xla_narrow_probe import SHAPES, per_call
+from lab.gpu_checks.xla_narrow_probe import SHAPES, int4_layers, per_call
 
 VARIANTS = {"slabs": dict(slabs=True), "slabs_prefetch": dict(slabs=True, prefetch=True),
             "slabs_prefetch_st3": dict(slabs=True, prefetch=True, num_stages=3),
@@ -50,14 +50,7 @@ def main() -> int:
     totals: dict[str, float] = {}
     for name, (k, n) in SHAPES.items():
         g = k // 128
-        layers = max(4, min(16, int(2e9 // (2 * k * n))))
-        ks = jax.random.split(jax.random.fold_in(key, k * n), 3)
-        wb = [(0.02 * jax.random.normal(jax.random.fold_in(ks[0], i), (k, n), jnp.float32)).astype(bf)
-              for i in range(layers)]
-        packed = [jax.lax.bitcast_convert_type(jax.random.bits(jax.random.fold_in(ks[2], i), (k // 8, n),
-                                                               jnp.uint32), jnp.int32) for i in range(layers)]
-        gs = [jnp.full((g, n), 0.005 + 1e-4 * i, bf) for i in range(layers)]
-        pz = jnp.full((g, n), 8, jnp.uint8)
+        wb, packed, gs, pz = int4_layers(key, k, n)
         x = jax.random.normal(key, (args.rows, k), jnp.float32).astype(bf)
         cells: dict = {}
         t, _ = per_call(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(bf), x, wb)

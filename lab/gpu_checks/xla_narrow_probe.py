@@ -14,7 +14,6 @@ float8 and keep no kernel of its own for decode rows.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -45,6 +44,24 @@ def per_call(fn, x, ws, repeats: int = 7) -> tuple[float, str]:
         jax.block_until_ready(run(x, ws))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) / len(ws), run.lower(x, ws).compile().as_text()
+
+
+def int4_layers(key, k: int, n: int) -> tuple[list, list, list, object]:
+    """Distinct weights of one K x N linear, as many as fit ~2 GB of bf16 (4-16): bf16 weights,
+    random int4 words packed along K ([K / 8, N] int32), group-128 bf16 scales, and the zero points
+    (8, shared); the weight-only kernel sweeps' inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    g, bf = k // GROUP, jnp.bfloat16
+    layers = max(4, min(16, int(2e9 // (2 * k * n))))
+    ks = jax.random.split(jax.random.fold_in(key, k * n), 3)
+    wb = [(0.02 * jax.random.normal(jax.random.fold_in(ks[0], i), (k, n), jnp.float32)).astype(bf)
+          for i in range(layers)]
+    packed = [jax.lax.bitcast_convert_type(jax.random.bits(jax.random.fold_in(ks[2], i), (k // 8, n), jnp.uint32),
+                                           jnp.int32) for i in range(layers)]
+    gs = [jnp.full((g, n), 0.005 + 1e-4 * i, bf) for i in range(layers)]
+    return wb, packed, gs, jnp.full((g, n), 8, jnp.uint8)
 
 
 def probe(rows_list: tuple[int, ...], only: tuple[str, ...] = (), hlo_dir: str | None = None) -> dict:

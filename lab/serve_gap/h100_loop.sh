@@ -14,13 +14,4 @@ for l in uvloop asyncio; do
   done
   kill $P; wait $P 2>/dev/null
 done
-python3 - <<'P' > $OUT/loop/summary.json
-import json,glob,os
-o={'offline':json.load(open('/tmp/lp/off.json'))['results']}
-for f in sorted(glob.glob('/tmp/lp/s_*[12].json')):
-    k=os.path.basename(f)[2:-5]
-    if k.startswith('w'): continue
-    o[k]={kk:v for kk,v in json.load(open(f))['results'].items() if not isinstance(v,list)}
-    o[k]['engine']={'t0':json.load(open(f'/tmp/lp/t0_{k}.json')),'t1':json.load(open(f'/tmp/lp/t1_{k}.json'))}
-print(json.dumps(o))
-P
+python3 lab/serve_gap/summary.py /tmp/lp > $OUT/loop/summary.json

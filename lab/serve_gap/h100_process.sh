@@ -21,15 +21,4 @@ for m in ${MODES:-process inproc}; do
   done
   kill $P; wait $P 2>/dev/null
 done
-python3 - <<'P' > $OUT/proc/summary.json
-import json,glob,os
-o={'ceilings':json.load(open('/tmp/pr/ceilings.json')),'offline':json.load(open('/tmp/pr/off.json'))['results']}
-for f in glob.glob('/tmp/pr/gpu_*.txt'):
-    o['gpu_processes_'+os.path.basename(f)[4:-4]]=[l for l in open(f).read().split('\n') if l]
-for f in sorted(glob.glob('/tmp/pr/s_*[123].json')):
-    k=os.path.basename(f)[2:-5]
-    if k.startswith('w'): continue
-    o[k]={kk:v for kk,v in json.load(open(f))['results'].items() if not isinstance(v,list)}
-    o[k]['engine']={'t0':json.load(open(f'/tmp/pr/t0_{k}.json')),'t1':json.load(open(f'/tmp/pr/t1_{k}.json'))}
-print(json.dumps(o))
-P
+python3 lab/serve_gap/summary.py /tmp/pr > $OUT/proc/summary.json

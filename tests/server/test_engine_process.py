@@ -149,12 +149,39 @@ def test_engine_in_its_own_process(tiny_llama, xla_cache_dir):
     asyncio.run(run())
 
 
-def test_serve_with_engine_process(tiny_llama, xla_cache_dir):
+TINY_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--num-kv-blocks", "128"]
+
+
+def serve(model: str, cache: str, *flags: str):  # noqa: ANN201
+    """`python -m jaxengine.server` on the tiny model (the engine in its own process, the default)."""
     port = free_port()
-    proc = start([sys.executable, "-m", "jaxengine.server", tiny_llama, "--engine-process", "--port", str(port),
-                  "--served-model-name", "tiny", "--max-model-len", "256", "--max-num-seqs", "8",
-                  "--max-num-batched-tokens", "64", "--num-kv-blocks", "128", "--shutdown-timeout", "60",
-                  "--compilation-cache-dir", xla_cache_dir], port)
+    return start([sys.executable, "-m", "jaxengine.server", model, "--port", str(port), *TINY_FLAGS,
+                  "--compilation-cache-dir", cache, *flags], port), port
+
+
+def signal_mid_stream(proc, port: int, max_tokens: int, sig: int, only_engine: bool = False) -> tuple[str, list[str]]:  # noqa: ANN001
+    """Sends `sig` to the server and its engine process (`only_engine`: to the engine process
+    alone) once a streamed completion is under way; returns the server's stderr and the stream's
+    data lines."""
+    from jaxengine.benchmarks.soak import _children
+
+    started = threading.Event()
+    res = stream_in_background(f"http://127.0.0.1:{port}/v1/completions",
+                               {"prompt": "Count:", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+                               started)
+    assert started.wait(60)
+    engines = _children(proc.pid)
+    assert engines
+    for pid in ([] if only_engine else [proc.pid]) + engines:
+        os.kill(pid, sig)
+    _, err = proc.communicate(timeout=90)
+    res["thread"].join(30)
+    return err, res["lines"]
+
+
+def test_serve_with_engine_process(tiny_llama, xla_cache_dir):
+    proc, port = serve(tiny_llama, xla_cache_dir, "--engine-process", "--served-model-name", "tiny",
+                       "--shutdown-timeout", "60")
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
@@ -171,54 +198,27 @@ def test_serve_with_engine_process(tiny_llama, xla_cache_dir):
         generated = [float(line.split()[-1]) for line in metrics.splitlines()
                      if line.startswith("jaxengine:generation_tokens_total")]
         assert generated and generated[0] >= 4 + 16 + 16
-        started = threading.Event()
-        res = stream_in_background(f"http://127.0.0.1:{port}/v1/completions",
-                                   {"prompt": "Count:", "max_tokens": 60, "temperature": 0, "ignore_eos": True},
-                                   started)
-        assert started.wait(60)
         # SIGTERM to both processes, as systemd's default KillMode sends it: the running request
         # drains, the HTTP process stops the engine process, exits 0
-        from jaxengine.benchmarks.soak import _children
-
-        engines = _children(proc.pid)
-        assert engines
-        for pid in [proc.pid, *engines]:
-            os.kill(pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=90)
-        res["thread"].join(30)
+        err, lines = signal_mid_stream(proc, port, 60, signal.SIGTERM)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
     assert "Traceback" not in err, err
     assert "engine process" in err
-    assert res["lines"][-1] == "data: [DONE]" and finish_reason(res["lines"]) == "length"
+    assert lines[-1] == "data: [DONE]" and finish_reason(lines) == "length"
 
 
 def test_engine_process_death_exits_nonzero(tiny_llama, xla_cache_dir):
     """The engine process killed under a live server: its request gets an error, the server exits 1
     (so a supervisor restarts it)."""
-    from jaxengine.benchmarks.soak import _children
-
-    port = free_port()
-    proc = start([sys.executable, "-m", "jaxengine.server", tiny_llama, "--port", str(port),
-                  "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-                  "--num-kv-blocks", "128", "--compilation-cache-dir", xla_cache_dir], port)
+    proc, port = serve(tiny_llama, xla_cache_dir)
     try:
-        started = threading.Event()
-        res = stream_in_background(f"http://127.0.0.1:{port}/v1/completions",
-                                   {"prompt": "Count:", "max_tokens": 200, "temperature": 0, "ignore_eos": True},
-                                   started)
-        assert started.wait(60)
-        engines = _children(proc.pid)
-        assert len(engines) >= 1
-        for pid in engines:
-            os.kill(pid, signal.SIGKILL)
-        _, err = proc.communicate(timeout=90)
-        res["thread"].join(30)
+        err, lines = signal_mid_stream(proc, port, 200, signal.SIGKILL, only_engine=True)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1, err
     assert "the engine loop died" in err and "exit code -9" in err
-    assert res["lines"][-1] == "data: [DONE]" and "error" in res["lines"][-2]
+    assert lines[-1] == "data: [DONE]" and "error" in lines[-2]
