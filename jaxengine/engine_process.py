@@ -289,6 +289,8 @@ class ProcessAsyncEngine(AsyncEngine):
     """An `AsyncEngine` whose `LLMEngine` runs in a child process (see the module docstring).
     Build it with `launch`, which returns once the engine in the child has started."""
 
+    STOP_TIMEOUT_S = 60.0  # shutdown: how long the child may take to exit once told to stop
+
     def __init__(self, info: EngineInfo, conn, process, *, setup_result: object = None,
                  observer: OutputObserver | None = None, on_death: Callable[[BaseException], None] | None = None):
         super().__init__(info, observer=observer, on_death=on_death)  # type: ignore[arg-type]
@@ -344,12 +346,22 @@ class ProcessAsyncEngine(AsyncEngine):
             self._commands.put(_Stop())
         else:
             await super().shutdown(drain_timeout)
-        await asyncio.to_thread(self.process.join, 30.0)
-        if self.process.is_alive():
-            logger.warning("the engine process did not stop within 30 s; terminating it")
-            self.process.terminate()
+        if not await asyncio.to_thread(self._reap, self.STOP_TIMEOUT_S):
+            logger.warning("the engine process did not stop within %.0f s; killing it", self.STOP_TIMEOUT_S)
+            self.process.kill()  # it ignores SIGTERM (see _child_main)
             await asyncio.to_thread(self.process.join, 10.0)
         self._conn.close()
+
+    def _reap(self, timeout: float) -> bool:
+        """Waits up to `timeout` s for the child to have exited; whether it has. Polled, not joined:
+        the child's end of its sentinel pipe closes early in its exit, while the rest of the exit (a
+        GPU's memory handed back to the driver) can take seconds more."""
+        deadline = time.monotonic() + timeout
+        while self.process.is_alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     # -- the reader thread ------------------------------------------------------------------------
     def _read(self) -> None:
@@ -374,7 +386,7 @@ class ProcessAsyncEngine(AsyncEngine):
             died = f"{type(e).__name__}: {e}"
         if died is None and self._stopping:
             return
-        self.process.join(5.0)
+        self._reap(10.0)
         reason = died or f"the engine process exited (exit code {self.process.exitcode})"
         self._die(EngineDeadError(f"the engine loop died: {reason}"))
 
