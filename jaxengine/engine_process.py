@@ -36,6 +36,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import pickle
 import signal
 import threading
 import time
@@ -141,11 +142,14 @@ class _Core(AsyncEngine):
             self._conn.send(("step", self._stats, items))
 
     def reply(self, call_id: int, ok: bool, value: object) -> None:
-        if not _picklable(value):  # the caller gets the error; the loop goes on
-            ok, value = False, TypeError(f"the result of a call cannot be sent between processes: {value!r:.200}")
+        try:  # pickled here, once: a result that cannot be is the caller's error, and the loop goes on
+            data = pickle.dumps(("call", call_id, ok, value))
+        except Exception:  # noqa: BLE001 - whatever pickling raises
+            data = pickle.dumps(("call", call_id, False,
+                                 TypeError(f"the result of a call cannot be sent between processes: {value!r:.200}")))
         try:
             with self._send_lock:
-                self._conn.send(("call", call_id, ok, value))
+                self._conn.send_bytes(data)  # `recv` on the other end unpickles it
         except (OSError, ValueError):  # the HTTP process is gone; the reader stops the loop
             pass
 
@@ -209,7 +213,7 @@ class _CallReply:
         return False
 
 
-def _child_main(config: EngineConfig, setup: Callable | None, conn, log_level: int) -> None:
+def _child_main(config: EngineConfig, setup: Callable | None, conn) -> None:
     """The child's entry point: builds the engine, reports ready, runs the loop until stopped."""
     import gc
 
@@ -218,14 +222,16 @@ def _child_main(config: EngineConfig, setup: Callable | None, conn, log_level: i
     # it dies instead, its end of the pipe closes and this process stops too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s [engine] %(name)s: %(message)s")
-    from jaxengine.engine import LLMEngine
+    from jaxengine.engine import LLMEngine  # (jaxengine's logger is set up on import, as in the parent)
 
     try:
         engine = LLMEngine(config)
         setup_result = setup(engine) if setup is not None else None
     except BaseException as e:  # noqa: BLE001 - reported to the HTTP process, which raises it
-        conn.send(("failed", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
+        try:
+            conn.send(("failed", e))
+        except Exception:  # noqa: BLE001 - an error that does not pickle: its text
+            conn.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
         conn.close()
         return
     conn.send(("ready", EngineInfo.of(engine), setup_result))
@@ -240,16 +246,6 @@ def _child_main(config: EngineConfig, setup: Callable | None, conn, log_level: i
         except (OSError, ValueError):
             pass
     conn.close()
-
-
-def _picklable(obj: object) -> bool:
-    import pickle
-
-    try:
-        pickle.dumps(obj)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 # -- the HTTP process -------------------------------------------------------------------------------
@@ -312,7 +308,7 @@ class ProcessAsyncEngine(AsyncEngine):
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         process = ctx.Process(target=_child_main, name="jaxengine-engine", daemon=True,
-                              args=(config, setup, child, logging.getLogger().getEffectiveLevel()))
+                              args=(config, setup, child))
         process.start()
         child.close()
         deadline = None if timeout is None else time.monotonic() + timeout
