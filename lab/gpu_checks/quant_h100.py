@@ -42,7 +42,9 @@ ENGINES = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "w4a16": ("gptq", "au
            "gguf": ("gguf", "auto"), "w4a16_slabs": ("gptq", "auto"), "w4a16_slabs_vmm": ("gptq", "auto"),
            "gguf_slabs": ("gguf", "auto"), "gguf_slabs_vmm": ("gguf", "auto"), "bf16_vmm": (None, "auto"),
            "w4a16_splits2x": ("gptq", "auto"),
-           "w4a16_splits4x": ("gptq", "auto")}
+           "w4a16_splits4x": ("gptq", "auto"),
+           "bf16_pdl": (None, "auto"), "fp8_pdl": ("fp8", "auto"), "bf16_nopdl": (None, "auto"),
+           "fp8_jaxalloc": ("fp8", "auto")}
 # engine part -> module constants of models/quantization set in its process (kernel variants)
 # (the parts without `_slabs` run the one-dot-per-block form, as the engine did before slabs)
 PATCHES = {"w4a16": {"SLABS": False}, "gguf": {"SLABS": False}, "w4a16_slabs": {"SLABS": True},
@@ -52,11 +54,15 @@ PATCHES = {"w4a16": {"SLABS": False}, "gguf": {"SLABS": False}, "w4a16_slabs": {
 # engine part -> environment of its process: XLA's command buffers updated only where buffers moved
 # (docs/design.md, "The launch of a step")
 _VMM = {"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm", "XLA_FLAGS": STABLE_TEMP_FLAG}
-ENVS = {"w4a16_slabs_vmm": _VMM, "gguf_slabs_vmm": _VMM, "bf16_vmm": _VMM}
+# `_pdl` / `_nopdl`: XLA's programmatic dependent launch (Hopper: a kernel starts while the one
+# before it finishes) turned on / off; the engine still picks its allocator (no update mode set)
+_PDL, _NOPDL = {"XLA_FLAGS": "--xla_gpu_enable_pdl=true"}, {"XLA_FLAGS": "--xla_gpu_enable_pdl=false"}
+ENVS = {"w4a16_slabs_vmm": _VMM, "gguf_slabs_vmm": _VMM, "bf16_vmm": _VMM, "bf16_pdl": _PDL, "fp8_pdl": _PDL,
+        "bf16_nopdl": _NOPDL, "fp8_jaxalloc": {"XLA_PYTHON_CLIENT_ALLOCATOR": "default"}}
 TIME_LIMIT_S = {"micro": 170, "micro_fp8": 150, "bf16": 150, "fp8": 200, "w4a16": 110, "fp8kv": 130,
                 "gguf": 110, "w4a16_slabs": 110,
                 "w4a16_slabs_vmm": 110, "gguf_slabs": 110, "gguf_slabs_vmm": 110, "bf16_vmm": 110,
-                "w4a16_splits2x": 110, "w4a16_splits4x": 110}
+                "w4a16_splits2x": 110, "w4a16_splits4x": 110, "bf16_pdl": 150, "fp8_pdl": 200, "bf16_nopdl": 150, "fp8_jaxalloc": 200}
 PARTS = ("micro", "micro_fp8", *ENGINES)
 # fp8-weight kernel configurations (block_n, num_stages, num_warps, splits or None)
 FP8_CONFIGS = [(64, 3, 4, None), (128, 3, 4, None), (128, 4, 4, None), (256, 3, 4, None), (128, 3, 8, None),
