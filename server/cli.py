@@ -123,10 +123,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "--enable-auto-tool-choice)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split the model's <think>...</think> into reasoning_content (default: none)")
-    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in its own process, so HTTP streaming and the engine loop do not "
                         "share one GIL, as vLLM's engine-core process (generative models on one host; "
-                        "pooling models and several hosts keep one process)")
+                        "pooling models and several hosts keep one process). Default: on where this "
+                        f"process may use at least {ENGINE_PROCESS_MIN_CPUS} CPUs")
     add_engine_args(parser)
     add_multihost_args(parser)
     actions = [a for a in parser._actions if a.dest not in _NOT_CONFIGURABLE or a.dest == "config"]
@@ -251,7 +252,7 @@ class ServerSettings:
     metrics_vllm_names: bool = False  # /metrics also under vLLM's `vllm:` names
     lora_modules: tuple[LoRAModulePath, ...] = ()  # --lora-modules, loaded at start-up
     tools: ToolSettings = dataclasses.field(default_factory=ToolSettings)  # tool call / reasoning parsers
-    engine_process: bool = True  # --engine-process: the engine in a child process (cmd_serve)
+    engine_process: bool | None = None  # --engine-process: the engine in a child process (None: by CPU count)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -273,15 +274,43 @@ class ServerSettings:
                    metrics_vllm_names=bool(args.metrics_vllm_names), lora_modules=lora_modules,
                    tools=ToolSettings(enable_auto_tool_choice=bool(args.enable_auto_tool_choice),
                                       tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser),
-                   engine_process=bool(args.engine_process))
+                   engine_process=args.engine_process)
 
 
 # -- running ----------------------------------------------------------------------------------------
+# The engine process's default needs this many CPUs: with two, the HTTP process and the engine's
+# process compete for them, and one process served 0.72-0.77 of offline's output tok/s at rate inf
+# against 0.63-0.66 (benchmarks/results/serve_vs_offline_cpu.md); on a 16-CPU host the engine
+# process served 0.99-1.01 against 0.84-0.98 (serve_vs_offline_h100.md).
+ENGINE_PROCESS_MIN_CPUS = 4
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+def wants_engine_process(choice: bool | None) -> bool:
+    """--engine-process / --no-engine-process as given, else on with ENGINE_PROCESS_MIN_CPUS or more."""
+    if choice is not None:
+        return choice
+    n = usable_cpus()
+    if n < ENGINE_PROCESS_MIN_CPUS:
+        logger.info("the engine runs in this process: %d CPU(s) here, the engine process needs %d to pay "
+                    "(--engine-process starts it anyway)", n, ENGINE_PROCESS_MIN_CPUS)
+        return False
+    return True
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Builds the engine (model load + compile), then serves until SIGINT / SIGTERM.
 
     A generative model on one host is served from an engine in its own process (--engine-process,
-    the default; --no-engine-process keeps it in this one). A pooling model (--runner pooling,
+    the default with at least ENGINE_PROCESS_MIN_CPUS usable CPUs; --no-engine-process keeps it in
+    this one). A pooling model (--runner pooling,
     --task embed|classify|score|encode, or an encoder folder) gets the pooling engine, on this
     process only. Across hosts (--num-hosts > 1) every rank builds
     the generating engine; rank 0 serves HTTP and the others follow its steps
@@ -302,7 +331,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not pooling:
         distributed.start_local_workers(args)  # --distributed-executor-backend mp: one process per GPU
     mh = multihost_config(args)
-    if settings.engine_process:
+    if wants_engine_process(settings.engine_process):
         if not (pooling or mh.enabled or getattr(args, "distributed_executor_backend", "uni") != "uni"):
             return _serve_from_engine_process(config, settings)
         logger.info("the engine runs in this process (--engine-process covers generative models on one host)")

@@ -153,7 +153,8 @@ TINY_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batche
 
 
 def serve(model: str, cache: str, *flags: str):  # noqa: ANN201
-    """`python -m jaxengine.server` on the tiny model (the engine in its own process, the default)."""
+    """`python -m jaxengine.server` on the tiny model (pass --engine-process for the engine in its own
+    process: by default a machine of fewer than 4 CPUs keeps one process)."""
     port = free_port()
     return start([sys.executable, "-m", "jaxengine.server", model, "--port", str(port), *TINY_FLAGS,
                   "--compilation-cache-dir", cache, *flags], port), port
@@ -213,7 +214,7 @@ def test_serve_with_engine_process(tiny_llama, xla_cache_dir):
 def test_engine_process_death_exits_nonzero(tiny_llama, xla_cache_dir):
     """The engine process killed under a live server: its request gets an error, the server exits 1
     (so a supervisor restarts it)."""
-    proc, port = serve(tiny_llama, xla_cache_dir)
+    proc, port = serve(tiny_llama, xla_cache_dir, "--engine-process")
     try:
         err, lines = signal_mid_stream(proc, port, 200, signal.SIGKILL, only_engine=True)
     finally:
@@ -222,3 +223,28 @@ def test_engine_process_death_exits_nonzero(tiny_llama, xla_cache_dir):
     assert proc.returncode == 1, err
     assert "the engine loop died" in err and "exit code -9" in err
     assert lines[-1] == "data: [DONE]" and "error" in lines[-2]
+
+
+
+def test_engine_process_default_follows_the_cpu_count(monkeypatch, capsys):
+    """--engine-process / --no-engine-process as given; without either, the engine process only
+    where this process may use at least ENGINE_PROCESS_MIN_CPUS CPUs (on two, the two processes
+    compete for them), with a log line saying so."""
+    import argparse
+
+    from jaxengine.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_serve_args(parser)
+    assert cli.resolve_args(parser.parse_args(["m"])).engine_process is None
+    assert cli.resolve_args(parser.parse_args(["m", "--no-engine-process"])).engine_process is False
+    assert cli.usable_cpus() >= 1
+    monkeypatch.setattr(cli, "usable_cpus", lambda: 2)
+    capsys.readouterr()
+    assert cli.wants_engine_process(None) is False
+    err = capsys.readouterr().err  # jaxengine's log handler writes to stderr
+    assert "2 CPU(s)" in err and "--engine-process" in err
+    assert cli.wants_engine_process(True) is True
+    monkeypatch.setattr(cli, "usable_cpus", lambda: cli.ENGINE_PROCESS_MIN_CPUS)
+    assert cli.wants_engine_process(None) is True
+    assert cli.wants_engine_process(False) is False
