@@ -84,6 +84,21 @@ class AttentionBackend:
     # saturated by write_kv and read upcast by every attention path: the jnp ones and the Triton
     # GPU kernels); None: the model's dtype.
     cache_dtype: jnp.dtype | None = None
+    # Whether `fn` takes `decode_only=True` (the Pallas GPU kernels): a step whose every live row
+    # is one token then launches the flash-decoding kernel alone, not the prefill kernel too,
+    # which would find no prefill rows and exit (one launch a layer, and on a 256-row step of the
+    # Llama-3-8B shape 0.35-0.40 ms of device time: benchmarks/results/step_trace_h100.md).
+    decode_only_path: bool = False
+    # This backend traces the programs of decode-only steps (`for_decode_only_steps`).
+    decode_only: bool = False
+
+    def for_decode_only_steps(self) -> AttentionBackend | None:
+        """This backend for the programs of decode-only steps (every live row one token: the
+        scheduler's decode steady state), where its kernel has such a path; else None (one
+        program serves every step)."""
+        if not self.decode_only_path:
+            return None
+        return dataclasses.replace(self, decode_only=True, description=f"{self.description}, decode-only steps")
 
     def kv_head_dim(self, head_dim: int) -> int:
         """Head size of the KV cache for a model of head size `head_dim`."""
@@ -120,8 +135,9 @@ class AttentionBackend:
         if pad:  # cache head size above the model's (cache_head_dim): zero columns
             q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (q, k, v))
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+        step_kind = {"decode_only": True} if self.decode_only else {}
         o = self.fn(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **step_kind)
         return o[..., :h], k_cache, v_cache
 
 
@@ -162,9 +178,9 @@ def _select(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: 
             # a model whose windows or soft cap are on some layers only (Gemma 3's 1 in 6).
             kernel = gpu_backend.get_kernel(mosaic_prefill=False, kv_fp8=kv_fp8)
             return AttentionBackend(name, f"{_name(kernel)} (the Mosaic prefill kernel does not apply){note}",
-                                    kernel, mesh, padded)
+                                    kernel, mesh, padded, decode_only_path=True)
         if kernel is not None:
-            return AttentionBackend(name, _name(kernel) + note, kernel, mesh, padded)
+            return AttentionBackend(name, _name(kernel) + note, kernel, mesh, padded, decode_only_path=True)
     if name == "auto" and platform == "cpu":
         return AttentionBackend(name, "ragged_paged_attention_cpu", ragged_paged_attention_cpu, mesh)
     return AttentionBackend(name, "jnp reference", ragged_paged_attention_reference, mesh)

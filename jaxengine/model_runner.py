@@ -283,10 +283,18 @@ class ModelRunner:
         self.kv_sharding = plan.kv_sharding() if plan is not None else None
         self._rep = plan.replicated() if plan is not None else None
         self.attention = attention
+        # Decode-only steps (every row one token) run programs of their own where the kernel
+        # launches less for them (AttentionBackend.for_decode_only_steps), in the token buckets
+        # such a step can take; None: the one program per bucket serves every step.
+        self.attention_decode = attention.for_decode_only_steps()
+        self.decode_buckets = (tuple(t for t in self.token_buckets
+                                     if t <= pick_bucket(self.token_buckets, config.max_num_seqs))
+                               if self.attention_decode is not None else ())
         self.kv_caches = self._allocate_kv()
         # stand-in for the previous step's tokens when nothing is in flight
         self._no_prev = jax.device_put(np.zeros((config.max_num_seqs,), np.int32), self._rep)
         self._forward_fns: dict[int, jax.stages.Compiled] = {}
+        self._forward_decode_fns: dict[int, jax.stages.Compiled] = {}
         self._sample_fns: dict[tuple[int, bool, bool, bool | None], jax.stages.Compiled] = {}
         self.mask_words = -(-model_config.vocab_size // 32)  # width of the structured-output bitmask
         self._prompt_lp_fns: dict[int, jax.stages.Compiled] = {}
@@ -334,9 +342,11 @@ class ModelRunner:
         return [(make(), make()) for _ in range(c.num_layers)]
 
     # -- programs: each _lower_* traces and lowers one and returns what compiles it --------------
-    def _lower_forward(self, t: int, lora: bool = False) -> Callable[[], jax.stages.Compiled]:
+    def _lower_forward(self, t: int, lora: bool = False, decode_only: bool = False) -> Callable[[], jax.stages.Compiled]:
+        """`decode_only`: the program of decode-only steps (self.attention_decode's kernels)."""
         layout = Layout.of(abstract_inputs(t, self.rows_for(t), self.config.max_blocks_per_seq))
-        fn = jax.jit(_flat(_forward, self.graphdef, self.param_treedef, layout=layout, attention=self.attention,
+        attention = self.attention_decode if decode_only else self.attention
+        fn = jax.jit(_flat(_forward, self.graphdef, self.param_treedef, layout=layout, attention=attention,
                            lora_rank=self.config.max_lora_rank if lora else 0),
                      donate_argnums=(1,), out_shardings=self._fwd_out)
         prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
@@ -462,6 +472,7 @@ class ModelRunner:
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
         jobs: list[tuple[str, object]] = (
             [("forward", t) for t in reversed(self.token_buckets)]
+            + [("forward_decode", t) for t in reversed(self.decode_buckets)]
             + ([("forward_lora", t) for t in reversed(self.token_buckets)] if self.lora_layers is not None else [])
             + [("prompt_logprobs", t) for t in self.token_buckets]
             + [("sampler", (r, *v)) for r in rows for v in SAMPLER_VARIANTS]
@@ -469,7 +480,8 @@ class ModelRunner:
             + ([("verify", (t, tr)) for t in self.token_buckets for tr in (False, True)] if self.spec else []))
         build = {"forward": self._lower_forward, "prompt_logprobs": self._lower_prompt_logprobs,
                  "sampler": self._lower_sampler, "pool": self._lower_pool,
-                 "forward_lora": lambda t: self._lower_forward(t, lora=True), "verify": self._lower_verify}
+                 "forward_lora": lambda t: self._lower_forward(t, lora=True), "verify": self._lower_verify,
+                 "forward_decode": lambda t: self._lower_forward(t, decode_only=True)}
         tables = self._program_tables()
         if self.draft is not None:  # the draft model's catch-up per token bucket and its propose program
             draft_jobs = {(name, key): fn for name, key, fn in self.draft.compile_jobs()}
@@ -497,7 +509,8 @@ class ModelRunner:
 
     def _program_tables(self) -> dict[str, dict]:
         """Kind -> the table of its compiled programs (the kind names them in the program bundle)."""
-        return {"forward": self._forward_fns, "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns,
+        return {"forward": self._forward_fns, "forward_decode": self._forward_decode_fns,
+                "prompt_logprobs": self._prompt_lp_fns, "sampler": self._sample_fns,
                 "pool": self._pool_fns, "forward_lora": self._forward_lora_fns, "verify": self._verify_fns}
 
     def _build(self, kind: str, key, lower_fn) -> jax.stages.Compiled:
@@ -535,6 +548,11 @@ class ModelRunner:
     def _get_forward(self, t: int) -> jax.stages.Compiled:
         return self._get(self._forward_fns, t, self._lower_forward, "token bucket")
 
+    def _get_forward_decode(self, t: int) -> jax.stages.Compiled:
+        """The forward of a decode-only step in bucket t (see `attention_decode`)."""
+        return self._get(self._forward_decode_fns, t, lambda t_: self._lower_forward(t_, decode_only=True),
+                         "decode-only token bucket")
+
     def _get_prompt_lp(self, t: int) -> jax.stages.Compiled:
         return self._get(self._prompt_lp_fns, t, self._lower_prompt_logprobs, "prompt-logprob program for bucket")
 
@@ -564,7 +582,8 @@ class ModelRunner:
         self.batch.release(sched.finished_ids)
         self.batch.release(sched.preempted_ids)
         rows = None
-        if seqs and sched.num_batched_tokens == len(seqs):  # one token per row: the decode steady state
+        one_token_rows = bool(seqs) and sched.num_batched_tokens == len(seqs)
+        if one_token_rows:  # one token per row: the decode steady state
             rows = self.batch.rows(seqs, sched.columns)
         # The steady state: the step in flight had these rows in this order, each sampling, so a
         # row's token in flight is the same row of its samples (no id lookups).
@@ -573,7 +592,9 @@ class ModelRunner:
                                     (self.batch, rows) if rows is not None else None, same_rows)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         # Each numpy argument is its own host-to-device copy: one packed buffer per program.
-        if lora_slots is None:  # the base model's program: steps without adapters pay nothing for LoRA
+        if lora_slots is None and one_token_rows and self.attention_decode is not None:
+            fwd, extra = self._get_forward_decode(t), ()  # one token a row: no prefill kernel launched
+        elif lora_slots is None:  # the base model's program: steps without adapters pay nothing for LoRA
             fwd, extra = self._get_forward(t), ()
         else:
             fwd = self._get(self._forward_lora_fns, t, lambda t_: self._lower_forward(t_, lora=True),

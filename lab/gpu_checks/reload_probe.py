@@ -62,6 +62,7 @@ def main() -> None:
             turn[name] ^= 1
             return (compiled if turn[name] else loaded)[kind][key]
         runner._get_forward = lambda t: pick("forward", "fwd", t)
+        runner._get_forward_decode = lambda t: pick("forward_decode", "fwd", t)
         runner._get_sampler = lambda r, proc, masked=False, trunc=None: pick(  # the runner's table key
             "sampler", "samp", (r, True, True, None) if proc else (r, False, masked, bool(trunc)))
 
@@ -74,8 +75,9 @@ def main() -> None:
             runs = [run_batch(llm, prompts(i), 256) for i in range(3)]
         finally:
             del runner._get_forward, runner._get_sampler
+            runner.__dict__.pop("_get_forward_decode", None)
         steps = percentiles([g for r in runs for g in r["decode_steps"]])
-        fwd = np.array(launches.get("fwd t=16", [0.0])) * 1e3
+        fwd = np.array(launches.get("fwd t=16 decode-only", launches.get("fwd t=16", [0.0]))) * 1e3
         samp = np.array(launches.get("sampler r=16", [0.0])) * 1e3
         res.setdefault("rows", []).append({"what": tag, "ms_per_token": 1e3 * steps["median"],
                                            "fwd_launch_p50_ms": float(np.median(fwd)),
@@ -124,6 +126,7 @@ def main() -> None:
                                                                use_tqdm=False)]
         finally:
             del runner._get_forward, runner._get_sampler
+            runner.__dict__.pop("_get_forward_decode", None)
         same.append(ref == alt)
     res["greedy_tokens_equal"] = same
     print(f"greedy tokens equal (4 prompts, 1 prompt): {same}", flush=True)

@@ -56,7 +56,7 @@ def categorize(name: str, line: str = "") -> str:
 def time_compiled_calls(runner) -> dict[str, list[float]]:
     """Times every forward and sampler call of `runner` (the host time XLA takes to enqueue the
     program) into the returned dict, by program (`fwd t=T`, `sampler r=R`); `del
-    runner._get_forward, runner._get_sampler` stops it."""
+    runner._get_forward, runner._get_forward_decode, runner._get_sampler` stops it."""
     launches: dict[str, list[float]] = {}
 
     def timed(fn, key):
@@ -66,8 +66,9 @@ def time_compiled_calls(runner) -> dict[str, list[float]]:
             launches.setdefault(key, []).append(time.perf_counter() - t)
             return out
         return call
-    orig_fwd, orig_samp = runner._get_forward, runner._get_sampler
+    orig_fwd, orig_dec, orig_samp = runner._get_forward, runner._get_forward_decode, runner._get_sampler
     runner._get_forward = lambda t: timed(orig_fwd(t), f"fwd t={t}")
+    runner._get_forward_decode = lambda t: timed(orig_dec(t), f"fwd t={t} decode-only")
     runner._get_sampler = lambda *v: timed(orig_samp(*v), f"sampler r={v[0]}")
     return launches
 
@@ -142,13 +143,13 @@ def annotate_engine(llm, windows: TraceWindows | None = None) -> None:
     wrap(runner, "dispatch_sampler", "je:dispatch_sampler")
     wrap(runner.builder, "build", "je:inputs")
     wrap(core.worker.processor, "process", "je:worker_process")
-    orig_fwd, orig_samp = runner._get_forward, runner._get_sampler
+    orig_fwd, orig_dec, orig_samp = runner._get_forward, runner._get_forward_decode, runner._get_sampler
 
-    def get_forward(t):
-        fn = orig_fwd(t)
+    def get_forward(t, orig=orig_fwd, suffix=""):
+        fn = orig(t)
 
         def call(*a):
-            with jax.profiler.TraceAnnotation(f"je:fwd t={t}"):
+            with jax.profiler.TraceAnnotation(f"je:fwd t={t}{suffix}"):
                 return fn(*a)
         return call
 
@@ -161,6 +162,7 @@ def annotate_engine(llm, windows: TraceWindows | None = None) -> None:
         return call
 
     runner._get_forward, runner._get_sampler = get_forward, get_sampler
+    runner._get_forward_decode = lambda t: get_forward(t, orig_dec, " decode-only")
 
 
 # -- the profile ------------------------------------------------------------------------------------
@@ -443,7 +445,7 @@ def run(args) -> dict:
     try:
         plain = run_throughput(llm, reqs)
     finally:
-        del runner._get_forward, runner._get_sampler
+        del runner._get_forward, runner._get_forward_decode, runner._get_sampler
     launch_ms = {k: {"calls": len(v), **dict(zip(("p10", "p50", "p90"), np.percentile(np.array(v) * 1e3, [10, 50, 90])))}
                  for k, v in sorted(launches.items())}
     print(f"[{args.model}] untraced: {plain['output_tokens_per_s']:.0f} output tok/s "
