@@ -204,6 +204,15 @@ def profile_step_bytes(config: EngineConfig, model_config: ModelConfig, graphdef
 # lowering near the end, with the compiles all after.
 LOWERING = threading.Lock()
 
+# True: decode-only steps get forward programs of their own where the attention kernel has a
+# decode-only path (AttentionBackend.for_decode_only_steps), in each token bucket such a step can
+# take. Off by default: on the H100 (Llama-3-8B shape) they took 256/256 x 1000 from 13,011 to
+# 13,247 output tok/s and batch-1 decode from 5.91 to 5.87 ms/token, and the cold start from 32.4
+# to 39.1 s of compiling (five more programs to trace and lower, one at a time), against a 45 s
+# cold-start target (benchmarks/results/step_trace_h100.md). A code-path switch: the program
+# bundle's key holds it.
+DECODE_ONLY_PROGRAMS = False
+
 # The sampler programs compiled per row count: (logits processors, structured-output bitmask,
 # top-k / top-p truncation; None: decided on the device, see jaxengine.sampler.sample).
 SAMPLER_VARIANTS = ((False, False, False), (False, False, True), (False, True, False), (False, True, True),
@@ -286,7 +295,7 @@ class ModelRunner:
         # Decode-only steps (every row one token) run programs of their own where the kernel
         # launches less for them (AttentionBackend.for_decode_only_steps), in the token buckets
         # such a step can take; None: the one program per bucket serves every step.
-        self.attention_decode = attention.for_decode_only_steps()
+        self.attention_decode = attention.for_decode_only_steps() if DECODE_ONLY_PROGRAMS else None
         self.decode_buckets = (tuple(t for t in self.token_buckets
                                      if t <= pick_bucket(self.token_buckets, config.max_num_seqs))
                                if self.attention_decode is not None else ())

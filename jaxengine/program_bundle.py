@@ -76,7 +76,7 @@ def source_hash() -> str:
 # Modules whose upper-case constants choose code paths while the model traces (which kernel a
 # quantized linear runs, row thresholds, XLA options per program). Their values join the key, so a
 # constant set at run time (a laboratory patch) never reuses programs built under another value.
-SWITCH_MODULES = ("jaxengine.models.quantization", "jaxengine.xla_options")
+SWITCH_MODULES = ("jaxengine.models.quantization", "jaxengine.xla_options", "jaxengine.model_runner")
 
 
 def switch_values() -> dict[str, str]:

@@ -13,6 +13,11 @@ interpreter imports: put an older tree first on PYTHONPATH to measure it):
 
     python lab/gpu_checks/engine_before_after.py --label after --out $OUT [--smollm2 FILE.gguf]
     python lab/gpu_checks/engine_before_after.py --compare before.json after.json --md out.md
+
+`--patch MODULE.NAME=VALUE` sets a constant of the engine (e.g. model_runner.DECODE_ONLY_PROGRAMS=false)
+before the engine starts, to compare one tree with a code-path switch both ways; `--fresh-cache`
+starts the Llama engine on an empty compilation cache (a cold start each run). Greedy token ids of
+four fixed prompts (32 tokens each, dummy weights) are kept to compare runs.
 """
 
 from __future__ import annotations
@@ -31,14 +36,14 @@ SMOL_PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Paris is t
 
 
 def measure(label: str, out_dir: str, smollm2: str | None, llama: bool = True,
-            decode_batches: tuple[int, ...] = (1,), throughput: bool = True) -> dict:
+            decode_batches: tuple[int, ...] = (1,), throughput: bool = True, fresh_cache: bool = False) -> dict:
     import jax
 
     import jaxengine
     from jaxengine import LLM, SamplingParams
     from jaxengine.benchmarks import ceilings
 
-    res: dict = {"label": label, "code": os.path.dirname(jaxengine.__file__), "jax": jax.__version__,
+    res: dict = {"label": label, "argv": sys.argv[1:], "code": os.path.dirname(jaxengine.__file__), "jax": jax.__version__,
                  "device": jax.devices()[0].device_kind}
     try:
         res["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
@@ -54,7 +59,7 @@ def measure(label: str, out_dir: str, smollm2: str | None, llama: bool = True,
     if llama:
         res["ceilings"] = ceilings.measure()
         print(f"[{label}] ceilings {res['ceilings']}", flush=True)
-        measure_llama(label, res, save, decode_batches, throughput)
+        measure_llama(label, res, save, decode_batches, throughput, fresh_cache)
     if smollm2:
         llm = LLM(smollm2, dtype="float32")
         outs = llm.generate(SMOL_PROMPTS, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
@@ -67,7 +72,7 @@ def measure(label: str, out_dir: str, smollm2: str | None, llama: bool = True,
 
 
 def measure_llama(label: str, res: dict, save, decode_batches: tuple[int, ...] = (1,),
-                  throughput: bool = True) -> None:
+                  throughput: bool = True, fresh_cache: bool = False) -> None:
     """Llama-3-8B shape, dummy bf16, engine defaults: start-up, batch-1 decode (and decode at the
     other `decode_batches`), 256/256 x 1000."""
     from jaxengine import LLM
@@ -80,7 +85,8 @@ def measure_llama(label: str, res: dict, save, decode_batches: tuple[int, ...] =
     tmp = tempfile.mkdtemp()
     vocab = 128256
     t0 = time.perf_counter()
-    llm = LLM("llama-3-8b", load_format="dummy", dtype="bfloat16", tokenizer=synthetic_tokenizer(tmp, vocab))
+    cache = {"compilation_cache_dir": tempfile.mkdtemp()} if fresh_cache else {}
+    llm = LLM("llama-3-8b", load_format="dummy", dtype="bfloat16", tokenizer=synthetic_tokenizer(tmp, vocab), **cache)
     eng = llm.llm_engine
     res["llama"] = r = {"startup_s": time.perf_counter() - t0, "attention": eng.runner.attention_impl,
                         "max_model_len": eng.config.max_model_len, "max_num_seqs": eng.config.max_num_seqs,
@@ -92,6 +98,11 @@ def measure_llama(label: str, res: dict, save, decode_batches: tuple[int, ...] =
     def prompts(i: int, n: int = 1) -> list[list[int]]:
         return [q.prompt_token_ids for q in random_requests(n, 128, 256, 0.0, vocab, seed=500 + i)]
 
+    from jaxengine import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": prompts(200 + i)[0]} for i in range(4)],
+                        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    r["greedy_token_ids"] = [o.outputs[0].token_ids for o in outs]
     run_batch(llm, prompts(100), 256)
     runs = [run_batch(llm, prompts(i), 256) for i in range(3)]
     steps = percentiles([g for x in runs for g in x["decode_steps"]])
@@ -159,14 +170,24 @@ def main() -> int:
     ap.add_argument("--md", default=None)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--decode-batches", default="1", help="comma-separated batch sizes of the decode figure")
+    ap.add_argument("--patch", action="append", default=[], help="MODULE.NAME=VALUE: a jaxengine constant")
+    ap.add_argument("--fresh-cache", action="store_true", help="the Llama engine on an empty compilation cache")
     args = ap.parse_args()
+    for patch in args.patch:  # e.g. model_runner.DECODE_ONLY_PROGRAMS=false
+        import importlib
+
+        target, value = patch.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        mod = importlib.import_module(f"jaxengine.{module}")
+        old = getattr(mod, name)
+        setattr(mod, name, value.lower() in ("1", "true") if isinstance(old, bool) else type(old)(value))
     if args.compare:
         compare(args.compare, args.md)
         return 0
     os.makedirs(args.out, exist_ok=True)
     measure(args.label, args.out, args.smollm2, llama=not args.skip_llama,
             decode_batches=tuple(int(b) for b in args.decode_batches.split(",")),
-            throughput=not args.skip_throughput)
+            throughput=not args.skip_throughput, fresh_cache=args.fresh_cache)
     return 0
 
 

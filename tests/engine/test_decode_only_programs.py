@@ -1,6 +1,7 @@
-"""Decode-only steps run programs of their own where the attention kernel has a decode-only path
-(the Pallas GPU kernels: no prefill kernel launched for a step whose every row is one token);
-elsewhere one program per token bucket serves every step."""
+"""With model_runner.DECODE_ONLY_PROGRAMS on (off by default: it lengthens the cold start), decode-only
+steps run programs of their own where the attention kernel has a decode-only path (the Pallas GPU
+kernels: no prefill kernel launched for a step whose every row is one token); elsewhere, and by
+default, one program per token bucket serves every step."""
 
 from __future__ import annotations
 
@@ -40,11 +41,14 @@ def _engine(path: str, monkeypatch, decode_only_path: bool, seen: list, warmup: 
 
 
 def test_decode_steps_take_the_decode_only_programs(tiny_model_factory, monkeypatch):
-    """With a kernel that has the path: warm-up compiles a decode-only forward for each token
+    """With model_runner.DECODE_ONLY_PROGRAMS on and a kernel that has the path: warm-up compiles a decode-only forward for each token
     bucket a decode-only step can take (up to the one max_num_seqs rows need), traced with
     `decode_only=True`; steps of one token a row run it, prompt chunks run the mixed program, no
     program compiles after warm-up, and the greedy tokens are those of an engine without it."""
+    from jaxengine import model_runner
+
     path = tiny_model_factory("llama")
+    monkeypatch.setattr(model_runner, "DECODE_ONLY_PROGRAMS", True)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     seen_plain: list = []
     plain = _engine(path, monkeypatch, False, seen_plain, warmup=False)  # compiles what it runs
@@ -76,7 +80,11 @@ def test_decode_steps_take_the_decode_only_programs(tiny_model_factory, monkeypa
 
 
 def test_cpu_and_reference_backends_have_no_decode_only_programs():
-    """The CPU path and the jnp reference attend in one function: no second program."""
+    """The CPU path and the jnp reference attend in one function: no second program; and the
+    engine's default builds none anywhere (DECODE_ONLY_PROGRAMS off)."""
+    from jaxengine import model_runner
+
+    assert model_runner.DECODE_ONLY_PROGRAMS is False
     from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention_cpu
 
     for fn in (ragged_paged_attention_cpu, ragged_paged_attention_reference):
