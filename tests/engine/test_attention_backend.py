@@ -116,9 +116,9 @@ def test_gemma_never_gets_the_mosaic_prefill(monkeypatch):
     assert calls == ["triton", "triton", "triton", "auto"]
 
 
-def _step(rng: np.random.Generator):
+def _step(rng: np.random.Generator, q_lens=(1, 9, 4), ctx_lens=(20, 0, 7)):
     """A ragged batch, this step's new K/V [T, K, H] and the metadata writing them to free slots."""
-    b = make_batch(rng, q_lens=[1, 9, 4], ctx_lens=[20, 0, 7], num_heads=8, num_kv_heads=2, head_dim=16,
+    b = make_batch(rng, q_lens=list(q_lens), ctx_lens=list(ctx_lens), num_heads=8, num_kv_heads=2, head_dim=16,
                    block_size=16, dtype=jnp.float32, pad_slots=1, pad_tokens=2)
     t, k_heads, h = b.q.shape[0], b.k_cache.shape[1], b.q.shape[2]
     k = jnp.asarray(rng.standard_normal((t, k_heads, h)), jnp.float32)

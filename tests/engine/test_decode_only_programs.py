@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import functools
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.attention_backend import AttentionBackend
 from jaxengine.compile_monitor import compile_count
 from jaxengine.config import pick_bucket
-from jaxengine.models.attention import AttentionMetadata
 from jaxengine.pallas_kernels import ragged_paged_attention_gpu as rpa_gpu
 from jaxengine.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from tests.kernels.batch_factory import make_batch
+from tests.engine.test_attention_backend import _step
 
 PROMPTS = ["Hello, my name is", "a", "The quick brown fox jumps over the lazy dog. The quick brown fox", "1 2 3"]
 
@@ -94,14 +92,7 @@ def test_cpu_and_reference_backends_have_no_decode_only_programs():
 def test_decode_only_backend_equals_the_mixed_one_on_a_decode_step():
     """The Triton kernels (interpreted): on a step whose every live row is one token, the
     decode-only backend's attend (decode kernel alone) gives the mixed backend's output and cache."""
-    rng = np.random.default_rng(7)
-    b = make_batch(rng, q_lens=[1, 1, 1], ctx_lens=[20, 3, 40], num_heads=8, num_kv_heads=2, head_dim=16,
-                   block_size=16, dtype=jnp.float32, pad_slots=1, pad_tokens=2)
-    t, heads, h = b.q.shape[0], b.k_cache.shape[1], b.q.shape[2]
-    k = jnp.asarray(rng.standard_normal((t, heads, h)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((t, heads, h)), jnp.float32)
-    slots = rng.choice(np.arange(16, b.k_cache.shape[0] * 16), t, replace=False).astype(np.int32)
-    md = AttentionMetadata(jnp.asarray(slots), b.kv_lens, b.block_tables, b.query_start_loc, b.num_seqs)
+    b, k, v, md = _step(np.random.default_rng(7), q_lens=(1, 1, 1), ctx_lens=(20, 3, 40))
     fn = functools.partial(rpa_gpu.ragged_paged_attention_gpu, interpret=True)
     mixed = AttentionBackend("pallas", "ragged_paged_attention_gpu", fn, decode_only_path=True)
     decode = mixed.for_decode_only_steps()
