@@ -364,6 +364,9 @@ class ModelRunner:
             args.append(_abstract(self.lora_layers))
         return functools.partial(fn.lower(*args).compile, compiler_options=program_options(self.state, t))
 
+    def _lower_forward_decode(self, t: int) -> Callable[[], jax.stages.Compiled]:
+        return self._lower_forward(t, decode_only=True)
+
     def _lower_lora_write(self) -> Callable[[], jax.stages.Compiled]:
         """One program writes any slot: the slot index is an argument, so loading never recompiles.
         It takes the host's float32 adapter and casts it to the model's dtype on the device."""
@@ -490,7 +493,7 @@ class ModelRunner:
         build = {"forward": self._lower_forward, "prompt_logprobs": self._lower_prompt_logprobs,
                  "sampler": self._lower_sampler, "pool": self._lower_pool,
                  "forward_lora": lambda t: self._lower_forward(t, lora=True), "verify": self._lower_verify,
-                 "forward_decode": lambda t: self._lower_forward(t, decode_only=True)}
+                 "forward_decode": self._lower_forward_decode}
         tables = self._program_tables()
         if self.draft is not None:  # the draft model's catch-up per token bucket and its propose program
             draft_jobs = {(name, key): fn for name, key, fn in self.draft.compile_jobs()}
@@ -559,8 +562,7 @@ class ModelRunner:
 
     def _get_forward_decode(self, t: int) -> jax.stages.Compiled:
         """The forward of a decode-only step in bucket t (see `attention_decode`)."""
-        return self._get(self._forward_decode_fns, t, lambda t_: self._lower_forward(t_, decode_only=True),
-                         "decode-only token bucket")
+        return self._get(self._forward_decode_fns, t, self._lower_forward_decode, "decode-only token bucket")
 
     def _get_prompt_lp(self, t: int) -> jax.stages.Compiled:
         return self._get(self._prompt_lp_fns, t, self._lower_prompt_logprobs, "prompt-logprob program for bucket")

@@ -310,10 +310,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     A generative model on one host is served from an engine in its own process (--engine-process,
     the default with at least ENGINE_PROCESS_MIN_CPUS usable CPUs; --no-engine-process keeps it in
-    this one). A pooling model (--runner pooling,
-    --task embed|classify|score|encode, or an encoder folder) gets the pooling engine, on this
-    process only. Across hosts (--num-hosts > 1) every rank builds
-    the generating engine; rank 0 serves HTTP and the others follow its steps
+    this one). A pooling model (--runner pooling, --task embed|classify|score|encode, or an encoder
+    folder) gets the pooling engine, on this process only. Across hosts (--num-hosts > 1) every
+    rank builds the generating engine; rank 0 serves HTTP and the others follow its steps
     (jaxengine/distributed.py) until rank 0 stops.
     """
     from jaxengine import distributed
