@@ -21,7 +21,10 @@ Kernel 2, `_prefill_kernel`, grid (K, NQB), output aliased to kernel 1's output:
   finds its sequence with one vector compare over query_start_loc. A tile of a sequence with
   q_len > 1 runs causal flash attention over its KV pages (masks only on the tiles that cross
   the diagonal or the window edge); decode rows are skipped; the padding rows (the pseudo
-  sequence after the last live one) get zeros.
+  sequence after the last live one) get zeros. With PREFILL_EARLY_EXIT (the default) the
+  decode kernel zeroes the padding rows instead, and every program of this kernel first checks
+  (two vector loads of query_start_loc) whether any live slot has q_len > 1: in a decode step
+  none has, and the kernel costs its launch alone.
 
 K/V pages are gathered row by row through the block table (masked loads: tokens past the
 sequence's end or before its sliding window are never fetched), so any block size works and a
@@ -60,6 +63,11 @@ _MASK = -1e30
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # Cache element types besides q's: e4m3, which Triton converts on sm_89+ (gpu_backend checks).
 FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
+# The Triton prefill kernel's programs first check whether any live slot has more than one
+# query row and exit at once when none has (a decode step: the kernel then costs its launch
+# alone); the decode kernel zeroes the padding rows in every step. False: the earlier split,
+# the prefill kernel zeroing the padding rows and running its tile search in every step.
+PREFILL_EARLY_EXIT = True
 
 
 def _is_pow2(x: int) -> bool:
@@ -535,6 +543,16 @@ def _merge_partials(op_ref, mp_ref, lp_ref, out_ref, *, base, n_used, out_row0, 
     _store_rows(out_ref, out_row0 + g, _normalize(acc, l_all, v_scale), g < dims.g)
 
 
+def _any_prefill(qsl_ref, n_live, dims: _Dims):
+    """Whether a live slot has q_len > 1: two vector loads of query_start_loc (slots s and
+    s + 1), no precondition on empty slots."""
+    idx = jnp.arange(dims.qsl_pad, dtype=jnp.int32)
+    live = idx < n_live
+    lo = plgpu.load(qsl_ref.at[jnp.minimum(idx, dims.s)], mask=live, other=0)
+    hi = plgpu.load(qsl_ref.at[jnp.minimum(idx + 1, dims.s)], mask=live, other=0)
+    return jnp.max(jnp.where(live, hi - lo, 0)) > 1
+
+
 def _find_tile(qsl_ref, n_live, p, dims: _Dims):
     """Largest s in [0, n_live] with qsl[s] // block_q + s <= p (slot n_live = the padding).
 
@@ -579,8 +597,9 @@ def _attend_tile(q, qpos, kpos0, n_iter, carry, *, masked: bool, kv_lo, kv_hi, s
 
 def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p, n_live,
                 dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
-                window: int | None, v_scale: float = 1.0):
-    """Program p of a KV head: a prefill tile, padding zeros, or nothing (decode rows)."""
+                window: int | None, v_scale: float = 1.0, zero_pad: bool = True):
+    """Program p of a KV head: a prefill tile, padding zeros (`zero_pad`), or nothing (decode
+    rows; padding rows without `zero_pad`, the decode kernel having zeroed them)."""
     bq = dims.block_q
     s = _find_tile(qsl_ref, n_live, p, dims)
     is_pad = s == n_live
@@ -596,9 +615,10 @@ def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p
     out_rows = tok * dims.n + kh * dims.g + g
     row_ok = (tok < q_end) & (g < dims.g)
 
-    @pl.when((t0 < q_end) & is_pad)
-    def _():
-        _store_rows(out_ref, out_rows, jnp.zeros((rq, dims.h), jnp.float32), row_ok)
+    if zero_pad:
+        @pl.when((t0 < q_end) & is_pad)
+        def _():
+            _store_rows(out_ref, out_rows, jnp.zeros((rq, dims.h), jnp.float32), row_ok)
 
     @pl.when((t0 < q_end) & jnp.logical_not(is_pad) & (q_len > 1))
     def _():
@@ -640,19 +660,26 @@ def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p
 
 def _prefill_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_in_ref, out_ref,
                     *, dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
-                    window: int | None, v_scale: float = 1.0):
+                    window: int | None, v_scale: float = 1.0, early_exit: bool = False):
+    """`early_exit`: padding rows are already zero (the decode kernel's `zero_padding`, or a
+    zeroed buffer), so programs skip them, and all exit at once when no live slot has
+    q_len > 1."""
     del out_in_ref  # aliased to out_ref: the decode kernel's rows are already in it
     kh = pl.program_id(0)
     # Reversed: the last tiles of a chunk attend to the most keys, so they start first.
     p = dims.nqb - 1 - pl.program_id(1)
     n_live = jnp.minimum(ns_ref[0], dims.s)
     n_tiles_max = _cdiv(dims.t, dims.block_q) + n_live  # bound on live virtual tiles
+    run = p < n_tiles_max
+    if early_exit:
+        run = run & _any_prefill(qsl_ref, n_live, dims)
 
-    @pl.when(p < n_tiles_max)
+    @pl.when(run)
     def _():
         _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, kh=kh, p=p,
                     n_live=n_live, dims=dims, tiling=tiling, sm_scale=sm_scale,
-                    soft_cap=soft_cap, window=window, v_scale=v_scale)
+                    soft_cap=soft_cap, window=window, v_scale=v_scale,
+                    zero_pad=not early_exit)
 
 
 def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
@@ -718,8 +745,9 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
                              soft_cap=soft_cap, window=window, tiling=tiling,
                              interpret=interpret, v_scale=v_scale)
     # The decode kernel zeroes the padding rows when the Mosaic prefill kernel follows (it
-    # writes its own rows only) or when no prefill kernel follows.
-    zero_padding = mosaic or decode_only
+    # writes its own rows only), when no prefill kernel follows, and with PREFILL_EARLY_EXIT
+    # (the Triton prefill kernel then skips them and may not run at all).
+    zero_padding = mosaic or decode_only or PREFILL_EARLY_EXIT
     # With the Mosaic prefill kernel next, the decode kernel's extra programs build its tile
     # table (one launch fewer than XLA's three fusions, running beside the decode work), up
     # to FUSED_TABLE_MAX_SLOTS slots: beyond, its slot-wide vectors would weigh on the decode
@@ -790,8 +818,10 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
                                       tiling=tiling.mosaic, layout=layout)
 
     q2, kc, vc, bt = _flat(q, k_cache, v_cache, block_tables, dims)
+    # `out` holds zero padding rows under PREFILL_EARLY_EXIT: the decode kernel zeroed them, or
+    # (prefill-only call) it is a zeroed buffer.
     common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
-                  v_scale=v_scale)
+                  v_scale=v_scale, early_exit=PREFILL_EARLY_EXIT)
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, **common),
         grid=(dims.k, dims.nqb),
