@@ -166,6 +166,11 @@ def test_prefill_early_exit(monkeypatch, early_exit, q_lens, ctx_lens):
     ref = ragged_paged_attention_reference(*args, sm_scale=0.25)
     np.testing.assert_allclose(got, np.asarray(ref), rtol=2e-5, atol=2e-5)
     assert (got[live:] == 0).all()
+    if early_exit:  # the decode kernel's prefill flag: raised iff a live slot has q_len > 1
+        dims = rpa._make_dims(b.q, b.k_cache, b.block_tables, Tiling())
+        _, counters, _ = rpa._decode_rows(*args, dims=dims, sm_scale=0.25, soft_cap=None, window=None,
+                                          tiling=Tiling(), interpret=True, zero_padding=True, table=False)
+        assert int(counters[-1]) == int(max(q_lens) > 1)
 
 
 def test_no_live_sequences_gives_zeros():
