@@ -21,10 +21,7 @@ Kernel 2, `_prefill_kernel`, grid (K, NQB), output aliased to kernel 1's output:
   finds its sequence with one vector compare over query_start_loc. A tile of a sequence with
   q_len > 1 runs causal flash attention over its KV pages (masks only on the tiles that cross
   the diagonal or the window edge); decode rows are skipped; the padding rows (the pseudo
-  sequence after the last live one) get zeros. With PREFILL_EARLY_EXIT (the default) the
-  decode kernel zeroes the padding rows instead, and its programs of live slots with
-  q_len > 1 raise a flag (the word after its arrival counters) that every program of this
-  kernel reads first: in a decode step none is raised and the programs exit at once.
+  sequence after the last live one) get zeros.
 
 K/V pages are gathered row by row through the block table (masked loads: tokens past the
 sequence's end or before its sliding window are never fetched), so any block size works and a
@@ -63,12 +60,6 @@ _MASK = -1e30
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # Cache element types besides q's: e4m3, which Triton converts on sm_89+ (gpu_backend checks).
 FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
-# The decode kernel zeroes the padding rows in every step and raises a flag when a live slot
-# has more than one query row; the Triton prefill kernel's programs read the flag first and
-# exit at once without it (a decode step: the kernel then costs little more than its launch).
-# False: the earlier split, the prefill kernel zeroing the padding rows and running its tile
-# search in every step.
-PREFILL_EARLY_EXIT = True
 
 
 def _is_pow2(x: int) -> bool:
@@ -455,12 +446,6 @@ def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_r
     kv_len = kvl_ref[seq_c]
     lo, first_page, chunk, n_used = _split_geometry(kv_len, splits, window, dims, tiling)
 
-    # The prefill flag (the word after the arrival counters): raised by the first program of
-    # each live slot with q_len > 1, so the prefill kernel knows whether it has work.
-    @pl.when((seq < n_live) & (q_len > 1) & (split == 0) & (kh == 0))
-    def _():
-        cnt_ref[dims.s * dims.k] = jnp.int32(1)
-
     # Splits past the sequence's end (n_used) and non-decode slots do nothing.
     @pl.when((seq < n_live) & (q_len == 1) & (split < n_used))
     def _():
@@ -594,9 +579,8 @@ def _attend_tile(q, qpos, kpos0, n_iter, carry, *, masked: bool, kv_lo, kv_hi, s
 
 def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p, n_live,
                 dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
-                window: int | None, v_scale: float = 1.0, zero_pad: bool = True):
-    """Program p of a KV head: a prefill tile, padding zeros (`zero_pad`), or nothing (decode
-    rows; padding rows without `zero_pad`, the decode kernel having zeroed them)."""
+                window: int | None, v_scale: float = 1.0):
+    """Program p of a KV head: a prefill tile, padding zeros, or nothing (decode rows)."""
     bq = dims.block_q
     s = _find_tile(qsl_ref, n_live, p, dims)
     is_pad = s == n_live
@@ -612,10 +596,9 @@ def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p
     out_rows = tok * dims.n + kh * dims.g + g
     row_ok = (tok < q_end) & (g < dims.g)
 
-    if zero_pad:
-        @pl.when((t0 < q_end) & is_pad)
-        def _():
-            _store_rows(out_ref, out_rows, jnp.zeros((rq, dims.h), jnp.float32), row_ok)
+    @pl.when((t0 < q_end) & is_pad)
+    def _():
+        _store_rows(out_ref, out_rows, jnp.zeros((rq, dims.h), jnp.float32), row_ok)
 
     @pl.when((t0 < q_end) & jnp.logical_not(is_pad) & (q_len > 1))
     def _():
@@ -655,33 +638,21 @@ def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p
         _store_rows(out_ref, out_rows, out, row_ok)
 
 
-def _prefill_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_in_ref, *refs,
-                    dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
-                    window: int | None, v_scale: float = 1.0, zero_pad: bool = True,
-                    flag_at: int | None = None):
-    """`zero_pad`: the padding rows get zeros (else they already are). `flag_at`: refs are
-    (the decode kernel's counters, out); every program first reads the prefill flag at that
-    index and exits at once when it is not raised (no live slot with q_len > 1)."""
+def _prefill_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_in_ref, out_ref,
+                    *, dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
+                    window: int | None, v_scale: float = 1.0):
     del out_in_ref  # aliased to out_ref: the decode kernel's rows are already in it
-    out_ref = refs[-1]
     kh = pl.program_id(0)
     # Reversed: the last tiles of a chunk attend to the most keys, so they start first.
     p = dims.nqb - 1 - pl.program_id(1)
+    n_live = jnp.minimum(ns_ref[0], dims.s)
+    n_tiles_max = _cdiv(dims.t, dims.block_q) + n_live  # bound on live virtual tiles
 
-    def tile():
-        n_live = jnp.minimum(ns_ref[0], dims.s)
-        n_tiles_max = _cdiv(dims.t, dims.block_q) + n_live  # bound on live virtual tiles
-
-        @pl.when(p < n_tiles_max)
-        def _():
-            _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, kh=kh, p=p,
-                        n_live=n_live, dims=dims, tiling=tiling, sm_scale=sm_scale,
-                        soft_cap=soft_cap, window=window, v_scale=v_scale, zero_pad=zero_pad)
-
-    if flag_at is None:
-        tile()
-    else:
-        pl.when(refs[0][flag_at] != 0)(tile)
+    @pl.when(p < n_tiles_max)
+    def _():
+        _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, kh=kh, p=p,
+                    n_live=n_live, dims=dims, tiling=tiling, sm_scale=sm_scale,
+                    soft_cap=soft_cap, window=window, v_scale=v_scale)
 
 
 def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
@@ -747,16 +718,15 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
                              soft_cap=soft_cap, window=window, tiling=tiling,
                              interpret=interpret, v_scale=v_scale)
     # The decode kernel zeroes the padding rows when the Mosaic prefill kernel follows (it
-    # writes its own rows only), when no prefill kernel follows, and with PREFILL_EARLY_EXIT
-    # (the Triton prefill kernel then skips them and may not run at all).
-    zero_padding = mosaic or decode_only or PREFILL_EARLY_EXIT
+    # writes its own rows only) or when no prefill kernel follows.
+    zero_padding = mosaic or decode_only
     # With the Mosaic prefill kernel next, the decode kernel's extra programs build its tile
     # table (one launch fewer than XLA's three fusions, running beside the decode work), up
     # to FUSED_TABLE_MAX_SLOTS slots: beyond, its slot-wide vectors would weigh on the decode
     # programs' registers, and `_prefill_rows` gives it a launch of its own.
     fused = (mosaic and tiling.mosaic.tile_table == "triton"
              and _next_pow2(dims.s) <= FUSED_TABLE_MAX_SLOTS)
-    out, counters, layout = _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+    out, layout = _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                                num_seqs, dims=dims, sm_scale=sm_scale, soft_cap=soft_cap,
                                window=window, tiling=tiling, interpret=interpret,
                                zero_padding=zero_padding, table=fused, v_scale=v_scale)
@@ -765,21 +735,19 @@ def _rpa_call(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
     return _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                          num_seqs, dims=dims, mosaic=mosaic, sm_scale=sm_scale,
                          soft_cap=soft_cap, window=window, tiling=tiling, interpret=interpret,
-                         layout=layout, v_scale=v_scale,
-                         flag=counters if PREFILL_EARLY_EXIT else None)
+                         layout=layout, v_scale=v_scale)
 
 
 def _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
                  dims: _Dims, sm_scale: float, soft_cap: float | None, window: int | None,
                  tiling: Tiling, interpret: bool, zero_padding: bool, table: bool,
-                 v_scale: float = 1.0) -> tuple[jax.Array, jax.Array, mgpu.TileLayout | None]:
+                 v_scale: float = 1.0) -> tuple[jax.Array, mgpu.TileLayout | None]:
     """The Triton decode kernel: decode rows (and zeroed padding rows with `zero_padding`) of
-    a fresh [T * N, H] buffer; its counters, whose last word is the prefill flag (nonzero iff a
-    live slot has q_len > 1); and with `table` the Mosaic prefill kernel's tile table from its
-    extra programs (else None)."""
+    a fresh [T * N, H] buffer, and with `table` the Mosaic prefill kernel's tile table from
+    its extra programs (else None)."""
     q2, kc, vc, bt = _flat(q, k_cache, v_cache, block_tables, dims)
     n_part = dims.k * dims.npd * dims.g
-    counters = jnp.zeros((dims.s * dims.k + 1,), jnp.int32)  # arrival counters, prefill flag
+    counters = jnp.zeros((dims.s * dims.k,), jnp.int32)
     td = _TableDims.make(dims.t, dims.s, dims.g) if table else None
     outs = pl.pallas_call(
         functools.partial(_decode_kernel, dims=dims, tiling=tiling, sm_scale=sm_scale,
@@ -790,7 +758,7 @@ def _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, nu
                    jax.ShapeDtypeStruct((n_part, dims.h), jnp.float32),
                    jax.ShapeDtypeStruct((n_part,), jnp.float32),
                    jax.ShapeDtypeStruct((n_part,), jnp.float32),
-                   jax.ShapeDtypeStruct((dims.s * dims.k + 1,), jnp.int32),
+                   jax.ShapeDtypeStruct((dims.s * dims.k,), jnp.int32),
                    *(() if td is None else _table_shapes(td))),
         input_output_aliases={7: 4},
         compiler_params=plgpu.CompilerParams(num_warps=tiling.decode_num_warps,
@@ -798,21 +766,18 @@ def _decode_rows(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, nu
         interpret=interpret,
         name="rpa_decode",
     )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, counters)
-    return outs[0], outs[4], (None if td is None else mgpu.TileLayout(*outs[5:]))
+    return outs[0], (None if td is None else mgpu.TileLayout(*outs[5:]))
 
 
 def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
                   *, dims: _Dims, mosaic: bool, sm_scale: float, soft_cap: float | None,
                   window: int | None, tiling: Tiling, interpret: bool,
-                  layout: mgpu.TileLayout | None = None, v_scale: float = 1.0,
-                  flag: jax.Array | None = None) -> jax.Array:
+                  layout: mgpu.TileLayout | None = None, v_scale: float = 1.0) -> jax.Array:
     """Writes the prefill rows (and, on the Triton path, zero padding rows) into `out`
     [T * N, H], which holds the decode rows, in place; returns [T, N, H]. `out=None` (Mosaic
     path, prefill-only call): a fresh buffer, padding rows zeroed by the Mosaic kernel.
     `layout`: the Mosaic kernel's tile table, if the decode kernel built it; else one Triton
-    launch builds it (MosaicTiling.tile_table "triton") or XLA ops do ("xla"). `flag`: the
-    decode kernel's counters (Triton path, PREFILL_EARLY_EXIT): padding rows are already zero
-    and the kernel runs only if their last word is raised."""
+    launch builds it (MosaicTiling.tile_table "triton") or XLA ops do ("xla")."""
     if mosaic:
         # The decode kernel wrote the decode rows and zeroed the padding rows; the Mosaic
         # kernel writes the prefill rows into the same buffer, in place.
@@ -825,10 +790,8 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
                                       tiling=tiling.mosaic, layout=layout)
 
     q2, kc, vc, bt = _flat(q, k_cache, v_cache, block_tables, dims)
-    # With a flag, the decode kernel zeroed the padding rows: the prefill kernel skips them.
     common = dict(dims=dims, tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
-                  v_scale=v_scale, zero_pad=flag is None,
-                  flag_at=None if flag is None else dims.s * dims.k)
+                  v_scale=v_scale)
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, **common),
         grid=(dims.k, dims.nqb),
@@ -838,7 +801,7 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
                                              num_stages=tiling.prefill_num_stages),
         interpret=interpret,
         name="rpa_prefill",
-    )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, out, *(() if flag is None else (flag,)))
+    )(q2, kc, vc, kv_lens, bt, query_start_loc, num_seqs, out)
     return out.reshape(dims.t, dims.n, dims.h)
 
 

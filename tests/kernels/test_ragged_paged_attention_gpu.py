@@ -145,34 +145,6 @@ def test_one_kind_steps_skip_the_other_kernel(flag, q_lens, pad_tokens):
     assert (np.asarray(got)[live:] == 0).all()
 
 
-@pytest.mark.parametrize("early_exit,q_lens,ctx_lens", [(True, [1, 1, 1], [0, 37, 100]),
-                                                       (True, [0, 3, 1], [4, 20, 9]),
-                                                       (False, [1, 1, 1], [0, 37, 100])])
-def test_prefill_early_exit(monkeypatch, early_exit, q_lens, ctx_lens):
-    """No flag: a step whose live slots all have q_len 1 (the prefill kernel exits at once) and
-    one with an empty live slot before a 3-row chunk (the chunk must still run), with
-    PREFILL_EARLY_EXIT on and off; padding queries are NaN and padding rows come out zero."""
-    from jaxengine.pallas_kernels import ragged_paged_attention_gpu as rpa
-
-    monkeypatch.setattr(rpa, "PREFILL_EARLY_EXIT", early_exit)
-    rng = np.random.default_rng(17)
-    # The switch is read at trace time: the off case takes a shape of its own, so it is traced.
-    b = make_batch(rng, q_lens=q_lens, ctx_lens=ctx_lens, num_heads=4, num_kv_heads=2,
-                   head_dim=16, block_size=16, dtype=jnp.float32, pad_slots=2,
-                   pad_tokens=5 if early_exit else 7)
-    live = sum(q_lens)
-    args = (b.q.at[live:].set(jnp.nan), *b.args()[1:])
-    got = np.asarray(ragged_paged_attention_gpu(*args, sm_scale=0.25, interpret=True))
-    ref = ragged_paged_attention_reference(*args, sm_scale=0.25)
-    np.testing.assert_allclose(got, np.asarray(ref), rtol=2e-5, atol=2e-5)
-    assert (got[live:] == 0).all()
-    if early_exit:  # the decode kernel's prefill flag: raised iff a live slot has q_len > 1
-        dims = rpa._make_dims(b.q, b.k_cache, b.block_tables, Tiling())
-        _, counters, _ = rpa._decode_rows(*args, dims=dims, sm_scale=0.25, soft_cap=None, window=None,
-                                          tiling=Tiling(), interpret=True, zero_padding=True, table=False)
-        assert int(counters[-1]) == int(max(q_lens) > 1)
-
-
 def test_no_live_sequences_gives_zeros():
     rng = np.random.default_rng(3)
     b = make_batch(rng, q_lens=[4], ctx_lens=[3], num_heads=4, num_kv_heads=2, head_dim=64,

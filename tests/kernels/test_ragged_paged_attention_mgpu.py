@@ -124,8 +124,8 @@ def test_triton_tile_table_is_the_xla_one(n, k, q_lens, ctx_lens, pad_slots, pad
     dims = rpa._make_dims(b.q, b.k_cache, b.block_tables, Tiling())
     kw = dict(dims=dims, sm_scale=0.25, soft_cap=None, window=None, tiling=Tiling(),
               interpret=True, zero_padding=True)
-    rows, _, none = rpa._decode_rows(*b.args(), table=False, **kw)
-    rows_t, _, in_decode = rpa._decode_rows(*b.args(), table=True, **kw)
+    rows, none = rpa._decode_rows(*b.args(), table=False, **kw)
+    rows_t, in_decode = rpa._decode_rows(*b.args(), table=True, **kw)
     assert none is None
     np.testing.assert_array_equal(np.asarray(rows_t), np.asarray(rows))
     for got in (rpa.tile_table(*meta, t=t, n=n, k=k, interpret=True), in_decode):
