@@ -320,16 +320,24 @@ KERNEL_MAX_ROWS = 64
 # rows too. On the H100: 5-25% faster on most linear shapes, the same batch-1 decode. (The kernel's
 # `post_scale` form was no faster than the default and is not used: weight_only_h100.md.)
 SLABS = True
+# Whether calls of at most SWAPPED_MAX_ROWS rows with 4-bit values in groups of 128 (integer zero
+# points, bf16 x) run the kernel's swapped form (`weight_only_matmul_swapped`: the weight as the
+# dot's first operand, values converted a pair per lop3).
+SWAPPED = True
+SWAPPED_MAX_ROWS = 16
 
 
 def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
                        bits: int, group_size: int, float_min: bool = False) -> jax.Array:
     """One call site's weight-only matmul: on GPU the Pallas kernel
     (pallas_kernels/weight_only_matmul_gpu.py) for calls of at most KERNEL_MAX_ROWS rows where it
-    takes the shape (groups of 16-64 rows or multiples of 128, N a multiple of 128), else
-    `weight_only_matmul`."""
-    if jax.default_backend() == "gpu" and x.shape[0] <= KERNEL_MAX_ROWS and \
-            kernel.supported(x.shape[0], x.shape[1], packed.shape[1], bits, group_size):
+    takes the shape (groups of 16-64 rows or multiples of 128, N a multiple of 128), in its
+    swapped form where `SWAPPED` and that form takes the call; else `weight_only_matmul`."""
+    t, k, n = x.shape[0], x.shape[1], packed.shape[1]
+    if jax.default_backend() == "gpu" and SWAPPED and t <= SWAPPED_MAX_ROWS and \
+            kernel.swapped_supported(t, k, n, bits, group_size, x.dtype, float_min):
+        return kernel.weight_only_matmul_swapped(x, packed, scales, zeros)
+    if jax.default_backend() == "gpu" and t <= KERNEL_MAX_ROWS and kernel.supported(t, k, n, bits, group_size):
         return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size,
                                          float_min=float_min, slabs=SLABS)
     return weight_only_matmul(x, packed, scales, zeros, bits, group_size, float_min)

@@ -253,5 +253,110 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     return sums.sum(0)[:t].astype(x.dtype)
 
 
-__all__ = ["block_k", "dequantize_packed", "pick_splits", "post_scale_ok", "supported", "unpack_rows",
-           "weight_only_matmul", "weight_only_matmul_reference"]
+# -- the swapped form: out^T = W^T . x^T, the weight as the dot's first operand ----------------
+#
+# At a decode step's few rows the kernel above leaves the weight as the dot's second operand, which
+# Triton stages through shared memory as dequantized bf16. Swapped, the weight's output columns
+# are the MMA's 64-row side and the tokens its narrow side; a step is one group of 128 rows of K
+# (16 words a column), unpacked into 8 slabs as in `slabs` (value position j of every word, met by
+# x's matching 16 columns), each slab converted by one shift and one lop3 per pair of values
+# (value positions j and j + 4 share a 32-bit register as the two bf16 halves 128 + v, exactly),
+# and the group's scale and zero applied to the step's [block_n, T] sums:
+#     sum_k x (v - z) s = s (sum_k x (128 + v) - (128 + z) sum_k x).
+# Interpret mode (no inline PTX) computes the same values with shifts, masks and ORs.
+
+SWAPPED_BLOCK_N = 128
+SWAPPED_TARGET_PROGRAMS = 2 * TARGET_PROGRAMS  # shorter K loops, more programs in flight
+# (w >> 4j) & 0x000F000F | 0x43004300 holds bf16 128 + v_j (low half) and 128 + v_{j+4} (high
+# half); lop3's table 0xEA is (a & b) | c. One asm block a half: Pallas lowers one result per
+# inline-asm call, and ptxas shares the shift and lop3 of a pair.
+_LOP3 = ("{ .reg .b32 t; .reg .b16 u; shr.b32 t, $1, %d; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+         "mov.b32 %s, t; }")
+
+
+def swapped_supported(t: int, k: int, n: int, bits: int, group_size: int, dtype, float_min: bool) -> bool:
+    """Whether `weight_only_matmul_swapped` takes the call: 4-bit values with integer zero points in
+    groups of 128, x in bf16, at most 64 rows, N a multiple of SWAPPED_BLOCK_N."""
+    return (bits == 4 and group_size == 128 and not float_min and jnp.dtype(dtype) == jnp.bfloat16 and t <= 64
+            and k % 128 == 0 and n % SWAPPED_BLOCK_N == 0)
+
+
+def _slab_pair(words: jax.Array, j: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """bf16 128 + v of value positions j and j + 4 (j < 4) of every word."""
+    if interpret:
+        return tuple(lax.bitcast_convert_type((((words >> (4 * i)) & 15) | 0x4300).astype(jnp.int16), jnp.bfloat16)
+                     for i in (j, j + 4))
+    shape = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
+    return tuple(plgpu.elementwise_inline_asm(_LOP3 % (4 * j, halves), args=[words], constraints="=h,r", pack=1,
+                                              result_shape_dtypes=[shape])[0]
+                 for halves in ("{$0, u}", "{u, $0}"))
+
+
+def _swapped_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, steps: int, interpret: bool):
+    """One (column tile, K split): `steps` groups from split * steps on; x_ref is x^T with each
+    group's columns in slab order (value position j, then word), p_ref the [K / 8, block_n] words."""
+    _, block_n, tp = o_ref.shape
+    first = pl.program_id(1) * steps
+
+    def body(g, acc):
+        words = p_ref[pl.ds(g * 16, 16), :].T  # [block_n, 16]: column n's 16 words of group g
+        d = jnp.zeros((block_n, tp), jnp.float32)
+        xs = jnp.zeros((1, tp), jnp.float32)
+        for j in range(4):
+            for jj, a in zip((j, j + 4), _slab_pair(words, j, interpret)):
+                xb = x_ref[pl.ds(g * 128 + jj * 16, 16), :]  # [16, T]: x's columns 8 i + jj of the group
+                d = d + _pl_dot(a, xb)
+                xs = xs + jnp.sum(xb.astype(jnp.float32), axis=0, keepdims=True)
+        scale = s_ref[g, :].astype(jnp.float32)[:, None]  # [block_n, 1]
+        zero = z_ref[g, :].astype(jnp.float32)[:, None]
+        return acc + scale * (d - (zero + 128.0) * xs)
+
+    acc = lax.fori_loop(first, first + steps, body, jnp.zeros((block_n, tp), jnp.float32))
+    o_ref[...] = acc[None]
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "num_warps", "num_stages", "interpret"))
+def weight_only_matmul_swapped(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *,
+                               splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                               interpret: bool = False) -> jax.Array:
+    """x [T, K] bf16 @ dequant(packed [K / 8, N] int4 words, scales / zeros [K / 128, N]) -> [T, N]
+    bf16, the same contract as `weight_only_matmul` with bits=4, group_size=128 and integer zero
+    points (`swapped_supported`); the swapped form above. `splits`: K splits (default: the largest
+    divisor of the groups reaching about SWAPPED_TARGET_PROGRAMS programs), their float32 partial
+    sums added after the call."""
+    t, k = x.shape
+    n = packed.shape[1]
+    if not swapped_supported(t, k, n, 4, 128, x.dtype, False):
+        raise ValueError(f"weight_only_matmul_swapped: unsupported call T={t} K={k} N={n} x {x.dtype} "
+                         f"(bf16 x, at most 64 rows, K a multiple of 128, N of {SWAPPED_BLOCK_N})")
+    g = k // 128
+    if packed.shape != (k // 8, n) or scales.shape != (g, n) or zeros.shape != (g, n):
+        raise ValueError(f"weight_only_matmul_swapped: packed {packed.shape}, scales {scales.shape}, zeros "
+                         f"{zeros.shape} do not fit K={k}, N={n}, 4 bits, groups of 128")
+    tp = max(16, -(-t // 16) * 16)
+    # x^T [K, tp], each group's columns in slab order: position g * 128 + j * 16 + i holds column
+    # g * 128 + 8 i + j
+    xt = jnp.pad(x, ((0, tp - t), (0, 0))).reshape(tp, g, 16, 8).swapaxes(2, 3).reshape(tp, k).T
+    splits = splits or pick_splits(n // SWAPPED_BLOCK_N, g, SWAPPED_TARGET_PROGRAMS)
+    if g % splits:
+        raise ValueError(f"weight_only_matmul_swapped: {splits} splits do not divide {g} groups")
+    kwargs = {}
+    if not interpret:
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    bn = SWAPPED_BLOCK_N
+    sums = pl.pallas_call(
+        functools.partial(_swapped_kernel, steps=g // splits, interpret=interpret),
+        grid=(n // bn, splits),
+        in_specs=[pl.BlockSpec((k, tp), lambda i, s: (0, 0)),
+                  pl.BlockSpec((k // 8, bn), lambda i, s: (0, i)),
+                  pl.BlockSpec((g, bn), lambda i, s: (0, i)),
+                  pl.BlockSpec((g, bn), lambda i, s: (0, i))],
+        out_specs=pl.BlockSpec((1, bn, tp), lambda i, s: (s, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((splits, n, tp), jnp.float32),
+        interpret=interpret, name="weight_only_matmul_t", **kwargs,
+    )(xt, packed, scales, zeros)
+    return sums.sum(0)[:, :t].T.astype(x.dtype)
+
+
+__all__ = ["block_k", "dequantize_packed", "pick_splits", "post_scale_ok", "supported", "swapped_supported",
+           "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference", "weight_only_matmul_swapped"]

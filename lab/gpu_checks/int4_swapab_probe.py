@@ -22,13 +22,8 @@ import time
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 SWAP_VARIANTS = {
-    "swap_bn128": dict(block_n=128, num_warps=4, num_stages=3),
-    "swap_bn128_raw": dict(block_n=128, num_warps=4, num_stages=3, mode="raw"),
-    "swap_bn128_lop3": dict(block_n=128, num_warps=4, num_stages=3, mode="lop3"),
     "swap_bn128_lop3_2x": dict(block_n=128, num_warps=4, num_stages=3, mode="lop3", splits="2x"),
-    "swap_bn128_lop3_s4": dict(block_n=128, num_warps=4, num_stages=4, mode="lop3"),
-    "swap_bn256_w8_lop3": dict(block_n=256, num_warps=8, num_stages=3, mode="lop3"),
-    "swap_bn64_lop3_2x": dict(block_n=64, num_warps=4, num_stages=3, mode="lop3", splits="2x"),
+    "native_bn128_lop3_2x": dict(block_n=128, num_warps=4, num_stages=3, mode="lop3", splits="2x", native=True),
 }
 
 
@@ -134,14 +129,19 @@ def main() -> int:
         record("product_slabs", prod, (x, packed, scales, zeros), layers, int4_bytes,
                check=lambda: product.weight_only_matmul(x, packed[0], scales[0], zeros[0], bits=4, group_size=128,
                                                         slabs=True))
+        swapped = jax.jit(lambda x, ps, ss, zs: [product.weight_only_matmul_swapped(x, p, s, z)
+                                                 for p, s, z in zip(ps, ss, zs)])
+        record("product_swapped", swapped, (x, packed, scales, zeros), layers, int4_bytes,
+               check=lambda: product.weight_only_matmul_swapped(x, packed[0], scales[0], zeros[0]))
         for vname, opts in SWAP_VARIANTS.items():
             opts = dict(opts)
             if opts.get("splits") == "2x":  # twice the default K splits where they divide the steps
                 d = product.pick_splits(n // opts["block_n"], g)
                 opts["splits"] = 2 * d if g % (2 * d) == 0 else d
             fn = jax.jit(lambda x, ws, ss, zs, o=opts: [swap.matmul_t(x, w, s, z, **o) for w, s, z in zip(ws, ss, zs)])
-            record(vname, fn, (x, wts, scales, zeros), layers, int4_bytes,
-                   check=lambda o=opts: swap.matmul_t(x, wts[0], scales[0], zeros[0], **o))
+            ws = packed if opts.get("native") else wts
+            record(vname, fn, (x, ws, scales, zeros), layers, int4_bytes,
+                   check=lambda o=opts, ws=ws: swap.matmul_t(x, ws[0], scales[0], zeros[0], **o))
         del packed, wts, wb
     if args.dump:
         res["ptx"] = ptx_counts(args.dump)

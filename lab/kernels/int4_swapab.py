@@ -71,12 +71,15 @@ def _pairs(words: jax.Array, j: int) -> tuple[jax.Array, jax.Array]:
                  for halves in ("{$0, u}", "{u, $0}"))
 
 
-def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, steps: int, post: bool, mode: str):
+def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, steps: int, post: bool, mode: str, native: bool):
     _, block_n, tp = o_ref.shape
     first = pl.program_id(1) * steps
 
     def body(kb, acc):
-        words = w_ref[:, pl.ds(kb * ROWS, ROWS)]  # [block_n, 16] int32
+        if native:  # the product's [K / 8, N] words, transposed in registers
+            words = w_ref[pl.ds(kb * ROWS, ROWS), :].T  # [block_n, 16] int32
+        else:
+            words = w_ref[:, pl.ds(kb * ROWS, ROWS)]  # [block_n, 16] int32
         scale = s_ref[kb, :].astype(jnp.float32)[:, None]  # [block_n, 1]
         zero = z_ref[kb, :].astype(jnp.float32)[:, None]
         if mode in ("lop3", "raw"):  # post-scaled; "raw": no unpacking at all (timing skeleton)
@@ -114,16 +117,17 @@ def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, steps: int, post: bool, mode: 
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "splits", "num_warps", "num_stages", "post",
-                                             "mode", "interpret"))
+                                             "mode", "native", "interpret"))
 def matmul_t(x: jax.Array, wt: jax.Array, scales: jax.Array, zeros: jax.Array, *, block_n: int = 64,
              splits: int | None = None, num_warps: int = 4, num_stages: int = 3, post: bool = True,
-             mode: str = "shift", interpret: bool = False) -> jax.Array:
+             mode: str = "shift", native: bool = False, interpret: bool = False) -> jax.Array:
     """x [T, K] bf16 @ dequant(wt [N, K / 8]) -> [T, N] bf16 (module docstring). `mode`: "shift"
     (shifts, masks and ORs in jnp), "lop3" (a value pair per inline-PTX lop3; GPU only),
-    "raw" (no unpacking: wrong values, the skeleton's time)."""
+    "raw" (no unpacking: wrong values, the skeleton's time). `native`: wt is the product's
+    [K / 8, N] words as they are (transposed in the kernel)."""
     t, k = x.shape
-    n = wt.shape[0]
-    if x.dtype != jnp.bfloat16 or k % GROUP or n % block_n or wt.shape != (n, k // PER) \
+    n = wt.shape[1] if native else wt.shape[0]
+    if x.dtype != jnp.bfloat16 or k % GROUP or n % block_n or wt.shape != ((k // PER, n) if native else (n, k // PER)) \
             or scales.shape != (k // GROUP, n) or zeros.shape != scales.shape:
         raise ValueError(f"int4 swap-AB: x {x.shape} {x.dtype}, wt {wt.shape}, scales {scales.shape}, "
                          f"zeros {zeros.shape} (bf16 x, groups of {GROUP}, N a multiple of {block_n})")
@@ -137,10 +141,11 @@ def matmul_t(x: jax.Array, wt: jax.Array, scales: jax.Array, zeros: jax.Array, *
     if not interpret:
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     sums = pl.pallas_call(
-        functools.partial(_kernel, steps=g // splits, post=post, mode=mode),
+        functools.partial(_kernel, steps=g // splits, post=post, mode=mode, native=native),
         grid=(n // block_n, splits),
         in_specs=[pl.BlockSpec((k, tp), lambda i, s: (0, 0)),
-                  pl.BlockSpec((block_n, k // PER), lambda i, s: (i, 0)),
+                  (pl.BlockSpec((k // PER, block_n), lambda i, s: (0, i)) if native
+                   else pl.BlockSpec((block_n, k // PER), lambda i, s: (i, 0))),
                   pl.BlockSpec((g, block_n), lambda i, s: (0, i)),
                   pl.BlockSpec((g, block_n), lambda i, s: (0, i))],
         out_specs=pl.BlockSpec((1, block_n, tp), lambda i, s: (s, i, 0)),

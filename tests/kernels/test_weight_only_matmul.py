@@ -151,3 +151,36 @@ def test_kernel_lowers_for_an_h100(magic, group, float_min, post, slabs):
     with abstract_h100():
         text = fn.trace(x, packed, scales, zeros).lower(lowering_platforms=("cuda",)).as_text()
     assert "weight_only_matmul" in text
+
+
+@pytest.mark.parametrize("t,k,n,splits", [(1, 256, 128, None), (16, 512, 256, 2), (11, 384, 384, 3)])
+def test_swapped_form_matches_reference(t, k, n, splits):
+    """The swapped form (weight as the dot's first operand, scales and zeros applied to each
+    group's sums) in interpret mode: bf16 x, 4-bit values, groups of 128, ragged rows, K splits."""
+    from jaxengine.pallas_kernels.weight_only_matmul_gpu import swapped_supported, weight_only_matmul_swapped
+
+    x, packed, scales, zeros = _inputs(t, k, n, 4, 128, seed=t + n, dtype=jnp.bfloat16)
+    assert swapped_supported(t, k, n, 4, 128, x.dtype, False)
+    want = np.asarray(weight_only_matmul_reference(x, packed, scales, zeros, 4, 128), np.float32)
+    got = np.asarray(weight_only_matmul_swapped(x, packed, scales, zeros, splits=splits, interpret=True),
+                     np.float32)
+    # bf16 outputs: one rounding of the result, and the zero's sum subtracted from x . (128 + v)
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
+def test_swapped_form_refuses_and_lowers_for_an_h100():
+    """Calls outside its form are refused by name; on the GPU path (inline PTX lop3) it lowers."""
+    from jaxengine.pallas_kernels.weight_only_matmul_gpu import swapped_supported, weight_only_matmul_swapped
+    from tests.kernels.cuda_target import abstract_h100
+
+    assert not swapped_supported(16, 512, 256, 8, 128, jnp.bfloat16, False)
+    assert not swapped_supported(16, 512, 256, 4, 64, jnp.bfloat16, False)
+    assert not swapped_supported(16, 512, 256, 4, 128, jnp.float32, False)
+    assert not swapped_supported(16, 512, 256, 4, 128, jnp.bfloat16, True)
+    x, packed, scales, zeros = _inputs(16, 512, 256, 4, 128, seed=4, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="weight_only_matmul_swapped"):
+        weight_only_matmul_swapped(x.astype(jnp.float32), packed, scales, zeros, interpret=True)
+    fn = jax.jit(lambda x, p, s, z: weight_only_matmul_swapped(x, p, s, z))
+    with abstract_h100():
+        text = fn.trace(x, packed, scales, zeros).lower(lowering_platforms=("cuda",)).as_text()
+    assert "weight_only_matmul_t" in text
