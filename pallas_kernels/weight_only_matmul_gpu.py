@@ -266,7 +266,6 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
 # Interpret mode (no inline PTX) computes the same values with shifts, masks and ORs.
 
 SWAPPED_BLOCK_N = 128
-SWAPPED_TARGET_PROGRAMS = 2 * TARGET_PROGRAMS  # shorter K loops, more programs in flight
 # (w >> 4j) & 0x000F000F | 0x43004300 holds bf16 128 + v_j (low half) and 128 + v_{j+4} (high
 # half); lop3's table 0xEA is (a & b) | c. One asm block a half: Pallas lowers one result per
 # inline-asm call, and ptxas shares the shift and lop3 of a pair.
@@ -279,6 +278,14 @@ def swapped_supported(t: int, k: int, n: int, bits: int, group_size: int, dtype,
     groups of 128, x in bf16, at most 64 rows, N a multiple of SWAPPED_BLOCK_N."""
     return (bits == 4 and group_size == 128 and not float_min and jnp.dtype(dtype) == jnp.bfloat16 and t <= 64
             and k % 128 == 0 and n % SWAPPED_BLOCK_N == 0)
+
+
+def swapped_splits(programs: int, groups: int) -> int:
+    """K splits of the swapped form: twice `pick_splits`' where that divides the groups (shorter K
+    loops, more programs in flight: the faster setting on the H100 for every Llama-3-8B linear at
+    16 rows, benchmarks/results/weight_only_h100.md)."""
+    splits = pick_splits(programs, groups)
+    return 2 * splits if groups % (2 * splits) == 0 else splits
 
 
 def _slab_pair(words: jax.Array, j: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
@@ -321,9 +328,8 @@ def weight_only_matmul_swapped(x: jax.Array, packed: jax.Array, scales: jax.Arra
                                interpret: bool = False) -> jax.Array:
     """x [T, K] bf16 @ dequant(packed [K / 8, N] int4 words, scales / zeros [K / 128, N]) -> [T, N]
     bf16, the same contract as `weight_only_matmul` with bits=4, group_size=128 and integer zero
-    points (`swapped_supported`); the swapped form above. `splits`: K splits (default: the largest
-    divisor of the groups reaching about SWAPPED_TARGET_PROGRAMS programs), their float32 partial
-    sums added after the call."""
+    points (`swapped_supported`); the swapped form above. `splits`: K splits (default
+    `swapped_splits`), their float32 partial sums added after the call."""
     t, k = x.shape
     n = packed.shape[1]
     if not swapped_supported(t, k, n, 4, 128, x.dtype, False):
@@ -337,7 +343,7 @@ def weight_only_matmul_swapped(x: jax.Array, packed: jax.Array, scales: jax.Arra
     # x^T [K, tp], each group's columns in slab order: position g * 128 + j * 16 + i holds column
     # g * 128 + 8 i + j
     xt = jnp.pad(x, ((0, tp - t), (0, 0))).reshape(tp, g, 16, 8).swapaxes(2, 3).reshape(tp, k).T
-    splits = splits or pick_splits(n // SWAPPED_BLOCK_N, g, SWAPPED_TARGET_PROGRAMS)
+    splits = splits or swapped_splits(n // SWAPPED_BLOCK_N, g)
     if g % splits:
         raise ValueError(f"weight_only_matmul_swapped: {splits} splits do not divide {g} groups")
     kwargs = {}
@@ -358,5 +364,5 @@ def weight_only_matmul_swapped(x: jax.Array, packed: jax.Array, scales: jax.Arra
     return sums.sum(0)[:, :t].T.astype(x.dtype)
 
 
-__all__ = ["block_k", "dequantize_packed", "pick_splits", "post_scale_ok", "supported", "swapped_supported",
+__all__ = ["block_k", "dequantize_packed", "pick_splits", "post_scale_ok", "supported", "swapped_splits", "swapped_supported",
            "unpack_rows", "weight_only_matmul", "weight_only_matmul_reference", "weight_only_matmul_swapped"]
