@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--dump", default=None)
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--product-only", action="store_true", help="bf16 and the product's two forms only")
     args = ap.parse_args()
 
     import jax
@@ -133,7 +134,7 @@ def main() -> int:
                                                  for p, s, z in zip(ps, ss, zs)])
         record("product_swapped", swapped, (x, packed, scales, zeros), layers, int4_bytes,
                check=lambda: product.weight_only_matmul_swapped(x, packed[0], scales[0], zeros[0]))
-        for vname, opts in SWAP_VARIANTS.items():
+        for vname, opts in ({} if args.product_only else SWAP_VARIANTS).items():
             opts = dict(opts)
             if opts.get("splits") == "2x":  # twice the default K splits where they divide the steps
                 d = product.pick_splits(n // opts["block_n"], g)
