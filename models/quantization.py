@@ -322,9 +322,10 @@ KERNEL_MAX_ROWS = 64
 SLABS = True
 # Whether calls of at most SWAPPED_MAX_ROWS rows with 4-bit values in groups of 128 (integer zero
 # points, bf16 x) run the kernel's swapped form (`weight_only_matmul_swapped`: the weight as the
-# dot's first operand, values converted a pair per lop3).
+# dot's first operand, values converted a pair per lop3). On the H100 it beat the slab form on
+# every Llama-3-8B linear at 16, 32 and 64 rows (benchmarks/results/weight_only_h100.md).
 SWAPPED = True
-SWAPPED_MAX_ROWS = 16
+SWAPPED_MAX_ROWS = 64
 
 
 def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,

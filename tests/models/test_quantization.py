@@ -466,8 +466,7 @@ def test_weight_only_kernel_only_for_few_rows(monkeypatch):
 
 def test_weight_only_swapped_form_for_decode_rows(monkeypatch):
     """On GPU, bf16 calls of up to SWAPPED_MAX_ROWS rows with 4-bit groups of 128 run the kernel's
-    swapped form; larger calls of up to KERNEL_MAX_ROWS the kernel's slab form; SWAPPED=False
-    turns the swapped form off."""
+    swapped form, float32 calls the kernel's slab form; SWAPPED=False turns the swapped form off."""
     from jaxengine.models import quantization as q
 
     calls = []
@@ -478,8 +477,9 @@ def test_weight_only_swapped_form_for_decode_rows(monkeypatch):
                         lambda x, *a, **k: calls.append(("slabs", x.shape[0])) or q.weight_only_matmul(x, *a, 4, 128))
     packed = jnp.zeros((256 // 8, 128), jnp.int32)
     scales, zeros = jnp.ones((2, 128), jnp.bfloat16), jnp.zeros((2, 128), jnp.uint8)
-    for rows in (1, q.SWAPPED_MAX_ROWS, q.SWAPPED_MAX_ROWS + 1):
+    for rows in (1, q.SWAPPED_MAX_ROWS):
         q.weight_only_linear(jnp.ones((rows, 256), jnp.bfloat16), packed, scales, zeros, 4, 128)
+    q.weight_only_linear(jnp.ones((3, 256), jnp.float32), packed, scales.astype(jnp.float32), zeros, 4, 128)
     monkeypatch.setattr(q, "SWAPPED", False)
     q.weight_only_linear(jnp.ones((1, 256), jnp.bfloat16), packed, scales, zeros, 4, 128)
-    assert calls == [("swapped", 1), ("swapped", q.SWAPPED_MAX_ROWS), ("slabs", q.SWAPPED_MAX_ROWS + 1), ("slabs", 1)]
+    assert calls == [("swapped", 1), ("swapped", q.SWAPPED_MAX_ROWS), ("slabs", 3), ("slabs", 1)]
