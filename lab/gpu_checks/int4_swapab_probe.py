@@ -52,6 +52,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--product-only", action="store_true", help="bf16 and the product's two forms only")
+    ap.add_argument("--sweep", action="store_true",
+                    help="the product's swapped form over K splits (x1, x2 of its default), stages and warps")
     args = ap.parse_args()
 
     import jax
@@ -134,7 +136,18 @@ def main() -> int:
                                                  for p, s, z in zip(ps, ss, zs)])
         record("product_swapped", swapped, (x, packed, scales, zeros), layers, int4_bytes,
                check=lambda: product.weight_only_matmul_swapped(x, packed[0], scales[0], zeros[0]))
-        for vname, opts in ({} if args.product_only else SWAP_VARIANTS).items():
+        if args.sweep:
+            base = product.swapped_splits(n // product.SWAPPED_BLOCK_N, g)
+            for mult in (0.5, 1, 2):
+                sp = int(base * mult)
+                if sp < 1 or g % sp:
+                    continue
+                for st in (1, 2, 3, 4):
+                    for wp in (4, 8):
+                        fn = jax.jit(lambda x, ps, ss, zs, o=dict(splits=sp, num_stages=st, num_warps=wp): [
+                            product.weight_only_matmul_swapped(x, p, s, z, **o) for p, s, z in zip(ps, ss, zs)])
+                        record(f"swapped_sp{sp}_st{st}_w{wp}", fn, (x, packed, scales, zeros), layers, int4_bytes)
+        for vname, opts in ({} if args.product_only or args.sweep else SWAP_VARIANTS).items():
             opts = dict(opts)
             if opts.get("splits") == "2x":  # twice the default K splits where they divide the steps
                 d = product.pick_splits(n // opts["block_n"], g)
@@ -147,10 +160,9 @@ def main() -> int:
     if args.dump:
         res["ptx"] = ptx_counts(args.dump)
     save()
-    print("\n| shape | " + " | ".join(next(iter(res["shapes"].values()))["variants"]) + " |")
     for name, row in res["shapes"].items():
-        cells = [f"{v['us']:.1f} ({v['GBps']:.0f})" if "us" in v else "err" for v in row["variants"].values()]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        print(f"\n{name}: " + ", ".join(f"{vn} {v['us']:.1f}" if "us" in v else f"{vn} err"
+                                     for vn, v in row["variants"].items()))
     for kname, c in (res.get("ptx") or {}).items():
         print(kname, c)
     print("ptx entries with mma:", len(res.get("ptx") or {}) - 1)
