@@ -16,6 +16,9 @@ after the call. Per block it loads the block / per packed rows of its columns on
 block's rows in order), dequantizes them with the group's scale and zero and multiplies with x's
 columns of the block in one dot.
 
+`weight_only_matmul_swapped` (below) is a second form for 4-bit groups of 128 with bf16 x at up to
+64 rows: the operands swapped (out^T = W^T . x^T), so the weight is the dot's first operand.
+
 Conversion: a value v (below 2^23) ORed into the bits of the float32 2^23 (0x4B000000) is the
 float32 2^23 + v, so the unpacked integers become floats with an integer OR and a free bitcast, and
 subtracting (zero + 2^23), computed once per group row, gives v - zero exactly (with a float
@@ -256,7 +259,8 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
 # -- the swapped form: out^T = W^T . x^T, the weight as the dot's first operand ----------------
 #
 # At a decode step's few rows the kernel above leaves the weight as the dot's second operand, which
-# Triton stages through shared memory as dequantized bf16. Swapped, the weight's output columns
+# an MMA reads in its own layout, so the dequantized bf16 tile is moved between threads (the
+# reason this form was tried; its PTX was not read). Swapped, the weight's output columns
 # are the MMA's 64-row side and the tokens its narrow side; a step is one group of 128 rows of K
 # (16 words a column), unpacked into 8 slabs as in `slabs` (value position j of every word, met by
 # x's matching 16 columns), each slab converted by one shift and one lop3 per pair of values
@@ -268,7 +272,7 @@ def weight_only_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
 SWAPPED_BLOCK_N = 128
 # (w >> 4j) & 0x000F000F | 0x43004300 holds bf16 128 + v_j (low half) and 128 + v_{j+4} (high
 # half); lop3's table 0xEA is (a & b) | c. One asm block a half: Pallas lowers one result per
-# inline-asm call, and ptxas shares the shift and lop3 of a pair.
+# inline-asm call (ptxas may share the shift and lop3 of a pair).
 _LOP3 = ("{ .reg .b32 t; .reg .b16 u; shr.b32 t, $1, %d; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
          "mov.b32 %s, t; }")
 
