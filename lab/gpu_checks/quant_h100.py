@@ -265,7 +265,9 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
                  "env": ENVS.get(kind, {}), "startup_s": time.perf_counter() - t0,
                  "compile_s": eng.runner.compile_seconds, "attention": eng.runner.attention_impl,
                  "weight_GiB": weight_bytes(llm) / 2**30, "num_kv_blocks": eng.config.num_kv_blocks,
-                 "copy_bandwidth_GBps": copy_gbps, "device": jax.devices()[0].device_kind}
+                 "copy_bandwidth_GBps": copy_gbps, "device": jax.devices()[0].device_kind,
+                 # what the engine's launch ran under (device_memory.choose_launch_allocator sets both)
+                 "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR"), "xla_flags": os.environ.get("XLA_FLAGS")}
 
     def prompts(i: int) -> list[list[int]]:
         return [q.prompt_token_ids for q in random_requests(1, 128, 256, 0.0, vocab, seed=500 + i)]
