@@ -335,10 +335,11 @@ def weight_only_linear(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros
     takes the shape (groups of 16-64 rows or multiples of 128, N a multiple of 128), in its
     swapped form where `SWAPPED` and that form takes the call; else `weight_only_matmul`."""
     t, k, n = x.shape[0], x.shape[1], packed.shape[1]
-    if jax.default_backend() == "gpu" and SWAPPED and t <= SWAPPED_MAX_ROWS and \
-            kernel.swapped_supported(t, k, n, bits, group_size, x.dtype, float_min):
+    gpu = jax.default_backend() == "gpu"
+    if gpu and SWAPPED and t <= SWAPPED_MAX_ROWS and kernel.swapped_supported(t, k, n, bits, group_size, x.dtype,
+                                                                              float_min):
         return kernel.weight_only_matmul_swapped(x, packed, scales, zeros)
-    if jax.default_backend() == "gpu" and t <= KERNEL_MAX_ROWS and kernel.supported(t, k, n, bits, group_size):
+    if gpu and t <= KERNEL_MAX_ROWS and kernel.supported(t, k, n, bits, group_size):
         return kernel.weight_only_matmul(x, packed, scales, zeros, bits=bits, group_size=group_size,
                                          float_min=float_min, slabs=SLABS)
     return weight_only_matmul(x, packed, scales, zeros, bits, group_size, float_min)

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxengine.pallas_kernels.weight_only_matmul_gpu import MAGIC, pick_splits
+from jaxengine.pallas_kernels.weight_only_matmul_gpu import MAGIC, _slab_pair, pick_splits
 
 _pl_dot = getattr(plgpu, "dot", None) or pl.dot
 GROUP = 128
@@ -53,22 +53,6 @@ def permute_x(x: jax.Array) -> jax.Array:
     """x [T, K] -> x^T [K, T] with each step's columns in slab order (value position j, word i)."""
     t, k = x.shape
     return x.reshape(t, k // GROUP, ROWS, PER).swapaxes(2, 3).reshape(t, k).T
-
-
-# Values j and j + 4 of a word (bits 4j..4j+3 and 16+4j..19+4j) into the two bf16 halves of one
-# register with one lop3 after the shift: (w >> 4j) & 0x000F000F | 0x43004300 is the pair
-# (128 + v_j, 128 + v_{j+4}) (lop3's table 0xEA: (a & b) | c). One asm block per half (this
-# Pallas lowers one result per inline-asm call); ptxas may share the shift and lop3 of a pair.
-_LOP3 = ("{ .reg .b32 t; .reg .b16 u; shr.b32 t, $1, %d; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-         "mov.b32 %s, t; }")
-
-
-def _pairs(words: jax.Array, j: int) -> tuple[jax.Array, jax.Array]:
-    """bf16 128 + v of value positions j and j + 4 (j < 4) of every word, by inline PTX."""
-    shape = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
-    return tuple(plgpu.elementwise_inline_asm(_LOP3 % (4 * j, halves), args=[words], constraints="=h,r", pack=1,
-                                              result_shape_dtypes=[shape])[0]
-                 for halves in ("{$0, u}", "{u, $0}"))
 
 
 def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, steps: int, post: bool, mode: str, native: bool):
@@ -89,7 +73,7 @@ def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, steps: int, post: bool, mode: 
                 if mode == "raw":
                     lo = hi = lax.bitcast_convert_type(words.astype(jnp.int16), jnp.bfloat16)
                 else:
-                    lo, hi = _pairs(words, j)
+                    lo, hi = _slab_pair(words, j, interpret=False)
                 for jj, a in ((j, lo), (j + PER // 2, hi)):
                     xb = x_ref[pl.ds(kb * GROUP + jj * ROWS, ROWS), :]  # [16, T]
                     d = d + _pl_dot(a, xb)
