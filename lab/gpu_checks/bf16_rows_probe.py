@@ -1,0 +1,129 @@
+"""bf16 linears at 16 rows (a batch-1 decode step's bucket), Llama-3-8B shapes: XLA's dot (the
+engine's GEMM today) against the lab kernel lab/kernels/bf16_rows.py over a sweep of tilings,
+K splits and pipeline stages. CUPTI kernel time per layer, each program running the layer over
+distinct weights (more bytes than the L2 holds), every kernel of the call counted (the split
+sums included): the same method as int4_swapab_probe.py.
+
+    python -m lab.gpu_checks.bf16_rows_probe --out $OUT [--shapes qkv,o] [--budget-s 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import time
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--budget-s", type=float, default=100.0, help="sweep time a shape at most")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.mosaic.gpu import profiler
+
+    from jaxengine.benchmarks import ceilings
+    from lab.kernels.bf16_rows import matmul_rows
+
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": args.rows,
+           "ceilings": ceilings.measure(), "shapes": {}}
+    path = os.path.join(args.out, "bf16_rows.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    def kernel_us(fn, fargs, layers: int) -> dict:
+        jax.block_until_ready(fn(*fargs))
+        best = None
+        for _ in range(3):
+            _, ts = profiler.measure(fn, aggregate=False)(*fargs)
+            by = {}
+            for name, ms in ts or []:
+                by[name[:50]] = by.get(name[:50], 0.0) + ms * 1e3 / layers
+            tot = sum(by.values())
+            if best is None or tot < best[0]:
+                best = (tot, by)
+        return {"us": best[0], "kernels": best[1]}
+
+    t = args.rows
+    for name in args.shapes.split(","):
+        k, n = SHAPES[name]
+        nbytes = 2 * k * n
+        layers = max(2, min(8, math.ceil(600e6 / nbytes)))
+        key = jax.random.PRNGKey(k * n)
+        x = jax.random.normal(key, (t, k), jnp.float32).astype(jnp.bfloat16)
+        ws = [(0.02 * jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32)).astype(jnp.bfloat16)
+              for i in range(layers)]
+        ref = jnp.dot(x.astype(jnp.float32), ws[0].astype(jnp.float32))
+        ref_scale = float(jnp.max(jnp.abs(ref)))
+        row = {"K": k, "N": n, "layers": layers, "bytes": nbytes, "variants": {}}
+        res["shapes"][name] = row
+
+        def record(vname, fn, check=None):
+            t0 = time.perf_counter()
+            try:
+                r = kernel_us(fn, (x, ws), layers)
+                r["GBps"] = nbytes / (r["us"] * 1e-6) / 1e9
+                if check is not None:
+                    r["max_err_rel"] = float(jnp.max(jnp.abs(check().astype(jnp.float32) - ref))) / ref_scale
+            except Exception as e:  # noqa: BLE001
+                r = {"error": repr(e)[:400]}
+            r["wall_s"] = time.perf_counter() - t0
+            row["variants"][vname] = r
+            print(name, vname, json.dumps({a: b for a, b in r.items() if a != "kernels"}, default=str)[:200], flush=True)
+            save()
+            return r.get("us")
+
+        record("xla", jax.jit(lambda x, ws: [jnp.dot(x, w) for w in ws]))
+        t_shape = time.perf_counter()
+        configs = []
+        for swapped, bn, bk, st in itertools.product((False, True), (64, 128, 256), (64, 128, 256), (3, 5)):
+            if swapped and bn == 256:
+                continue
+            tiles = n // bn
+            for sp in (1, 2, 4, 8, 16):
+                if k % (bk * sp) or not 100 <= tiles * sp <= 800:
+                    continue
+                configs.append(dict(swapped=swapped, block_n=bn, block_k=bk, splits=sp, num_stages=st))
+        random.Random(0).shuffle(configs)  # a sweep cut by the budget samples every form
+        row["configs"] = len(configs)
+        for cfg in configs:
+            if time.perf_counter() - t_shape > args.budget_s:
+                row["sweep_cut"] = True
+                break
+            tag = (f"{'swap' if cfg['swapped'] else 'plain'}_bn{cfg['block_n']}_bk{cfg['block_k']}"
+                   f"_sp{cfg['splits']}_st{cfg['num_stages']}")
+            fn = jax.jit(lambda x, ws, c=cfg: [matmul_rows(x, w, **c) for w in ws])
+            record(tag, fn)
+            row["variants"][tag]["cfg"] = cfg
+        best = min(((v["us"], vn) for vn, v in row["variants"].items() if vn != "xla" and "us" in v), default=None)
+        if best:
+            cfg = row["variants"][best[1]]["cfg"]
+            err = float(jnp.max(jnp.abs(matmul_rows(x, ws[0], **cfg).astype(jnp.float32) - ref))) / ref_scale
+            row["best"] = {"name": best[1], "us": best[0], "max_err_rel": err}
+        del ws
+    save()
+    print("\nshape: xla us (GB/s) | best kernel config us (GB/s) | configs timed")
+    for name, row in res["shapes"].items():
+        xv = row["variants"]["xla"]
+        b = row.get("best") or {}
+        gb = row["bytes"] / (b["us"] * 1e-6) / 1e9 if b else 0
+        print(f"{name}: {xv.get('us', 0):.1f} ({xv.get('GBps', 0):.0f}) | {b.get('name')} {b.get('us', 0):.1f} "
+              f"({gb:.0f}) err {b.get('max_err_rel', 0):.1e} | {len(row['variants']) - 1} of {row['configs']}")
+    print("ceilings", json.dumps(res["ceilings"])[:300])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
