@@ -1,9 +1,11 @@
 """Owns the device side: parameters, the paged KV cache, and the compiled step programs.
 
 Per token bucket T one forward program (KV caches donated, logits for R = min(T, max_num_seqs)
-rows); per row count R five small sampler programs (`SAMPLER_VARIANTS`: plain and with the
+rows); per row count R eight small sampler programs (`SAMPLER_VARIANTS`: plain and with the
 structured-output bitmask, each with and without top-k / top-p truncation; with logits
-processors (penalties, logit_bias, allowed_token_ids, bad_words) and the bitmask). With warm-up on,
+processors (penalties, logit_bias, allowed_token_ids, bad_words) and the bitmask; and for steps
+where no row asks for logprobs, lean forms that compute none: plain with and without truncation,
+and greedy, which only takes each row's argmax). With warm-up on,
 all of them are compiled ahead of time at start-up and running a shape that was not compiled is a
 bug and raises; with it off, each is compiled on its first use. Either way a program of an earlier
 start with the same key is loaded from the program bundle instead (jaxengine.program_bundle).
@@ -41,7 +43,7 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.lora import TP_AXIS, LoRAInputs, layer_shapes, token_mask, write_slot
 from jaxengine.packing import Layout, pack, unpack
 from jaxengine.persistent_batch import BatchRows, PersistentBatch
-from jaxengine.sampler import (batch_sampling_metadata, build_sampling_metadata, resolve_history,
+from jaxengine.sampler import (batch_sampling_metadata, build_sampling_metadata, lean_mode, resolve_history,
                                rows_sampling_metadata, rows_sampling_packed, sample)
 from jaxengine.scheduler import SchedulerOutput
 from jaxengine.xla_options import program_options
@@ -212,11 +214,16 @@ LOWERING = threading.Lock()
 # cold-start target (benchmarks/results/step_trace_h100.md). A code-path switch: the program
 # bundle's key holds it.
 DECODE_ONLY_PROGRAMS = False
+# Whether steps where no row asks for logprobs take the sampler's lean forms (no logprobs, ranks or
+# top logprobs computed; greedy rows only an argmax). Off: every step takes the full sampler.
+LEAN_SAMPLER = True
 
 # The sampler programs compiled per row count: (logits processors, structured-output bitmask,
-# top-k / top-p truncation; None: decided on the device, see jaxengine.sampler.sample).
+# top-k / top-p truncation; None: decided on the device, see jaxengine.sampler.sample), and the
+# lean forms for steps where no row asks for logprobs (a fourth entry: jaxengine.sampler.lean_mode).
 SAMPLER_VARIANTS = ((False, False, False), (False, False, True), (False, True, False), (False, True, True),
-                    (True, True, None))
+                    (True, True, None), (False, False, False, "sample"), (False, False, True, "sample"),
+                    (False, False, False, "greedy"))
 
 
 @jax.tree_util.register_dataclass
@@ -244,7 +251,8 @@ def _verify_step(graphdef, state, hidden: jax.Array, packed_spec: jax.Array, pac
 
 
 def _sample_padded(logits: jax.Array, packed_md: jax.Array, prev_tokens: jax.Array, *, layout: Layout,
-                   use_processors: bool, pad_to: int, use_bitmask: bool = False, truncate: bool | None = None):
+                   use_processors: bool, pad_to: int, use_bitmask: bool = False, truncate: bool | None = None,
+                   lean: str | None = None):
     """The sampler on metadata packed with `layout`, plus its tokens padded to [pad_to] (a fixed
     shape the next forward reads) and a [R] flag for rows whose logits hold a NaN (that request
     is failed alone, not sampled from). `prev_tokens` [max_num_seqs]: the step before's tokens,
@@ -252,7 +260,7 @@ def _sample_padded(logits: jax.Array, packed_md: jax.Array, prev_tokens: jax.Arr
     md = unpack(packed_md, layout)
     if use_processors:  # the only variant that reads the history
         md = dataclasses.replace(md, history=resolve_history(md.history, prev_tokens))
-    out = sample(logits, md, use_processors=use_processors, use_bitmask=use_bitmask, truncate=truncate)
+    out = sample(logits, md, use_processors=use_processors, use_bitmask=use_bitmask, truncate=truncate, lean=lean)
     nan_rows = jnp.any(jnp.isnan(logits), axis=-1)
     return out, jnp.pad(out.token_ids, (0, pad_to - out.token_ids.shape[0])), nan_rows
 
@@ -445,12 +453,13 @@ class ModelRunner:
         return Layout.of(build_sampling_metadata([], r, self._history_len(processors), processors=processors,
                                                  mask_words=self.mask_words if masked else 1))
 
-    def _lower_sampler(self, r: int, processors: bool, masked: bool = False,
-                       truncate: bool | None = None) -> Callable[[], jax.stages.Compiled]:
+    def _lower_sampler(self, r: int, processors: bool, masked: bool = False, truncate: bool | None = None,
+                       lean: str | None = None) -> Callable[[], jax.stages.Compiled]:
         layout = self._sampler_layout(r, processors, masked)
         logits = jax.ShapeDtypeStruct((r, self.model_config.vocab_size), jnp.float32, sharding=self._rep)
         fn = jax.jit(functools.partial(_sample_padded, layout=layout, use_processors=processors,
-                                       pad_to=self.config.max_num_seqs, use_bitmask=masked, truncate=truncate))
+                                       pad_to=self.config.max_num_seqs, use_bitmask=masked, truncate=truncate,
+                                       lean=lean))
         prev = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._rep)
         return fn.lower(logits, layout.abstract(self._rep), prev).compile
 
@@ -567,11 +576,19 @@ class ModelRunner:
     def _get_prompt_lp(self, t: int) -> jax.stages.Compiled:
         return self._get(self._prompt_lp_fns, t, self._lower_prompt_logprobs, "prompt-logprob program for bucket")
 
-    def _get_sampler(self, r: int, processors: bool, masked: bool = False,
-                     truncate: bool | None = None) -> jax.stages.Compiled:
-        """The sampler program of a variant; the processors variant decides truncation itself."""
-        key = (r, True, True, None) if processors else (r, False, masked, bool(truncate))
-        return self._get(self._sample_fns, key, self._lower_sampler, "sampler (rows, processors, bitmask, truncate)")
+    def _get_sampler(self, r: int, processors: bool, masked: bool = False, truncate: bool | None = None,
+                     lean: str | None = None) -> jax.stages.Compiled:
+        """The sampler program of a variant; the processors variant decides truncation itself.
+        `lean` (jaxengine.sampler.lean_mode): no row asks for logprobs; taken without processors
+        and bitmask only."""
+        if processors:
+            key = (r, True, True, None)
+        elif lean is not None and not masked:
+            key = (r, False, False, lean == "sample" and bool(truncate), lean)
+        else:
+            key = (r, False, masked, bool(truncate))
+        return self._get(self._sample_fns, key, self._lower_sampler,
+                         "sampler (rows, processors, bitmask, truncate[, lean])")
 
     # -- one step --------------------------------------------------------------------------
     def dispatch(self, sched: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
@@ -638,6 +655,7 @@ class ModelRunner:
             packed = rows_sampling_packed(self.batch, step.rows, r)
         if packed is not None:
             (packed_md, truncate), processors, masked = packed, False, False
+            lean = self.batch.lean_mode(step.rows.slots)
         else:
             fast = rows_sampling_metadata(self.batch, step.rows, r) if step.rows is not None else None
             if fast is not None:
@@ -649,7 +667,9 @@ class ModelRunner:
             if masked:
                 md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
             packed_md = pack(md)
-        sampler = self._get_sampler(r, processors, masked, truncate)
+            lean = None if masked else (self.batch.lean_mode(step.rows.slots) if step.rows is not None
+                                        else lean_mode([s.spec.params for s in seqs]))
+        sampler = self._get_sampler(r, processors, masked, truncate, lean if LEAN_SAMPLER else None)
         with self.launch_window():
             sampler_out, tokens, nan_rows = sampler(step.logits, self._put(packed_md), step.prev_tokens)
         return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, seqs, nan_rows, step.pooled,

@@ -64,6 +64,8 @@ class PersistentBatch:
         self.needs_processors = np.zeros(cap, bool)  # penalties or logit edits: the full metadata path
         self.truncates = np.zeros(cap, bool)
         self.prompt_logprobs = np.zeros(cap, bool)  # asked for prompt logprobs
+        self.logprobs = np.zeros(cap, bool)  # asked for logprobs of its sampled tokens
+        self.greedy = np.zeros(cap, bool)
         # The last `rows` call's (ids, tables, slots, slots array), while no slot was released
         # since: a step with the same rows and table lists has the same slots (the steady state).
         self._last: tuple[list[str], list[list[int]], list[int], np.ndarray] | None = None
@@ -72,6 +74,7 @@ class PersistentBatch:
         self.packed_sampling = None
         self._calls = 0  # `rows` calls so far
         self._prompt_logprobs_of: tuple[np.ndarray, bool] | None = None  # `wants_prompt_logprobs`' last answer
+        self._lean_of: tuple[np.ndarray, str | None] | None = None  # `lean_mode`'s last answer
 
     def release(self, request_ids: list[str]) -> None:
         """Frees the slots of requests that stopped running (finished, aborted, preempted)."""
@@ -126,6 +129,15 @@ class PersistentBatch:
             last = self._prompt_logprobs_of = (slots, bool(self.prompt_logprobs[slots].any()))
         return last[1]
 
+    def lean_mode(self, slots: np.ndarray) -> str | None:
+        """jaxengine.sampler.lean_mode of the requests at `slots` (kept for the last slots array
+        asked about, as `wants_prompt_logprobs`)."""
+        last = self._lean_of
+        if last is None or last[0] is not slots:
+            mode = None if self.logprobs[slots].any() else "greedy" if self.greedy[slots].all() else "sample"
+            last = self._lean_of = (slots, mode)
+        return last[1]
+
     def _assign(self, seqs: list[ScheduledSeq], ids: list[str], tables: list[list[int]],
                 slots: list[int]) -> list[int]:
         """Gives the rows whose slot does not hold their table a slot, filled from the row."""
@@ -157,6 +169,8 @@ class PersistentBatch:
         self.needs_processors[slot] = p.uses_penalties or p.uses_logit_edits
         self.truncates[slot] = p.truncates
         self.prompt_logprobs[slot] = p.prompt_logprobs is not None
+        self.logprobs[slot] = p.logprobs is not None
+        self.greedy[slot] = p.is_greedy
 
     def _write_table(self, slot: int, table: list[int]) -> None:
         row = self.block_tables[slot]

@@ -565,8 +565,21 @@ def _random_tokens(logits: jax.Array, row_max: jax.Array, md: SamplingMetadata, 
     return jnp.argmax(jnp.where(scaled >= floor[:, None], scaled, -jnp.inf) + noise, axis=-1).astype(jnp.int32)
 
 
+# The sampler's lean forms (`sample`'s `lean`), for steps where no row asks for logprobs.
+LEAN_MODES = ("sample", "greedy")
+
+
+def lean_mode(params_list: Sequence[SamplingParams]) -> str | None:
+    """The lean form of the sampler for these rows: "greedy" when every row is greedy and none
+    asks for logprobs, "sample" when no row asks for logprobs, else None (the full sampler)."""
+    if any(p.logprobs is not None for p in params_list):
+        return None
+    return "greedy" if all(p.is_greedy for p in params_list) else "sample"
+
+
 def sample(logits: jax.Array, md: SamplingMetadata, *, use_processors: bool, use_bitmask: bool = False,
-           truncate: bool | None = None, num_top_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
+           truncate: bool | None = None, num_top_logprobs: int = MAX_LOGPROBS,
+           lean: str | None = None) -> SamplerOutput:
     """Samples one token per row of `logits` [R, V] under `md`; jit with `use_processors`
     (penalties and logit edits: see `needs_processors`), `use_bitmask` (structured outputs'
     allowed tokens, applied after them) and `truncate` static.
@@ -581,15 +594,23 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, use_processors: bool, use
     Logprobs, top logprobs and ranks describe the raw model distribution (before penalties,
     bans and temperature), as vLLM reports them. The full [R, V] log-softmax is never built:
     the row log-normaliser is subtracted from the few values reported.
+
+    `lean` (static, `lean_mode`; only without processors and bitmask): no row asks for logprobs,
+    so none are computed: the logprob and rank come back as zeros and the top logprobs [R, 0].
+    "greedy": every row is greedy, so the tokens are the rows' argmax and no draw is made. The
+    tokens are those of the full sampler either way.
     """
+    if lean is not None and (lean not in LEAN_MODES or use_processors or use_bitmask):
+        raise ValueError(f"sample: lean={lean!r} takes neither processors nor a bitmask (forms {LEAN_MODES})")
     logits = logits.astype(jnp.float32)
-    log_norm = jax.nn.logsumexp(logits, axis=-1)  # [R]
     processed = apply_logit_edits(apply_penalties(logits, md), md) if use_processors else logits
     if use_bitmask:
         processed = apply_bitmask(processed, md.bitmask)
     processed = _mask_banned(processed, md.banned_ids)
 
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [R]
+    if lean == "greedy":
+        return _lean_output(greedy_tokens)
     row_max = jnp.take_along_axis(processed, greedy_tokens[:, None], axis=-1)[:, 0]  # [R]
     if truncate is None:
         tokens = jax.lax.cond(
@@ -599,10 +620,20 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, use_processors: bool, use
         )
     else:  # the draw is computed for greedy rows too (its noise is cheap next to a host wait)
         tokens = jnp.where(md.temperature <= 0.0, greedy_tokens, _random_tokens(processed, row_max, md, truncate))
+    if lean is not None:
+        return _lean_output(tokens)
 
+    log_norm = jax.nn.logsumexp(logits, axis=-1)  # [R]
     token_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)  # [R, 1] raw
     rank = 1 + jnp.sum(logits > token_logit, axis=-1, dtype=jnp.int32)
     top_values, top_ids = top_k_two_stage(logits, num_top_logprobs)
     return SamplerOutput(token_ids=tokens, logprob=token_logit[:, 0] - log_norm,
                          top_ids=top_ids.astype(jnp.int32), top_logprobs=top_values - log_norm[:, None],
                          rank=rank)
+
+
+def _lean_output(tokens: jax.Array) -> SamplerOutput:
+    """A lean sampler's output: the tokens, zeros for the logprob and rank, no top logprobs."""
+    r = tokens.shape[0]
+    return SamplerOutput(token_ids=tokens, logprob=jnp.zeros((r,), jnp.float32), top_ids=jnp.zeros((r, 0), jnp.int32),
+                         top_logprobs=jnp.zeros((r, 0), jnp.float32), rank=jnp.zeros((r,), jnp.int32))

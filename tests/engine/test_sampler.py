@@ -15,6 +15,7 @@ from jaxengine.sampler import (
     SamplingRow,
     apply_penalties,
     build_sampling_metadata,
+    lean_mode,
     needs_processors,
     sample,
     top_k_two_stage,
@@ -129,6 +130,37 @@ def test_greedy_is_argmax_and_logprobs_are_raw(use_processors):
     np.testing.assert_array_equal(out.top_ids, order)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, order, -1), rtol=1e-6, atol=1e-6)
     assert out.top_ids.shape == (8, MAX_LOGPROBS) and out.top_ids.dtype == jnp.int32
+
+
+def test_lean_forms_draw_the_full_samplers_tokens_and_compute_no_logprobs():
+    """The lean forms (no row asks for logprobs) return the full sampler's tokens, zeros for the
+    logprob and rank and no top logprobs; "greedy" only for all-greedy rows. A bitmask or the
+    processors refuse them."""
+    lean_sample = jax.jit(sample, static_argnames=("use_processors", "truncate", "lean"))
+    logits = _logits(R, seed=30)
+    sampled = [_row(SamplingParams(temperature=0.8, top_p=0.9), seed=i, step=i) for i in range(3)]
+    greedy = [_row(SamplingParams(temperature=0)) for _ in range(3)]
+    for rows, lean, truncate in ((sampled + greedy, "sample", True), (greedy, "greedy", False),
+                                 (greedy, "sample", False)):
+        md = build_sampling_metadata(rows, R, HIST)
+        full = lean_sample(logits, md, use_processors=False, truncate=truncate)
+        out = lean_sample(logits, md, use_processors=False, truncate=truncate, lean=lean)
+        np.testing.assert_array_equal(out.token_ids, full.token_ids)
+        assert out.top_ids.shape == (R, 0) and out.top_logprobs.shape == (R, 0)
+        assert not np.asarray(out.logprob).any() and not np.asarray(out.rank).any()
+    np.testing.assert_array_equal(out.token_ids, logits.argmax(-1))
+    with pytest.raises(ValueError, match="lean"):
+        sample(logits, build_sampling_metadata(greedy, R, HIST), use_processors=True, lean="greedy")
+    with pytest.raises(ValueError, match="lean"):
+        sample(logits, build_sampling_metadata(greedy, R, HIST), use_processors=False, lean="fast")
+
+
+def test_lean_mode():
+    assert lean_mode([SamplingParams(temperature=0), SamplingParams(temperature=0, max_tokens=3)]) == "greedy"
+    assert lean_mode([SamplingParams(temperature=0), SamplingParams(temperature=0.7)]) == "sample"
+    assert lean_mode([SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=0)]) is None
+    assert lean_mode([SamplingParams(temperature=1.0, logprobs=3)]) is None
+    assert lean_mode([]) == "greedy"
 
 
 @pytest.mark.parametrize("vocab", [8192, 8000 + 37])  # two-stage path, with a ragged last block

@@ -40,6 +40,13 @@ def test_warmup_default_is_lazy_on_cpu_and_ahead_when_asked(tiny_model_factory, 
     buckets = token_buckets(32, "cpu")
     every = len(buckets) * 2 + len({min(t, 4) for t in buckets}) * len(SAMPLER_VARIANTS)
     assert 0 < _num_programs(lazy) < every  # a short run compiles the buckets it used, not all
+    # greedy rows that ask for no logprobs take the lean greedy sampler (an argmax), and only it;
+    # asking for logprobs takes the full sampler, with the same tokens
+    runner = lazy.llm_engine.runner
+    assert {key[4:] for key in runner._sample_fns} == {("greedy",)}
+    with_lp = lazy.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0, logprobs=1), use_tqdm=False)[0]
+    assert list(with_lp.outputs[0].token_ids) == want and len(with_lp.outputs[0].logprobs) == 6
+    assert ((1, False, False, False) in runner._sample_fns) and _tokens(lazy) == want
     ahead = LLM(path, compilation_cache_dir=None, warmup=True, **{**ENGINE, "max_num_batched_tokens": 16})
     # token buckets 1 and 16: their forward and prompt-logprob programs; the samplers of rows 1 and 4
     every = 2 * 2 + 2 * len(SAMPLER_VARIANTS)
