@@ -11,7 +11,7 @@ ENGINE = ["--max-model-len", "128", "--max-num-seqs", "16", "--max-num-batched-t
 
 
 def test_short_soak(tiny_llama, xla_cache_dir, tmp_path):
-    cfg = SoakConfig(clients=40, duration_s=10.0, warmup_s=5.0, disconnect_share=0.2, num_specs=12,
+    cfg = SoakConfig(clients=40, duration_s=6.0, warmup_s=3.0, disconnect_share=0.2, num_specs=12,
                      max_prompt_words=40, max_new_tokens=32, request_timeout_s=120.0)
     port = free_port()
     proc = start_server(tiny_llama, port, ["--compilation-cache-dir", xla_cache_dir],
