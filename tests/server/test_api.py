@@ -430,8 +430,8 @@ def test_disconnects_abort_and_leak_nothing(server):
                             seen += 1
                             if seen == 3:
                                 break  # hang up mid-stream
-    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client giving up
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client giving up (240 tokens take ~0.3 s here)
+        httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 240}, timeout=0.05)
     wait_idle(server)
     assert kv_pool_is_full(server)
     after = metric_samples(server)
