@@ -1,9 +1,10 @@
 """bf16 linears at 16 rows (a batch-1 decode step's bucket), Llama-3-8B shapes: XLA's dot (the
-engine's GEMM today) against the lab kernel lab/kernels/bf16_rows.py over a sweep of tilings,
-K splits and pipeline stages. With `--dtype fp8`: e4m3 weights with per-channel scales (W8A16),
-the engine's XLA fusion of the convert and its Pallas kernel against lab/kernels/fp8_rows.py. CUPTI kernel time per layer, each program running the layer over
-distinct weights (more bytes than the L2 holds), every kernel of the call counted (the split
-sums included): the same method as int4_swapab_probe.py.
+engine's GEMM today) against the lab kernel `bf16_rows` (lab/kernels/rows_matmul.py) over a sweep
+of tilings, K splits and pipeline stages. With `--dtype fp8`: e4m3 weights with per-channel scales
+(W8A16), the engine's XLA fusion of the convert and its Pallas kernel against `fp8_rows` of the
+same module. CUPTI kernel time per layer, each program running the layer over distinct weights
+(more bytes than the L2 holds), every kernel of the call counted (the split sums included): the
+same method as int4_swapab_probe.py.
 
     python -m lab.gpu_checks.bf16_rows_probe --out $OUT [--shapes qkv,o] [--budget-s 90] [--dtype fp8]
 """
@@ -32,10 +33,10 @@ def main() -> int:
 
     import jax
     import jax.numpy as jnp
-    from jax.experimental.mosaic.gpu import profiler
 
     from jaxengine.benchmarks import ceilings
-    from lab.kernels import bf16_rows, fp8_rows
+    from lab.gpu_checks.cupti_time import kernel_us
+    from lab.kernels.rows_matmul import bf16_rows, fp8_rows
 
     fp8 = args.dtype == "fp8"
     if fp8:
@@ -50,19 +51,6 @@ def main() -> int:
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
 
-    def kernel_us(fn, fargs, layers: int) -> dict:
-        jax.block_until_ready(fn(*fargs))
-        best = None
-        for _ in range(3):
-            _, ts = profiler.measure(fn, aggregate=False)(*fargs)
-            by = {}
-            for name, ms in ts or []:
-                by[name[:50]] = by.get(name[:50], 0.0) + ms * 1e3 / layers
-            tot = sum(by.values())
-            if best is None or tot < best[0]:
-                best = (tot, by)
-        return {"us": best[0], "kernels": best[1]}
-
     t = args.rows
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
@@ -76,13 +64,13 @@ def main() -> int:
             sc = [(1e-3 * (1 + jax.random.uniform(jax.random.fold_in(key, 500 + i), (n,)))).astype(jnp.float32)
                   for i in range(layers)]
             ref = jnp.dot(x.astype(jnp.float32), (ws[0].astype(jnp.float32) * sc[0][:, None]).T)
-            kernel = fp8_rows.matmul_rows
+            kernel = fp8_rows
         else:
             ws = [(0.02 * jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32)).astype(jnp.bfloat16)
                   for i in range(layers)]
             sc = [None] * layers
             ref = jnp.dot(x.astype(jnp.float32), ws[0].astype(jnp.float32))
-            kernel = lambda x, w, s, **c: bf16_rows.matmul_rows(x, w, **c)  # noqa: E731
+            kernel = lambda x, w, s, **c: bf16_rows(x, w, **c)  # noqa: E731
         ref_scale = float(jnp.max(jnp.abs(ref)))
         row = {"K": k, "N": n, "layers": layers, "bytes": nbytes, "variants": {}}
         res["shapes"][name] = row

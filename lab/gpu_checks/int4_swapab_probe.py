@@ -59,9 +59,9 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental.mosaic.gpu import profiler
 
     from jaxengine.benchmarks import ceilings
+    from lab.gpu_checks.cupti_time import kernel_us
     from jaxengine.pallas_kernels import weight_only_matmul_gpu as product
     from lab.kernels import int4_swapab as swap
 
@@ -72,19 +72,6 @@ def main() -> int:
     def save():
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
-
-    def kernel_us(fn, fargs, layers: int) -> dict:
-        jax.block_until_ready(fn(*fargs))
-        best = None
-        for _ in range(3):
-            _, ts = profiler.measure(fn, aggregate=False)(*fargs)
-            by = {}
-            for name, ms in ts or []:
-                by[name[:50]] = by.get(name[:50], 0.0) + ms * 1e3 / layers
-            tot = sum(by.values())
-            if best is None or tot < best[0]:
-                best = (tot, by)
-        return {"us": best[0], "kernels": best[1]}
 
     t = args.rows
     for name in args.shapes.split(","):
