@@ -655,7 +655,6 @@ class ModelRunner:
             packed = rows_sampling_packed(self.batch, step.rows, r)
         if packed is not None:
             (packed_md, truncate), processors, masked = packed, False, False
-            lean = self.batch.lean_mode(step.rows.slots)
         else:
             fast = rows_sampling_metadata(self.batch, step.rows, r) if step.rows is not None else None
             if fast is not None:
@@ -667,9 +666,11 @@ class ModelRunner:
             if masked:
                 md.bitmask = bitmask if bitmask is not None else np.full((r, self.mask_words), -1, np.int32)
             packed_md = pack(md)
-            lean = None if masked else (self.batch.lean_mode(step.rows.slots) if step.rows is not None
-                                        else lean_mode([s.spec.params for s in seqs]))
-        sampler = self._get_sampler(r, processors, masked, truncate, lean if LEAN_SAMPLER else None)
+        lean = None
+        if LEAN_SAMPLER and not masked:
+            lean = (self.batch.lean_mode(step.rows.slots) if step.rows is not None
+                    else lean_mode([s.spec.params for s in seqs]))
+        sampler = self._get_sampler(r, processors, masked, truncate, lean)
         with self.launch_window():
             sampler_out, tokens, nan_rows = sampler(step.logits, self._put(packed_md), step.prev_tokens)
         return InFlight(sampler_out, len(seqs), step.prompt_lp, tokens, seqs, nan_rows, step.pooled,

@@ -22,6 +22,7 @@ import operator
 
 import numpy as np
 
+from jaxengine.sampling_params import lean_form
 from jaxengine.scheduler import ScheduledSeq
 from jaxengine.steady_decode import DecodeColumns
 
@@ -130,12 +131,11 @@ class PersistentBatch:
         return last[1]
 
     def lean_mode(self, slots: np.ndarray) -> str | None:
-        """jaxengine.sampler.lean_mode of the requests at `slots` (kept for the last slots array
-        asked about, as `wants_prompt_logprobs`)."""
+        """The sampler's lean form (sampling_params.lean_form) for the requests at `slots` (kept for
+        the last slots array asked about, as `wants_prompt_logprobs`)."""
         last = self._lean_of
         if last is None or last[0] is not slots:
-            mode = None if self.logprobs[slots].any() else "greedy" if self.greedy[slots].all() else "sample"
-            last = self._lean_of = (slots, mode)
+            last = self._lean_of = (slots, lean_form(bool(self.logprobs[slots].any()), bool(self.greedy[slots].all())))
         return last[1]
 
     def _assign(self, seqs: list[ScheduledSeq], ids: list[str], tables: list[list[int]],

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxengine.packing import Layout, pack
 from jaxengine.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
-                                       MAX_LOGPROBS, SamplingParams)
+                                       MAX_LOGPROBS, SamplingParams, lean_form)
 from jaxengine.persistent_batch import BatchRows, PersistentBatch
 from jaxengine.scheduler import PLACEHOLDER, ScheduledSeq
 
@@ -572,9 +572,7 @@ LEAN_MODES = ("sample", "greedy")
 def lean_mode(params_list: Sequence[SamplingParams]) -> str | None:
     """The lean form of the sampler for these rows: "greedy" when every row is greedy and none
     asks for logprobs, "sample" when no row asks for logprobs, else None (the full sampler)."""
-    if any(p.logprobs is not None for p in params_list):
-        return None
-    return "greedy" if all(p.is_greedy for p in params_list) else "sample"
+    return lean_form(any(p.logprobs is not None for p in params_list), all(p.is_greedy for p in params_list))
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, *, use_processors: bool, use_bitmask: bool = False,

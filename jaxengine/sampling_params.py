@@ -405,3 +405,11 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+
+
+def lean_form(any_logprobs: bool, all_greedy: bool) -> str | None:
+    """The sampler's lean form for a step's rows (jaxengine.sampler.sample's `lean`): None when a
+    row asks for logprobs (the full sampler), "greedy" when every row is greedy, else "sample"."""
+    if any_logprobs:
+        return None
+    return "greedy" if all_greedy else "sample"
