@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 
 _MASK_VALUE = -1e30
+# Token rows from which the CPU's one-sequence path takes `long_chunk_blocks` keys a loop step.
+_LONG_TILE_ROWS = 128
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
@@ -145,21 +147,25 @@ def ragged_paged_attention_cpu(
     block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
     sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
     tile_rows: int | None = None, group: int | None = None, chunk_blocks: int = 2,
-    single_chunk_blocks: int | None = 8,
+    single_chunk_blocks: int | None = 8, long_chunk_blocks: int = 32,
 ) -> jax.Array:
     """Paged attention shaped as batched matmuls, for XLA's CPU backend (same contract as the
     reference, and faster than it there).
 
     A step of one live sequence (batch-1 decode, a long prompt's chunks) runs
     `_one_sequence_attention` (all its rows as one tile, `single_chunk_blocks` blocks per loop
-    step); any other step the tiled path below (`single_chunk_blocks=None`: always the tiled path).
-    Both are compiled into the program; `lax.cond` runs one of them.
+    step, or `long_chunk_blocks` in programs of at least `_LONG_TILE_ROWS` token rows, where a
+    prompt's chunk amortises a larger gather over many rows); any other step the tiled path below
+    (`single_chunk_blocks=None`: always the tiled path). Both are compiled into the program;
+    `lax.cond` runs one of them.
     """
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
     tiled = functools.partial(_tiled_attention, tile_rows=tile_rows, group=group, chunk_blocks=chunk_blocks, **kw)
     if single_chunk_blocks is None:
         return tiled(*args)
+    if q.shape[0] >= _LONG_TILE_ROWS:
+        single_chunk_blocks = max(single_chunk_blocks, long_chunk_blocks)
     one = functools.partial(_one_sequence_attention, chunk_blocks=single_chunk_blocks, **kw)
     return jax.lax.cond(num_seqs[0] == 1, one, tiled, *args)
 
@@ -173,46 +179,62 @@ def _one_sequence_attention(
     q_len = query_start_loc[1] rows are one tile, [K, T * G, H]. A loop over its context, C =
     chunk_blocks * P keys a step, gathers each block once and multiplies it with every row and
     head (scores [K, T * G, C]), with an online softmax across steps; it stops at kv_lens[0].
-    A long prompt's 512-row chunk thus reads its context once per layer, not once per tile."""
+    A long prompt's 512-row chunk thus reads its context once per layer, not once per tile.
+
+    Steps whose keys every row sees (before the first new token, without a sliding window) run
+    without a mask; only the steps on the diagonal build one. Each row's keys end at
+    min(its position, kv_len - 1), so padding rows read written keys only (their output is then
+    set to zero); a live row always sees key 0 or its window's first key, so each row's
+    normaliser is positive when the loop ends.
+    """
     t_, n, h = q.shape
     _, k_, p, _ = k_cache.shape
     g = n // k_
     cb, c_tok = chunk_blocks, chunk_blocks * p
     q_len, kv_len = query_start_loc[1], kv_lens[0]
     r = jnp.arange(t_, dtype=jnp.int32)
-    live = r < q_len  # [T]
     pos = kv_len - q_len + r  # [T]
+    last_key = jnp.minimum(pos, kv_len - 1)  # padding rows stop at the context's end
     qg = (q.astype(jnp.float32) * sm_scale).reshape(t_, k_, g, h).transpose(1, 0, 2, 3).reshape(k_, t_ * g, h)
     table = jnp.pad(block_tables[0], (0, -block_tables.shape[1] % cb))
 
-    def body(c, carry):
+    def step(c, carry, masked: bool):
         m, l, acc = carry
         blk = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)  # [cb]
         kb = k_cache[blk].astype(jnp.float32)  # [cb, K, P, H]
         vb = v_cache[blk].astype(jnp.float32)
-        s = jnp.einsum("krh,bkph->krbp", qg, kb).reshape(k_, t_, g, c_tok)
+        s = jnp.einsum("krh,bkph->krbp", qg, kb).reshape(k_, t_ * g, c_tok)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        kpos = c * c_tok + jnp.arange(c_tok, dtype=jnp.int32)
-        mask = (kpos[None, :] <= pos[:, None]) & live[:, None]  # [T, C]
-        if sliding_window is not None:
-            mask &= kpos[None, :] > pos[:, None] - sliding_window
-        mask = mask[None, :, None, :]
-        s = jnp.where(mask, s, _MASK_VALUE)
+        if masked:
+            kpos = c * c_tok + jnp.arange(c_tok, dtype=jnp.int32)
+            mask = kpos[None, :] <= last_key[:, None]  # [T, C]
+            if sliding_window is not None:
+                mask &= kpos[None, :] > pos[:, None] - sliding_window
+            mask = jnp.broadcast_to(mask[:, None, :], (t_, g, c_tok)).reshape(t_ * g, c_tok)
+            s = jnp.where(mask[None], s, _MASK_VALUE)
+        # A row whose keys so far are all masked has m_new = _MASK_VALUE and sums ones here; its
+        # first visible key makes alpha exp(_MASK_VALUE - m) = 0, which clears them.
         m_new = jnp.maximum(m, s.max(-1))
-        pr = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        pr = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
         l = l * alpha + pr.sum(-1)
-        pv = jnp.einsum("krbp,bkph->krh", pr.reshape(k_, t_ * g, cb, p), vb).reshape(k_, t_, g, h)
+        pv = jnp.einsum("krbp,bkph->krh", pr.reshape(k_, t_ * g, cb, p), vb)
         return m_new, l, acc * alpha[..., None] + pv
 
-    shape = (k_, t_, g)
-    init = (jnp.full(shape, _MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (h,), jnp.float32))
-    first = 0 if sliding_window is None else jnp.maximum(kv_len - q_len - sliding_window + 1, 0) // c_tok
-    _, l, acc = jax.lax.fori_loop(first, (kv_len + c_tok - 1) // c_tok, body, init)
-    o = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)  # [K, T, G, H]
-    return o.transpose(1, 0, 2, 3).reshape(t_, n, h).astype(q.dtype)
+    shape = (k_, t_ * g)
+    carry = (jnp.full(shape, _MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+             jnp.zeros(shape + (h,), jnp.float32))
+    end = (kv_len + c_tok - 1) // c_tok
+    if sliding_window is None:
+        full = (kv_len - q_len + 1) // c_tok  # steps wholly at or before the first new token
+        carry = jax.lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+    else:
+        full = jnp.maximum(kv_len - q_len - sliding_window + 1, 0) // c_tok
+    _, l, acc = jax.lax.fori_loop(full, end, functools.partial(step, masked=True), carry)
+    live = (r < q_len)[:, None, None]
+    o = (acc / l[..., None]).reshape(k_, t_, g, h).transpose(1, 0, 2, 3).reshape(t_, n, h)
+    return jnp.where(live, o, 0.0).astype(q.dtype)
 
 
 def _tiled_attention(
