@@ -80,18 +80,6 @@ def test_mixed_batch_matches_dense(block, n, k, h, dtype, tile_rows, group, chun
            single_chunk_blocks=None)
 
 
-def test_one_sequence_long_tile_takes_long_steps():
-    """A program of at least 128 token rows (a prompt's chunk) takes `long_chunk_blocks` keys a
-    step: here a 120-token chunk after 700 tokens of context, with 2 blocks a step (21 unmasked
-    steps before the chunk's first token, then the diagonal's masked ones) and with 64 (a single
-    masked step over a table padded past its end)."""
-    rng = np.random.default_rng(7)
-    b = _one_sequence_batch(rng, 120, 700, num_tokens=128, pool=56, num_heads=9, num_kv_heads=3,
-                            pad_slots=1, max_blocks=54)
-    for long_chunk_blocks in (2, 64):
-        _check(b, sm_scale=0.125, single_chunk_blocks=1, long_chunk_blocks=long_chunk_blocks)
-
-
 @pytest.mark.parametrize("soft_cap,window", [(None, 5), (20.0, None), (10.0, 37)])
 @pytest.mark.parametrize("tile_rows", [1, 8])
 def test_soft_cap_and_sliding_window(soft_cap, window, tile_rows):
