@@ -164,9 +164,8 @@ def ragged_paged_attention_cpu(
     tiled = functools.partial(_tiled_attention, tile_rows=tile_rows, group=group, chunk_blocks=chunk_blocks, **kw)
     if single_chunk_blocks is None:
         return tiled(*args)
-    if q.shape[0] >= _LONG_TILE_ROWS:
-        single_chunk_blocks = max(single_chunk_blocks, long_chunk_blocks)
-    one = functools.partial(_one_sequence_attention, chunk_blocks=single_chunk_blocks, **kw)
+    blocks = long_chunk_blocks if q.shape[0] >= _LONG_TILE_ROWS else single_chunk_blocks
+    one = functools.partial(_one_sequence_attention, chunk_blocks=blocks, **kw)
     return jax.lax.cond(num_seqs[0] == 1, one, tiled, *args)
 
 
