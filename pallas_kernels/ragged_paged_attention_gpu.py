@@ -430,13 +430,12 @@ class _NewToken:
         out = x.astype(jnp.float32) * cos[None, :] + xp.astype(jnp.float32) * sin[None, :]
         return out.astype(x.dtype)
 
-    def attend_and_write(self, q, carry, ref, tok, kh, *, last, sm_scale: float,
-                         soft_cap: float | None):
-        """The sequence's last split (`last`): its new key and value (rows of token `tok`, KV
-        head `kh`) written into the caches and added to the running softmax (m, l, acc) as one
-        more key; any other split: `carry` unchanged."""
+    def write(self, ref, tok, kh, *, last) -> tuple[jax.Array, jax.Array]:
+        """Token `tok`'s new key (rotated) and value for KV head `kh`, in the cache's type
+        ([1, H] each); the sequence's last split (`last`) writes them into the caches. Called
+        before the program's loop, so that these loads and stores overlap it."""
         one = jnp.full((1,), tok * self.stride + self.n + kh, jnp.int32)
-        k_new = _to_cache(self.rotated(ref, one, tok), self.k_out.dtype)  # [1, H]
+        k_new = _to_cache(self.rotated(ref, one, tok), self.k_out.dtype)
         v_new = _to_cache(plgpu.load(ref.at[(one + self.k)[:, None], jnp.arange(self.h)[None, :]]),
                           self.v_out.dtype)
 
@@ -448,19 +447,26 @@ class _NewToken:
             _store_rows(self.k_out, row, k_new, ok)
             _store_rows(self.v_out, row, v_new, ok)
 
-        m, l, acc = carry
-        kf = _upcast(k_new, q.dtype).astype(jnp.float32)
-        vf = _upcast(v_new, q.dtype).astype(jnp.float32)
-        s2 = _logits_log2(jnp.sum(q.astype(jnp.float32) * kf, axis=1), sm_scale, soft_cap)  # [R]
-        m_new = jnp.maximum(m, s2)
-        alpha = jnp.exp2(m - m_new)
-        pr = jnp.exp2(s2 - m_new)
-        if q.dtype != jnp.float32:  # the P.V products of the loop take P in q's dtype
-            pr = pr.astype(q.dtype).astype(jnp.float32)
-        l_new = l * alpha + pr
-        acc_new = acc * alpha[:, None] + pr[:, None] * vf
-        return (jnp.where(last, m_new, m), jnp.where(last, l_new, l),
-                jnp.where(last, acc_new, acc))
+        return k_new, v_new
+
+    @staticmethod
+    def attend(q, carry, k_new, v_new, *, last, sm_scale: float, soft_cap: float | None):
+        """The sequence's last split (`last`): the new key and value added to the running
+        softmax (m, l, acc) as one more key; any other split: `carry` unchanged."""
+
+        def add(c):
+            m, l, acc = c
+            kf = _upcast(k_new, q.dtype).astype(jnp.float32)
+            vf = _upcast(v_new, q.dtype).astype(jnp.float32)
+            s2 = _logits_log2(jnp.sum(q.astype(jnp.float32) * kf, axis=1), sm_scale, soft_cap)  # [R]
+            m_new = jnp.maximum(m, s2)
+            alpha = jnp.exp2(m - m_new)
+            pr = jnp.exp2(s2 - m_new)
+            if q.dtype != jnp.float32:  # the P.V products of the loop take P in q's dtype
+                pr = pr.astype(q.dtype).astype(jnp.float32)
+            return m_new, l * alpha + pr, acc * alpha[:, None] + pr[:, None] * vf
+
+        return lax.cond(last, add, lambda c: c, carry)
 
 
 def _to_cache(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -563,10 +569,12 @@ def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_r
 
         g = jnp.arange(dims.rows_dec, dtype=jnp.int32)
         heads = kh * dims.g + jnp.minimum(g, dims.g - 1)
+        last = split == n_used - 1
         if new is None:
             q = q_ref[q_start * dims.n + heads, :]  # [R, H]
         else:
             q = new.rotated(q_ref, q_start * new.stride + heads, q_start)
+            k_new, v_new = new.write(q_ref, q_start, kh, last=last)
 
         def body(it, carry):
             kpos = tok_base + it * bkv + jnp.arange(bkv, dtype=jnp.int32)
@@ -582,8 +590,8 @@ def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_r
                 jnp.zeros((r, dims.h), jnp.float32))
         m, l, acc = lax.fori_loop(0, n_iter, body, init)
         if new is not None:
-            m, l, acc = new.attend_and_write(q, (m, l, acc), q_ref, q_start, kh, last=split == n_used - 1,
-                                             sm_scale=sm_scale, soft_cap=soft_cap)
+            m, l, acc = new.attend(q, (m, l, acc), k_new, v_new, last=last, sm_scale=sm_scale,
+                                   soft_cap=soft_cap)
         real = g < dims.g
         out_rows = q_start * dims.n + kh * dims.g + g
 
