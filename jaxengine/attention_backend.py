@@ -47,7 +47,6 @@ from jaxengine.pallas_kernels.ragged_paged_attention import (
 
 if TYPE_CHECKING:
     from jaxengine.models.attention import AttentionMetadata, KVCache
-    from jaxengine.models.layers import RotaryEmbedding
 
 # q [T, N, H], k_cache/v_cache [B, K, P, H], kv_lens, block_tables, query_start_loc, num_seqs,
 # keyword sm_scale / soft_cap / sliding_window -> o [T, N, H]; the contract of
@@ -92,11 +91,6 @@ class AttentionBackend:
     decode_only_path: bool = False
     # This backend traces the programs of decode-only steps (`for_decode_only_steps`).
     decode_only: bool = False
-    # The decode-only steps' one-launch kernel, where the GPU kernels have it: the layer's rotary
-    # embedding, the cache write and the attention (ragged_paged_attention_gpu.
-    # decode_attention_rope_write's contract), in place of XLA's rotations and scatters (three
-    # small kernels a layer) and `fn`. None: XLA rotates and writes, `fn` attends.
-    rope_write_fn: Callable | None = None
 
     def for_decode_only_steps(self) -> AttentionBackend | None:
         """This backend for the programs of decode-only steps (every live row one token: the
@@ -114,56 +108,24 @@ class AttentionBackend:
         """Element type of the KV cache for a model running in `dtype`."""
         return jnp.dtype(self.cache_dtype) if self.cache_dtype is not None else jnp.dtype(dtype)
 
-    @property
-    def fuses_rope_write(self) -> bool:
-        """Whether this backend's programs rotate, write and attend in one kernel a layer (the
-        decode-only programs of a backend with `rope_write_fn`)."""
-        return self.decode_only and self.rope_write_fn is not None
-
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache, md: AttentionMetadata, *,
-               sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-               rope: RotaryEmbedding | None = None, positions: jax.Array | None = None
+               sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
                ) -> tuple[jax.Array, KVCache]:
         """Writes this step's keys/values into the cache, then attends over it.
 
-        q [T, N, H], k/v [T, K, H], kv_cache one layer's (k, v), each [B, K, P, H] -> (o [T, N, H],
-        the updated (k, v)). `rope` (with the tokens' `positions` [T]): the layer's rotary
-        embedding, not yet applied to q and k; the backend applies it, inside the decode kernel
-        where it has one (`fuses_rope_write`). Without it, q and k come rotated (or the model
-        has no rotary embedding). Under jit with the caches donated, the write happens in place.
+        q [T, N, H], k/v [T, K, H] (rotary applied), kv_cache one layer's (k, v), each
+        [B, K, P, H] -> (o [T, N, H], the updated (k, v)). Under jit with the caches donated, the
+        write happens in place.
         """
-        if rope is not None and not self.fuses_rope_write:
-            q, k = rope(q, positions), rope(k, positions)
-            rope = None
-        common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-        if rope is None:
-            local, tables = functools.partial(self._write_and_attend, **common), ()
-        else:
-            local, tables = functools.partial(self._rope_write_and_attend, **common), rope.tables(positions)
+        local = functools.partial(self._write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window,
+                                  soft_cap=soft_cap)
         if self.mesh is not None:
             heads, cache = P(None, "model", None), P(None, "model", None, None)
             md_spec = jax.tree.map(lambda _: P(), md)  # metadata replicated on every device
-            local = shard_map(local, mesh=self.mesh,
-                              in_specs=(heads, heads, heads, cache, cache, md_spec, *(P(),) * len(tables)),
+            local = shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, cache, cache, md_spec),
                               out_specs=(heads, cache, cache))
-        o, k_cache, v_cache = local(q, k, v, kv_cache[0], kv_cache[1], md, *tables)
+        o, k_cache, v_cache = local(q, k, v, kv_cache[0], kv_cache[1], md)
         return o, (k_cache, v_cache)
-
-    def _rope_write_and_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
-                               v_cache: jax.Array, md: AttentionMetadata, cos: jax.Array, sin: jax.Array, *,
-                               sm_scale: float, sliding_window: int | None, soft_cap: float | None
-                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One device's share with `rope_write_fn`: q, k, v (un-rotated) as one [T, N + 2K, H]
-        operand (the fused projection's own output, where the layer has one: XLA folds the
-        concatenation of its slices)."""
-        h, pad = q.shape[-1], k_cache.shape[-1] - q.shape[-1]
-        qkv = jnp.concatenate([q, k, v], axis=1)
-        if pad:  # cache head size above the model's (cache_head_dim): zero columns, never rotated
-            qkv = jnp.pad(qkv, ((0, 0), (0, 0), (0, pad)))
-        o, k_cache, v_cache = self.rope_write_fn(qkv, k_cache, v_cache, md.kv_lens, md.block_tables,
-                                                 md.query_start_loc, md.num_seqs, md.slot_mapping, cos, sin,
-                                                 sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-        return o[..., :h], k_cache, v_cache
 
     def _write_and_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                           md: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
@@ -216,11 +178,9 @@ def _select(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: 
             # a model whose windows or soft cap are on some layers only (Gemma 3's 1 in 6).
             kernel = gpu_backend.get_kernel(mosaic_prefill=False, kv_fp8=kv_fp8)
             return AttentionBackend(name, f"{_name(kernel)} (the Mosaic prefill kernel does not apply){note}",
-                                    kernel, mesh, padded, decode_only_path=True,
-                                    rope_write_fn=gpu_backend.get_decode_rope_write_kernel())
+                                    kernel, mesh, padded, decode_only_path=True)
         if kernel is not None:
-            return AttentionBackend(name, _name(kernel) + note, kernel, mesh, padded, decode_only_path=True,
-                                    rope_write_fn=gpu_backend.get_decode_rope_write_kernel())
+            return AttentionBackend(name, _name(kernel) + note, kernel, mesh, padded, decode_only_path=True)
     if name == "auto" and platform == "cpu":
         return AttentionBackend(name, "ragged_paged_attention_cpu", ragged_paged_attention_cpu, mesh)
     return AttentionBackend(name, "jnp reference", ragged_paged_attention_reference, mesh)

@@ -122,8 +122,8 @@ class Attention(nnx.Module):
         q, k, v = qkv(self, x, lora)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        o, kv = attention.attend(q, k, v, kv, md, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
-                                 rope=self.rope, positions=positions)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        o, kv = attention.attend(q, k, v, kv, md, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
         return out_proj(o, self.o_proj[...], lora), kv
 
 

@@ -120,8 +120,9 @@ class Attention(nnx.Module):
         q, k, v = qkv(self, x)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, positions), self.rope(k, positions)
         o, kv = attention.attend(q, k, v, kv, md, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
-                                 soft_cap=self.soft_cap, rope=self.rope, positions=positions)
+                                 soft_cap=self.soft_cap)
         return out_proj(o, self.o_proj[...]), kv
 
 

@@ -159,31 +159,19 @@ class RotaryEmbedding(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inv)
         self.scale = scale  # cos and sin are multiplied by it (yarn's and longrope's attention factor)
 
-    def tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """positions [T] -> (cos, sin) [T, rotary_dim / 2] float32, times `scale`: the angles
-        `__call__` rotates by (and the attention backend's fused decode kernel takes)."""
-        inv = jnp.asarray(self.inv_freq, jnp.float32)
-        freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
-        cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-        if self.scale != 1.0:
-            cos, sin = cos * self.scale, sin * self.scale
-        return cos, sin
-
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x [T, heads, H], positions [T] -> x rotated."""
-        return apply_rotary(x, *self.tables(positions))
-
-
-def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, heads, H] rotated rotate-half by cos/sin [T, R/2] over its first R columns (the rest
-    passed through: partial rotary), computed in float32 and returned in x's dtype."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    r = 2 * cos.shape[-1]
-    xf = x.astype(jnp.float32)
-    rot, rest = xf[..., :r], xf[..., r:]
-    x1, x2 = jnp.split(rot, 2, axis=-1)
-    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin] + ([rest] if rest.shape[-1] else [])
-    return jnp.concatenate(parts, axis=-1).astype(x.dtype)
+        inv = jnp.asarray(self.inv_freq, jnp.float32)
+        freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]  # [T, H/2]
+        cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        xf = x.astype(jnp.float32)
+        rot, rest = xf[..., :self.rotary_dim], xf[..., self.rotary_dim:]  # rest: passed through (partial rotary)
+        x1, x2 = jnp.split(rot, 2, axis=-1)
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin] + ([rest] if rest.shape[-1] else [])
+        out = jnp.concatenate(parts, axis=-1)
+        return out.astype(x.dtype)
 
 
 class MLP(nnx.Module):

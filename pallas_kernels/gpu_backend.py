@@ -88,18 +88,3 @@ def get_kernel(mosaic_prefill: bool = False,
         return ragged_paged_attention_gpu_mosaic_prefill
     return ragged_paged_attention_gpu
 
-
-
-# Whether decode-only programs run the one-launch decode kernel (rotary embedding, cache write and
-# attention: ragged_paged_attention_gpu.decode_attention_rope_write) rather than XLA's rotations
-# and scatters before the decode kernel. A code-path switch for comparisons.
-DECODE_ROPE_WRITE = True
-
-
-def get_decode_rope_write_kernel() -> Callable | None:
-    """The decode-only steps' rotate-write-attend kernel where the Triton kernels serve this
-    device (get_kernel's conditions, which the caller has checked), unless DECODE_ROPE_WRITE is off."""
-    if not DECODE_ROPE_WRITE:
-        return None
-    from jaxengine.pallas_kernels.ragged_paged_attention_gpu import decode_attention_rope_write
-    return decode_attention_rope_write

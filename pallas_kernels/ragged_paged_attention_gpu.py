@@ -392,110 +392,6 @@ def tile_table(query_start_loc, kv_lens, num_seqs, *, t: int, n: int, k: int,
     return mgpu.TileLayout(*cols)
 
 
-@dataclasses.dataclass(frozen=True)
-class _NewToken:
-    """What a program of the rope-and-write decode kernel knows about the step's new tokens:
-    the q/k/v rows' layout (stride N + 2K rows a token: q heads, then k, then v), the rotary
-    tables (cos/sin [T * half], over the first 2 * half columns of a head) and the caches to
-    write (flat [B * K * P, H], aliased to the ones read)."""
-
-    n: int
-    k: int
-    p: int
-    h: int
-    half: int
-    slot_ref: object
-    cos_ref: object
-    sin_ref: object
-    k_out: object
-    v_out: object
-
-    @property
-    def stride(self) -> int:
-        return self.n + 2 * self.k
-
-    def rotated(self, ref, rows: jax.Array, tok) -> jax.Array:
-        """Rows [R] of `ref` rotated by token `tok`'s angles, in their own dtype: rotate-half RoPE
-        computed in float32, as the model's RotaryEmbedding does."""
-        cols = jnp.arange(self.h, dtype=jnp.int32)
-        first = cols < self.half
-        in_rot = cols < 2 * self.half
-        partner = jnp.where(first, cols + self.half, jnp.where(in_rot, cols - self.half, cols))
-        angle = tok * self.half + jnp.where(first, cols, jnp.where(in_rot, cols - self.half, 0))
-        cos = plgpu.load(self.cos_ref.at[angle], mask=in_rot, other=1.0)
-        sin = plgpu.load(self.sin_ref.at[angle], mask=in_rot, other=0.0)
-        sin = jnp.where(first, -sin, sin)
-        x = plgpu.load(ref.at[rows[:, None], cols[None, :]])
-        xp = plgpu.load(ref.at[rows[:, None], partner[None, :]])
-        out = x.astype(jnp.float32) * cos[None, :] + xp.astype(jnp.float32) * sin[None, :]
-        return out.astype(x.dtype)
-
-    def write(self, ref, tok, kh, *, last) -> tuple[jax.Array, jax.Array]:
-        """Token `tok`'s new key (rotated) and value for KV head `kh`, in the cache's type
-        ([1, H] each); the sequence's last split (`last`) writes them into the caches. Called
-        before the program's loop, so that these loads and stores overlap it."""
-        one = jnp.full((1,), tok * self.stride + self.n + kh, jnp.int32)
-        k_new = _to_cache(self.rotated(ref, one, tok), self.k_out.dtype)
-        v_new = _to_cache(plgpu.load(ref.at[(one + self.k)[:, None], jnp.arange(self.h)[None, :]]),
-                          self.v_out.dtype)
-
-        @pl.when(last)
-        def _():
-            slot = self.slot_ref[tok]
-            row = jnp.full((1,), ((slot // self.p) * self.k + kh) * self.p + slot % self.p, jnp.int32)
-            ok = jnp.full((1,), True)
-            _store_rows(self.k_out, row, k_new, ok)
-            _store_rows(self.v_out, row, v_new, ok)
-
-        return k_new, v_new
-
-    @staticmethod
-    def attend(q, carry, k_new, v_new, *, last, sm_scale: float, soft_cap: float | None):
-        """The sequence's last split (`last`): the new key and value added to the running
-        softmax (m, l, acc) as one more key; any other split: `carry` unchanged."""
-
-        def add(c):
-            m, l, acc = c
-            kf = _upcast(k_new, q.dtype).astype(jnp.float32)
-            vf = _upcast(v_new, q.dtype).astype(jnp.float32)
-            s2 = _logits_log2(jnp.sum(q.astype(jnp.float32) * kf, axis=1), sm_scale, soft_cap)  # [R]
-            m_new = jnp.maximum(m, s2)
-            alpha = jnp.exp2(m - m_new)
-            pr = jnp.exp2(s2 - m_new)
-            if q.dtype != jnp.float32:  # the P.V products of the loop take P in q's dtype
-                pr = pr.astype(q.dtype).astype(jnp.float32)
-            return m_new, l * alpha + pr, acc * alpha[:, None] + pr[:, None] * vf
-
-        return lax.cond(last, add, lambda c: c, carry)
-
-
-def _to_cache(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """x in the cache's dtype; into an fp8 cache saturated at its largest finite value (as
-    ragged_paged_attention.write_kv writes it)."""
-    if x.dtype == dtype:
-        return x
-    if jnp.dtype(dtype).itemsize == 1:
-        top = float(jnp.finfo(dtype).max)
-        return jnp.clip(x.astype(jnp.float32), -top, top).astype(dtype)
-    return x.astype(dtype)
-
-
-def _decode_rope_write_kernel(qkv_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, slot_ref,
-                              cos_ref, sin_ref, cnt_in_ref, out_ref, op_ref, mp_ref, lp_ref,
-                              cnt_ref, k_out_ref, v_out_ref, *, dims: _Dims, tiling: Tiling,
-                              sm_scale: float, soft_cap: float | None, window: int | None,
-                              interpret: bool, half: int):
-    """Programs (kh, p): the decode rows of a decode-only step from un-rotated q/k/v rows, the
-    new keys and values written into the caches (`_NewToken`)."""
-    del cnt_in_ref  # zeroed arrival counters, aliased to cnt_ref
-    new = _NewToken(n=dims.n, k=dims.k, p=dims.p, h=dims.h, half=half, slot_ref=slot_ref,
-                    cos_ref=cos_ref, sin_ref=sin_ref, k_out=k_out_ref, v_out=v_out_ref)
-    _decode_program(qkv_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, op_ref,
-                    mp_ref, lp_ref, cnt_ref, kh=pl.program_id(0), p=pl.program_id(1), dims=dims,
-                    tiling=tiling, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
-                    interpret=interpret, zero_padding=True, new=new)
-
-
 def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, cnt_in_ref,
                    out_ref, op_ref, mp_ref, lp_ref, cnt_ref, *table_refs, dims: _Dims,
                    tiling: Tiling, sm_scale: float, soft_cap: float | None,
@@ -526,13 +422,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, cnt_in
 def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_ref, op_ref,
                     mp_ref, lp_ref, cnt_ref, *, kh, p, dims: _Dims, tiling: Tiling,
                     sm_scale: float, soft_cap: float | None, window: int | None,
-                    interpret: bool, zero_padding: bool, v_scale: float = 1.0,
-                    new: _NewToken | None = None):
-    """One decode program. `new` (the rope-and-write kernel): q_ref is the step's un-rotated
-    [T * (N + 2K), H] q/k/v rows; the program rotates its queries, reads the cache up to the
-    token before the new one, and the sequence's last split takes the new key and value from
-    the rows (rotated, rounded to the cache's type), writes them into the cache and attends to
-    them as its last key."""
+                    interpret: bool, zero_padding: bool, v_scale: float = 1.0):
     n_live = jnp.minimum(ns_ref[0], dims.s)
     if zero_padding:
         # Padding rows (tokens from query_start_loc[num_seqs] on) get zeros: program p of a
@@ -563,18 +453,12 @@ def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_r
         page_lo = first_page + split * chunk
         tok_base = page_lo * dims.p
         tok_lo = jnp.maximum(tok_base, lo)
-        # With `new`, the cache's slot for the new token is being written: never read it.
-        tok_hi = jnp.minimum((page_lo + chunk) * dims.p, kv_len if new is None else kv_len - 1)
+        tok_hi = jnp.minimum((page_lo + chunk) * dims.p, kv_len)
         n_iter = _cdiv(tok_hi - tok_base, bkv)
 
         g = jnp.arange(dims.rows_dec, dtype=jnp.int32)
         heads = kh * dims.g + jnp.minimum(g, dims.g - 1)
-        last = split == n_used - 1
-        if new is None:
-            q = q_ref[q_start * dims.n + heads, :]  # [R, H]
-        else:
-            q = new.rotated(q_ref, q_start * new.stride + heads, q_start)
-            k_new, v_new = new.write(q_ref, q_start, kh, last=last)
+        q = q_ref[q_start * dims.n + heads, :]  # [R, H]
 
         def body(it, carry):
             kpos = tok_base + it * bkv + jnp.arange(bkv, dtype=jnp.int32)
@@ -589,9 +473,6 @@ def _decode_program(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_r
         init = (jnp.full((r,), _MASK, jnp.float32), jnp.zeros((r,), jnp.float32),
                 jnp.zeros((r, dims.h), jnp.float32))
         m, l, acc = lax.fori_loop(0, n_iter, body, init)
-        if new is not None:
-            m, l, acc = new.attend(q, (m, l, acc), k_new, v_new, last=last, sm_scale=sm_scale,
-                                   soft_cap=soft_cap)
         real = g < dims.g
         out_rows = q_start * dims.n + kh * dims.g + g
 
@@ -1025,68 +906,3 @@ def ragged_paged_attention_gpu(
                      interpret=interpret, prefill=prefill,
                      decode_only=bool(decode_only), prefill_only=bool(prefill_only),
                      v_scale=float(v_scale))
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "tiling",
-                                             "interpret"))
-def decode_attention_rope_write(
-    qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
-    block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array,
-    slot_mapping: jax.Array, cos: jax.Array, sin: jax.Array, *, sm_scale: float,
-    soft_cap: float | None = None, sliding_window: int | None = None,
-    tiling: Tiling | None = None, interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A decode-only step's attention in one launch: rotary embedding, cache write, attention.
-
-    qkv [T, N + 2K, H]: each token's query heads, then its keys, then its values, before the
-    rotary embedding (the layer's fused projection, sliced by heads). cos, sin [T, R/2] float32:
-    each token's rotary angles (times any scaling factor), applied rotate-half over the first R
-    columns of q and k (models.layers.RotaryEmbedding's arithmetic). slot_mapping [T]: the cache
-    slot (block * P + offset) of each token's new key and value. Returns (o [T, N, H], k_cache,
-    v_cache with the live tokens' keys and values written), the result of rotating q and k,
-    `write_kv` and `ragged_paged_attention_gpu(..., decode_only=True)`: every live sequence has
-    one new token (its slot is position kv_len - 1), padding rows of o are zeros, and the
-    padding tokens write nothing. The caches are in q's dtype or float8_e4m3fn (written
-    saturated, scale 1.0); they are updated in place under jit with them donated.
-    """
-    t, j, h = qkv.shape
-    k = k_cache.shape[1]
-    if j <= 2 * k:
-        raise ValueError(f"qkv must hold N query heads, then K = {k} key and K value heads "
-                         f"(second axis N + 2K > 2K), got shape {qkv.shape}")
-    n = j - 2 * k
-    _validate(jax.ShapeDtypeStruct((t, n, h), qkv.dtype), k_cache, v_cache, kv_lens, block_tables,
-              query_start_loc, num_seqs, sm_scale=sm_scale, soft_cap=soft_cap,
-              sliding_window=sliding_window)
-    if slot_mapping.shape != (t,) or slot_mapping.dtype != jnp.int32:
-        raise ValueError(f"slot_mapping must be int32 [{t}], got {slot_mapping.dtype} {slot_mapping.shape}")
-    if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] != t or not 0 < 2 * cos.shape[1] <= h:
-        raise ValueError(f"cos and sin must both be [{t}, R/2] with 0 < R <= {h}, got {cos.shape} and {sin.shape}")
-    tiling = fit_shared_memory(tiling or Tiling(), h, qkv.dtype.itemsize, n // k, _smem_bytes(interpret))
-    dims = _make_dims(jax.ShapeDtypeStruct((t, n, h), qkv.dtype), k_cache, block_tables, tiling)
-    b = k_cache.shape[0]
-    flat_cache = (b * k * dims.p, h)
-    n_part = dims.k * dims.npd * dims.g
-    outs = pl.pallas_call(
-        functools.partial(_decode_rope_write_kernel, dims=dims, tiling=tiling,
-                          sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap),
-                          window=None if sliding_window is None else int(sliding_window),
-                          interpret=interpret, half=cos.shape[1]),
-        grid=(dims.k, dims.npd),
-        out_shape=(jax.ShapeDtypeStruct((t * n, h), qkv.dtype),
-                   jax.ShapeDtypeStruct((n_part, h), jnp.float32),
-                   jax.ShapeDtypeStruct((n_part,), jnp.float32),
-                   jax.ShapeDtypeStruct((n_part,), jnp.float32),
-                   jax.ShapeDtypeStruct((dims.s * dims.k,), jnp.int32),
-                   jax.ShapeDtypeStruct(flat_cache, k_cache.dtype),
-                   jax.ShapeDtypeStruct(flat_cache, v_cache.dtype)),
-        input_output_aliases={1: 5, 2: 6, 10: 4},
-        compiler_params=plgpu.CompilerParams(num_warps=tiling.decode_num_warps,
-                                             num_stages=tiling.decode_num_stages),
-        interpret=interpret,
-        name="rpa_decode_rope_write",
-    )(qkv.reshape(t * j, h), k_cache.reshape(flat_cache), v_cache.reshape(flat_cache), kv_lens,
-      block_tables.reshape(-1), query_start_loc, num_seqs, slot_mapping,
-      cos.astype(jnp.float32).reshape(-1), sin.astype(jnp.float32).reshape(-1),
-      jnp.zeros((dims.s * k,), jnp.int32))
-    return (outs[0].reshape(t, n, h), outs[5].reshape(k_cache.shape), outs[6].reshape(v_cache.shape))

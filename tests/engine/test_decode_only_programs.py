@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxengine import LLM, SamplingParams
@@ -28,13 +26,12 @@ def _recording_reference(seen: list, q, *args, decode_only: bool = False, **kwar
     return ragged_paged_attention_reference(q, *args, **kwargs)
 
 
-def _engine(path: str, monkeypatch, decode_only_path: bool, seen: list, warmup: bool = True,
-            rope_write_fn=None) -> LLM:
+def _engine(path: str, monkeypatch, decode_only_path: bool, seen: list, warmup: bool = True) -> LLM:
     from jaxengine import loading
 
     def select(*args, **kwargs) -> AttentionBackend:
         return AttentionBackend("reference", "recording reference", functools.partial(_recording_reference, seen),
-                                decode_only_path=decode_only_path, rope_write_fn=rope_write_fn)
+                                decode_only_path=decode_only_path)
 
     monkeypatch.setattr(loading, "select_attention_backend", select)
     return LLM(path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64,
@@ -104,67 +101,3 @@ def test_decode_only_backend_equals_the_mixed_one_on_a_decode_step():
     np.testing.assert_allclose(np.asarray(outs[1][0]), np.asarray(outs[0][0]), rtol=1e-5, atol=1e-5)
     for a, c in zip(outs[0][1], outs[1][1]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
-
-
-def _recording_rope_write(seen: list, *args, **kwargs):
-    """The one-launch decode kernel (interpreted), recording its traces."""
-    seen.append("rope_write")
-    return rpa_gpu.decode_attention_rope_write(*args, **kwargs, interpret=True)
-
-
-def test_decode_only_programs_rotate_write_and_attend_in_one_kernel(tiny_model_factory, monkeypatch):
-    """With a backend that has the one-launch decode kernel (rope_write_fn: rotary embedding, cache
-    write and attention), the decode-only programs run it in every layer and the mixed programs
-    do not; the greedy tokens are those of an engine that rotates and writes in XLA."""
-    from jaxengine import model_runner
-
-    path = tiny_model_factory("llama")
-    monkeypatch.setattr(model_runner, "DECODE_ONLY_PROGRAMS", True)
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    plain = _engine(path, monkeypatch, False, [], warmup=False)
-    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy, use_tqdm=False)]
-    del plain
-
-    seen: list = []
-    llm = _engine(path, monkeypatch, True, seen, warmup=False,
-                  rope_write_fn=functools.partial(_recording_rope_write, seen))
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
-    assert got == want
-    assert llm.llm_engine.runner._forward_decode_fns  # decode steps ran decode-only programs
-    # Their layers traced the kernel and never the attention alone; the mixed programs the reference.
-    assert "rope_write" in seen and True not in seen and False in seen
-
-
-def test_rope_write_backend_equals_rotate_then_attend():
-    """At the backend: attend(..., rope=...) with the one-launch kernel (decode-only programs)
-    gives what the mixed backend gives (XLA's rotation, write_kv, the attention), on one device
-    and under a mesh."""
-    from jax.sharding import Mesh
-
-    from jaxengine.models.attention import AttentionMetadata
-    from jaxengine.models.config import ModelConfig
-    from jaxengine.models.layers import RotaryEmbedding
-    from tests.kernels.test_decode_rope_write import _case
-
-    n, k, h = 8, 2, 64
-    b, qkv, kc, vc, slots, _, _ = _case(np.random.default_rng(2), ctx_lens=[4, 30, 17], n=n, k=k, h=h, p=16,
-                                        dtype=jnp.float32)
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=n * h, intermediate_size=64, num_layers=1, num_heads=n,
-                      num_kv_heads=k, head_dim=h, rope_theta=500.0)
-    rope = RotaryEmbedding(cfg)
-    positions = jnp.asarray(b.kv_lens - 1)[jnp.minimum(jnp.arange(qkv.shape[0]), len(b.kv_lens) - 1)]
-    md = AttentionMetadata(slots, b.kv_lens, b.block_tables, b.query_start_loc, b.num_seqs)
-    fn = functools.partial(rpa_gpu.ragged_paged_attention_gpu, interpret=True)
-    fused = functools.partial(rpa_gpu.decode_attention_rope_write, interpret=True)
-    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    live = 3
-    for m in (None, mesh):
-        mixed = AttentionBackend("pallas", "gpu", fn, mesh=m, decode_only_path=True, rope_write_fn=fused)
-        decode = mixed.for_decode_only_steps()
-        assert decode.fuses_rope_write and not mixed.fuses_rope_write
-        outs = [be.attend(qkv[:, :n], qkv[:, n:n + k], qkv[:, n + k:], (kc, vc), md, sm_scale=0.125, rope=rope,
-                          positions=positions) for be in (mixed, decode)]
-        np.testing.assert_allclose(np.asarray(outs[1][0])[:live], np.asarray(outs[0][0])[:live], rtol=1e-5,
-                                   atol=1e-5)
-        for a, c in zip(outs[0][1], outs[1][1]):  # block 0: the mixed write's padding rows
-            np.testing.assert_allclose(np.asarray(c)[1:], np.asarray(a)[1:], rtol=1e-6, atol=1e-6)
