@@ -641,18 +641,44 @@ def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p
 def _prefill_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_in_ref, out_ref,
                     *, dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
                     window: int | None, v_scale: float = 1.0):
+    """Programs (kh, i) of a grid of `_prefill_programs(dims, tiling)` a KV head: program i takes
+    the virtual tiles n_tiles - 1 - i, n_tiles - 1 - i - stride, ... (the last tiles of a chunk
+    attend to the most keys, so they start first). A step with no prefill row and no padding
+    row (a decode step that fills its bucket) leaves every program at once."""
     del out_in_ref  # aliased to out_ref: the decode kernel's rows are already in it
     kh = pl.program_id(0)
-    # Reversed: the last tiles of a chunk attend to the most keys, so they start first.
-    p = dims.nqb - 1 - pl.program_id(1)
+    i, stride = pl.program_id(1), pl.num_programs(1)
     n_live = jnp.minimum(ns_ref[0], dims.s)
     n_tiles_max = _cdiv(dims.t, dims.block_q) + n_live  # bound on live virtual tiles
+    idx = jnp.arange(dims.qsl_pad, dtype=jnp.int32)
+    qsl = plgpu.load(qsl_ref.at[idx], mask=idx <= dims.s, other=0)
+    qsl_next = plgpu.load(qsl_ref.at[jnp.minimum(idx + 1, dims.s)], mask=idx <= dims.s, other=0)
+    longest = jnp.max(jnp.where(idx < n_live, qsl_next - qsl, 0))
+    padding = jnp.sum(jnp.where(idx == n_live, qsl, 0)) < dims.t
+    n_tiles = jnp.where((longest > 1) | padding, n_tiles_max, 0)
 
-    @pl.when(p < n_tiles_max)
-    def _():
-        _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, kh=kh, p=p,
-                    n_live=n_live, dims=dims, tiling=tiling, sm_scale=sm_scale,
-                    soft_cap=soft_cap, window=window, v_scale=v_scale)
+    def tile(j, carry):
+        _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, kh=kh,
+                    p=n_tiles - 1 - (i + j * stride), n_live=n_live, dims=dims, tiling=tiling,
+                    sm_scale=sm_scale, soft_cap=soft_cap, window=window, v_scale=v_scale)
+        return carry
+
+    lax.fori_loop(0, _cdiv(jnp.maximum(n_tiles - i, 0), stride), tile, 0)
+
+
+def _prefill_programs(dims: _Dims, tiling: Tiling) -> int:
+    """Prefill programs a KV head: about `tiling.target_programs` in all (what the SMs hold at
+    once), never more than the virtual tiles' static bound. A larger grid, one program a tile,
+    launched its programs in waves even when they had nothing to do: on a 256-row decode step of
+    the Llama-3-8B shape, 2,112 empty programs a layer cost 0.35-0.40 ms a step
+    (benchmarks/results/step_trace_h100.md)."""
+    if not PREFILL_PROGRAMS_CAPPED:
+        return dims.nqb
+    return max(1, min(dims.nqb, _cdiv(tiling.target_programs, dims.k)))
+
+
+# False: one prefill program a virtual tile (the grid before the cap), for comparisons.
+PREFILL_PROGRAMS_CAPPED = True
 
 
 def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
@@ -794,7 +820,7 @@ def _prefill_rows(out, q, k_cache, v_cache, kv_lens, block_tables, query_start_l
                   v_scale=v_scale)
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, **common),
-        grid=(dims.k, dims.nqb),
+        grid=(dims.k, _prefill_programs(dims, tiling)),
         out_shape=jax.ShapeDtypeStruct((dims.t * dims.n, dims.h), q.dtype),
         input_output_aliases={7: 0},
         compiler_params=plgpu.CompilerParams(num_warps=tiling.prefill_num_warps,

@@ -84,6 +84,28 @@ def test_split_counts(target):
     _check(b, sm_scale=0.125, tiling=Tiling(target_programs=target, max_splits=8))
 
 
+@pytest.mark.parametrize("target", [2, 12])
+def test_prefill_programs_loop_over_tiles(target):
+    """Fewer prefill programs than tiles (target_programs 2 or 12 over 4 KV heads: one or three
+    a head): each program walks its share of the virtual tiles (chunks of several tiles, decode
+    rows, the padding rows), and every row still comes out right."""
+    rng = np.random.default_rng(40 + target)
+    b = make_batch(rng, q_lens=[1, 37, 1, 70, 5], ctx_lens=[60, 0, 3, 21, 9], num_heads=8,
+                   num_kv_heads=4, head_dim=64, block_size=16, dtype=jnp.float32, pad_slots=2,
+                   pad_tokens=11)
+    _check(b, sm_scale=0.125, tiling=Tiling(target_programs=target, prefill_rows=32))
+
+
+@pytest.mark.parametrize("pad_tokens", [0, 4])
+def test_decode_step_with_and_without_padding(pad_tokens):
+    """A step of decode rows only: with no padding rows the prefill programs find nothing to do
+    and leave at once; with padding rows they zero them."""
+    rng = np.random.default_rng(50 + pad_tokens)
+    b = make_batch(rng, q_lens=[1] * 5, ctx_lens=[3, 40, 0, 17, 99], num_heads=8, num_kv_heads=2,
+                   head_dim=64, block_size=16, dtype=jnp.float32, pad_tokens=pad_tokens)
+    _check(b, sm_scale=0.125)
+
+
 @pytest.mark.parametrize("growth", [0.02, 0.5])
 def test_rising_max_rescales_every_step(growth):
     """Keys scaled by 1 + growth x position: each KV step's scores pass the earlier ones (by a
