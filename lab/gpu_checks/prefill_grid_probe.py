@@ -18,11 +18,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-CASES = [  # name, heads (N, K, H), q_lens, ctx_lens, padding tokens
+CASES = [  # name, heads (N, K, H), q_lens, ctx_lens, padding tokens (and as many padding slots)
     ("llama 256 decode rows, full bucket", (32, 8, 128), [1] * 256, "rand:128:512", 0),
     ("llama 200 decode rows + 56 padding", (32, 8, 128), [1] * 200, "rand:128:512", 56),
     ("llama batch-1 decode (16 bucket)", (32, 8, 128), [1], [300], 15),
-    ("llama 64 decode rows + 448-token chunk", (32, 8, 128), [1] * 64 + [448], "rand:128:512", 0),
+    ("llama 63 decode rows + 449-token chunk", (32, 8, 128), [1] * 63 + [449], "rand:128:512", 0),
     ("smollm2 256 decode rows, full bucket", (9, 3, 64), [1] * 256, "rand:128:512", 0),
 ]
 
@@ -47,7 +47,7 @@ def main() -> int:
             _, lo, hi = ctx.split(":")
             ctx = list(rng.integers(int(lo), int(hi), len(q_lens)))
         b = make_batch(rng, q_lens=q_lens, ctx_lens=ctx, num_heads=n, num_kv_heads=k, head_dim=h, block_size=16,
-                       dtype=jnp.bfloat16, pad_tokens=pad)
+                       dtype=jnp.bfloat16, pad_tokens=pad, pad_slots=pad)
         row = {"case": name, "tokens": int(b.q.shape[0])}
         outs = {}
         for capped in (False, True):
