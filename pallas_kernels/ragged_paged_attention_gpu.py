@@ -14,14 +14,16 @@ Kernel 1, `_decode_kernel`, grid (K, NPD): flash-decoding for the sequences with
   bumps an arrival counter, and the last split to arrive merges them (vectorised over splits).
   When the Mosaic prefill kernel follows, extra programs of this kernel build its tile table
   (`_tile_table_program`) beside the decode work.
-Kernel 2, `_prefill_kernel`, grid (K, NQB), output aliased to kernel 1's output: program p is
-  a query tile of block_q tokens. Tiles are mapped to (sequence, tile) without the host: the
-  tiles of sequence s are numbered from `query_start_loc[s] // block_q + s`, which leaves room
-  for every sequence's tiles, so NQB = cdiv(T, block_q) + S is a static bound and each program
-  finds its sequence with one vector compare over query_start_loc. A tile of a sequence with
-  q_len > 1 runs causal flash attention over its KV pages (masks only on the tiles that cross
-  the diagonal or the window edge); decode rows are skipped; the padding rows (the pseudo
-  sequence after the last live one) get zeros.
+Kernel 2, `_prefill_kernel`, grid (K, min(NQB, target_programs / K)), output aliased to kernel
+  1's output: each program walks a stride of the virtual query tiles of block_q tokens,
+  heaviest first. Tiles are mapped to (sequence, tile) without the host: the tiles of sequence s
+  are numbered from `query_start_loc[s] // block_q + s`, which leaves room for every sequence's
+  tiles, so NQB = cdiv(T, block_q) + S is a static bound and a program finds a tile's sequence
+  with one vector compare over query_start_loc. A tile of a sequence with q_len > 1 runs causal
+  flash attention over its KV pages (masks only on the tiles that cross the diagonal or the
+  window edge); decode rows are skipped; the padding rows (the pseudo sequence after the last
+  live one) get zeros. A step with neither (decode rows filling the bucket) leaves every program
+  at once: a grid no larger than the SMs hold costs next to nothing then.
 
 K/V pages are gathered row by row through the block table (masked loads: tokens past the
 sequence's end or before its sliding window are never fetched), so any block size works and a
@@ -179,7 +181,7 @@ class _Dims:
     rows_dec: int  # decode matmul rows: max(16, gp)
     npd: int    # decode programs per KV head (static bound)
     block_q: int   # query tokens per prefill tile
-    nqb: int    # prefill tile programs per KV head (static bound)
+    nqb: int    # virtual prefill tiles per KV head (static bound)
     qsl_pad: int  # S + 1 padded to a power of two (one vector load)
 
 
