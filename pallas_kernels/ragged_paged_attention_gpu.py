@@ -668,19 +668,18 @@ def _prefill_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_i
     lax.fori_loop(0, _cdiv(jnp.maximum(n_tiles - i, 0), stride), tile, 0)
 
 
+# False: one prefill program a virtual tile (the grid before the cap), for comparisons.
+PREFILL_PROGRAMS_CAPPED = True
+
+
 def _prefill_programs(dims: _Dims, tiling: Tiling) -> int:
     """Prefill programs a KV head: about `tiling.target_programs` in all (what the SMs hold at
-    once), never more than the virtual tiles' static bound. A larger grid, one program a tile,
-    launched its programs in waves even when they had nothing to do: on a 256-row decode step of
-    the Llama-3-8B shape, 2,112 empty programs a layer cost 0.35-0.40 ms a step
+    once), never more than the virtual tiles' static bound. A grid of one program a tile was
+    launched in waves even on decode steps, where every program had nothing to do
     (benchmarks/results/step_trace_h100.md)."""
     if not PREFILL_PROGRAMS_CAPPED:
         return dims.nqb
     return max(1, min(dims.nqb, _cdiv(tiling.target_programs, dims.k)))
-
-
-# False: one prefill program a virtual tile (the grid before the cap), for comparisons.
-PREFILL_PROGRAMS_CAPPED = True
 
 
 def _make_dims(q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
