@@ -12,6 +12,10 @@ Two tables, float32, on this machine's cores:
 
     python -m lab.cpu_prefill_probe [--contexts 512,3584,7168] [--out lab/results/cpu_prefill_probe.json]
 
+Two more tables: the engine's attention over a chunk as row blocks (each over its own causal
+range), and torch's SDPA over a whole prompt in one causal pass against the same prompt in
+512-row chunks.
+
 On the 2-core Intel Xeon of 2026-11-28 this showed the linears at parity with PyTorch and the
 attention at about half of its rate (60-85 against ~130 GFLOP/s), which is what the one-sequence
 path's unmasked steps and longer key steps then changed (benchmarks/results/
@@ -98,6 +102,83 @@ def attention(contexts: list[int], rows: int = 512) -> list[dict]:
     return out
 
 
+def one_pass(prompt: int = 7168, chunk: int = 512, repeats: int = 3) -> dict:
+    """torch SDPA over a whole prompt (is_causal, one call) against the same prompt in chunks of
+    `chunk` rows (each over its context with the chunk's causal mask, as a chunked prefill
+    attends), one layer of SmolLM2's heads; best of `repeats`, the two alternating."""
+    import torch
+    import torch.nn.functional as F
+
+    n, k, h = 9, 3, 64
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, n, prompt, h, generator=g)
+    kr = torch.randn(1, k, prompt, h, generator=g).repeat_interleave(n // k, 1)
+    vr = torch.randn(1, k, prompt, h, generator=g).repeat_interleave(n // k, 1)
+
+    def full():
+        F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+
+    def chunked():
+        for lo in range(0, prompt, chunk):
+            hi = lo + chunk
+            mask = torch.ones(chunk, hi, dtype=torch.bool).tril(lo)
+            F.scaled_dot_product_attention(q[:, :, lo:hi], kr[:, :, :hi], vr[:, :, :hi], attn_mask=mask)
+
+    best = {"one_pass_s": float("inf"), "chunked_s": float("inf")}
+    full(), chunked()
+    for _ in range(repeats):
+        for key, fn in (("one_pass_s", full), ("chunked_s", chunked)):
+            t0 = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t0)
+    return {"prompt": prompt, "chunk": chunk, **best}
+
+
+def row_blocks(contexts: list[int], rows: int = 512, blocks=(512, 256, 128), repeats: int = 5) -> list[dict]:
+    """The engine's one-sequence attention over a 512-row chunk run whole, or as row blocks of
+    `blocks` rows each attending over its own causal range (smaller score blocks per key step):
+    ms, best of `repeats`, the forms alternating."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxengine.pallas_kernels.ragged_paged_attention import _one_sequence_attention
+
+    n, k, h, p = 9, 3, 64, 16
+    rng = np.random.default_rng(1)
+
+    def blocked(q, kc, vc, kv_lens, table, ns, *, rb):
+        outs = []
+        for b in range(rows // rb):  # block b's last row is the chunk's row (b + 1) * rb - 1
+            outs.append(_one_sequence_attention(q[b * rb:(b + 1) * rb], kc, vc, kv_lens - (rows - (b + 1) * rb),
+                                                table, jnp.asarray([0, rb], jnp.int32), ns, sm_scale=h ** -0.5,
+                                                soft_cap=None, sliding_window=None, chunk_blocks=32))
+        return jnp.concatenate(outs, 0)
+
+    out = []
+    for ctx in contexts:
+        blocks_n = -(-ctx // p) + 1
+        table = np.zeros((1, blocks_n), np.int32)
+        table[0, :blocks_n - 1] = np.arange(1, blocks_n)
+        args = (jnp.asarray(rng.standard_normal((rows, n, h), dtype=np.float32)),
+                jnp.asarray(rng.standard_normal((blocks_n, k, p, h), dtype=np.float32)),
+                jnp.asarray(rng.standard_normal((blocks_n, k, p, h), dtype=np.float32)),
+                jnp.asarray([ctx], jnp.int32), jnp.asarray(table), jnp.asarray([1], jnp.int32))
+        fns = {rb: jax.jit(functools.partial(blocked, rb=rb)) for rb in blocks}
+        ref = np.asarray(fns[blocks[0]](*args))
+        best = {rb: float("inf") for rb in blocks}
+        for rb, fn in fns.items():
+            fn(*args).block_until_ready()
+        for _ in range(repeats):
+            for rb, fn in fns.items():
+                t0 = time.perf_counter()
+                fn(*args).block_until_ready()
+                best[rb] = min(best[rb], time.perf_counter() - t0)
+        diff = max(float(np.abs(np.asarray(fn(*args)) - ref).max()) for fn in fns.values())
+        out.append({"context": ctx, "rows": rows, "ms_by_row_block": {rb: 1e3 * t for rb, t in best.items()},
+                    "max_abs_diff": diff})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="512,3584,7168")
@@ -107,8 +188,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
+    contexts = [int(c) for c in args.contexts.split(",")]
     res = {"cpu_count": os.cpu_count(), "jax": jax.__version__, "torch": torch.__version__,
-           "linears": linears(), "attention": attention([int(c) for c in args.contexts.split(",")])}
+           "linears": linears(), "attention": attention(contexts), "row_blocks": row_blocks(contexts[1:]),
+           "torch_one_pass": one_pass()}
     print("| linear (512 rows) | K x N | jax GFLOP/s | torch GFLOP/s |\n|---|---|---|---|")
     for r in res["linears"]:
         print(f"| {r['linear']} | {r['k']} x {r['n']} | {r['jax_gflops']:.0f} | {r['torch_gflops']:.0f} |")
@@ -116,6 +199,13 @@ def main() -> None:
     for r in res["attention"]:
         print(f"| {r['context']} | {r['jaxengine_ms']:.1f} ({r['jaxengine_gflops']:.0f}) | "
               f"{r['torch_sdpa_ms']:.1f} ({r['torch_gflops']:.0f}) | {r['max_abs_diff']:.1e} |")
+    print("\n| context | the chunk's attention as row blocks of: ms |\n|---|---|")
+    for r in res["row_blocks"]:
+        print(f"| {r['context']} | " + ", ".join(f"{rb} rows {ms:.1f}" for rb, ms in r["ms_by_row_block"].items())
+              + f" (max abs diff {r['max_abs_diff']:.1e}) |")
+    o = res["torch_one_pass"]
+    print(f"\ntorch SDPA, one layer of a {o['prompt']}-token prompt: one causal pass {o['one_pass_s']:.3f} s, "
+          f"in {o['chunk']}-row chunks {o['chunked_s']:.3f} s")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
