@@ -537,13 +537,17 @@ def _merge_partials(op_ref, mp_ref, lp_ref, out_ref, *, base, n_used, out_row0, 
     _store_rows(out_ref, out_row0 + g, _normalize(acc, l_all, v_scale), g < dims.g)
 
 
-def _find_tile(qsl_ref, n_live, p, dims: _Dims):
-    """Largest s in [0, n_live] with qsl[s] // block_q + s <= p (slot n_live = the padding).
-
-    One vector load of query_start_loc instead of a chain of dependent scalar loads.
-    """
+def _load_qsl(qsl_ref, dims: _Dims, shift: int = 0) -> jax.Array:
+    """query_start_loc[i + shift] for i < qsl_pad as one vector load (0 past slot S; with
+    shift 1 the last entry repeats), instead of a chain of dependent scalar loads."""
     idx = jnp.arange(dims.qsl_pad, dtype=jnp.int32)
-    qsl = plgpu.load(qsl_ref.at[idx], mask=idx <= dims.s, other=0)
+    return plgpu.load(qsl_ref.at[jnp.minimum(idx + shift, dims.s)], mask=idx <= dims.s, other=0)
+
+
+def _find_tile(qsl, n_live, p, dims: _Dims):
+    """Largest s in [0, n_live] with qsl[s] // block_q + s <= p (slot n_live = the padding);
+    `qsl` is `_load_qsl`'s vector."""
+    idx = jnp.arange(dims.qsl_pad, dtype=jnp.int32)
     hit = (idx <= n_live) & (qsl // dims.block_q + idx <= p)
     return jnp.sum(hit.astype(jnp.int32)) - 1
 
@@ -579,12 +583,13 @@ def _attend_tile(q, qpos, kpos0, n_iter, carry, *, masked: bool, kv_lo, kv_hi, s
     return lax.fori_loop(0, n_iter, body, carry)
 
 
-def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, kh, p, n_live,
+def _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, *, qsl, kh, p, n_live,
                 dims: _Dims, tiling: Tiling, sm_scale: float, soft_cap: float | None,
                 window: int | None, v_scale: float = 1.0):
-    """Program p of a KV head: a prefill tile, padding zeros, or nothing (decode rows)."""
+    """Virtual tile p of a KV head: a prefill tile, padding zeros, or nothing (decode rows).
+    `qsl`: query_start_loc as `_load_qsl`'s vector."""
     bq = dims.block_q
-    s = _find_tile(qsl_ref, n_live, p, dims)
+    s = _find_tile(qsl, n_live, p, dims)
     is_pad = s == n_live
     q_start = qsl_ref[s]
     q_end = jnp.where(is_pad, dims.t, qsl_ref[jnp.minimum(s + 1, dims.s)])
@@ -652,15 +657,14 @@ def _prefill_kernel(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, ns_ref, out_i
     i, stride = pl.program_id(1), pl.num_programs(1)
     n_live = jnp.minimum(ns_ref[0], dims.s)
     n_tiles_max = _cdiv(dims.t, dims.block_q) + n_live  # bound on live virtual tiles
+    qsl = _load_qsl(qsl_ref, dims)
     idx = jnp.arange(dims.qsl_pad, dtype=jnp.int32)
-    qsl = plgpu.load(qsl_ref.at[idx], mask=idx <= dims.s, other=0)
-    qsl_next = plgpu.load(qsl_ref.at[jnp.minimum(idx + 1, dims.s)], mask=idx <= dims.s, other=0)
-    longest = jnp.max(jnp.where(idx < n_live, qsl_next - qsl, 0))
-    padding = jnp.sum(jnp.where(idx == n_live, qsl, 0)) < dims.t
+    longest = jnp.max(jnp.where(idx < n_live, _load_qsl(qsl_ref, dims, shift=1) - qsl, 0))
+    padding = qsl_ref[n_live] < dims.t
     n_tiles = jnp.where((longest > 1) | padding, n_tiles_max, 0)
 
     def tile(j, carry):
-        _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, kh=kh,
+        _query_tile(q_ref, k_ref, v_ref, kvl_ref, bt_ref, qsl_ref, out_ref, qsl=qsl, kh=kh,
                     p=n_tiles - 1 - (i + j * stride), n_live=n_live, dims=dims, tiling=tiling,
                     sm_scale=sm_scale, soft_cap=soft_cap, window=window, v_scale=v_scale)
         return carry
