@@ -44,7 +44,7 @@ def program_options(params, rows: int) -> dict[str, object]:
     if any(is_quantized(w) for w in leaves) or jax.default_backend() != "gpu":
         return {}
     if rows <= TRITON_GEMM_MAX_ROWS:
-        return {} if SPLIT_K_AT_DECODE_ROWS else {"xla_gpu_enable_split_k_autotuning": False}
+        return {} if SPLIT_K_AT_DECODE_ROWS else {"xla_gpu_experimental_force_split_k": 1}
     if "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
         return {}
     return {"xla_gpu_enable_triton_gemm": False}

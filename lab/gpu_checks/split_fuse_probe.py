@@ -8,7 +8,7 @@ its partial products added as slices), so the sum is elementwise and can join th
 fusion. Times chains of L layers' "h += x @ W; x = norm(h)" over distinct weights (more bytes
 than the L2 holds), o's shape and down's (with the SiLU-gated product as down's input), XLA's
 dot against the written split at S chunks, and XLA's dot compiled without split-K
-(`xla_gpu_enable_split_k_autotuning=False`, the engine's `xla_options.SPLIT_K_AT_DECODE_ROWS`):
+(`xla_gpu_experimental_force_split_k=1`, the engine's `xla_options.SPLIT_K_AT_DECODE_ROWS`):
 CUPTI kernel time and kernel count per layer.
 
     python -m lab.gpu_checks.split_fuse_probe --out $OUT
@@ -95,7 +95,7 @@ def main() -> int:
     for case, fn, fargs, layers in (("o", chain_o, (h0, x0, wo, g), nl), ("down", chain_down, (h0, gus, wd, g), len(wd))):
         ref = None
         for split in (0, "nosplitk", 4, 8):
-            opts = {"xla_gpu_enable_split_k_autotuning": False} if split == "nosplitk" else {}
+            opts = {"xla_gpu_experimental_force_split_k": 1} if split == "nosplitk" else {}
             jitted = jax.jit(lambda *a, s=split: fn(*a, 0 if s == "nosplitk" else s))
             out, r = measure(jitted.lower(*fargs).compile(compiler_options=opts), fargs, layers)
             hs = out[0].astype(jnp.float32)
