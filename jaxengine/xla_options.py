@@ -27,10 +27,6 @@ from jaxengine.models import quantization
 from jaxengine.models.quantization import Fp8Weight, is_quantized
 
 TRITON_GEMM_MAX_ROWS = 16
-# Plain-weight programs of at most TRITON_GEMM_MAX_ROWS rows: let XLA's autotuner split a GEMM's K
-# over programs (its default). Without split-K a GEMM's output is one product, so the residual add
-# can join the next norm's fusion (one kernel, where split-K leaves a reduce fusion and a norm).
-SPLIT_K_AT_DECODE_ROWS = True
 
 
 def program_options(params, rows: int) -> dict[str, object]:
@@ -41,10 +37,7 @@ def program_options(params, rows: int) -> dict[str, object]:
         if quantization.FP8_DECODE == "xla" and rows <= quantization.FP8_KERNEL_MAX_ROWS:
             return {}
         return {"xla_gpu_enable_triton_gemm": False}
-    if any(is_quantized(w) for w in leaves) or jax.default_backend() != "gpu":
-        return {}
-    if rows <= TRITON_GEMM_MAX_ROWS:
-        return {} if SPLIT_K_AT_DECODE_ROWS else {"xla_gpu_experimental_force_split_k": 1}
-    if "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
+    if any(is_quantized(w) for w in leaves) or jax.default_backend() != "gpu" or rows <= TRITON_GEMM_MAX_ROWS \
+            or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
         return {}
     return {"xla_gpu_enable_triton_gemm": False}

@@ -8,7 +8,7 @@ its partial products added as slices), so the sum is elementwise and can join th
 fusion. Times chains of L layers' "h += x @ W; x = norm(h)" over distinct weights (more bytes
 than the L2 holds), o's shape and down's (with the SiLU-gated product as down's input), XLA's
 dot against the written split at S chunks, and XLA's dot compiled without split-K
-(`xla_gpu_experimental_force_split_k=1`, the engine's `xla_options.SPLIT_K_AT_DECODE_ROWS`):
+(`xla_gpu_experimental_force_split_k=1`):
 CUPTI kernel time and kernel count per layer.
 
     python -m lab.gpu_checks.split_fuse_probe --out $OUT
