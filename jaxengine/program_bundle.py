@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import pickle
+import sys
 import tempfile
 import threading
 
@@ -77,12 +78,18 @@ def source_hash() -> str:
 # quantized linear runs, row thresholds, XLA options per program). Their values join the key, so a
 # constant set at run time (a laboratory patch) never reuses programs built under another value.
 SWITCH_MODULES = ("jaxengine.models.quantization", "jaxengine.xla_options", "jaxengine.model_runner")
+# The kernels' modules (grids, tilings, kernel forms): counted when imported, since a kernel module
+# this process never imported cannot have shaped its programs (and importing them all would cost
+# a CPU start the Triton lowering's import).
+KERNEL_SWITCH_PACKAGE = "jaxengine.pallas_kernels."
 
 
 def switch_values() -> dict[str, str]:
-    """The current values of SWITCH_MODULES' upper-case scalar constants, by qualified name."""
+    """The current values of SWITCH_MODULES' upper-case scalar constants, and those of the kernel
+    modules imported so far, by qualified name."""
+    kernels = sorted(m for m in sys.modules if m.startswith(KERNEL_SWITCH_PACKAGE))
     out = {}
-    for name in SWITCH_MODULES:
+    for name in (*SWITCH_MODULES, *kernels):
         for attr, value in sorted(vars(importlib.import_module(name)).items()):
             if attr.isupper() and isinstance(value, (bool, int, float, str, tuple)):
                 out[f"{name}.{attr}"] = repr(value)

@@ -44,7 +44,7 @@ ENGINES = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "w4a16": ("gptq", "au
            "w4a16_splits2x": ("gptq", "auto"),
            "w4a16_splits4x": ("gptq", "auto"),
            "bf16_pdl": (None, "auto"), "fp8_pdl": ("fp8", "auto"), "bf16_nopdl": (None, "auto"),
-           "fp8_jaxalloc": ("fp8", "auto"), "w4a16_swapped": ("gptq", "auto")}
+           "fp8_jaxalloc": ("fp8", "auto"), "w4a16_swapped": ("gptq", "auto"), "fp8kv_oldgrid": (None, "fp8")}
 # engine part -> module constants of models/quantization set in its process (kernel variants)
 # (the parts without `_slabs` run the one-dot-per-block form, as the engine did before slabs)
 # (`_swapped`: the kernel's swapped form at up to 16 rows, models/quantization.SWAPPED, the default
@@ -53,7 +53,10 @@ PATCHES = {"w4a16": {"SLABS": False, "SWAPPED": False}, "gguf": {"SLABS": False}
            "w4a16_slabs": {"SLABS": True, "SWAPPED": False}, "w4a16_swapped": {"SLABS": True, "SWAPPED": True},
            "w4a16_slabs_vmm": {"SLABS": True}, "gguf_slabs": {"SLABS": True}, "gguf_slabs_vmm": {"SLABS": True},
            "w4a16_splits2x": {"SLABS": True, "KERNEL.TARGET_PROGRAMS": 528},
-           "w4a16_splits4x": {"SLABS": True, "KERNEL.TARGET_PROGRAMS": 1056}}
+           "w4a16_splits4x": {"SLABS": True, "KERNEL.TARGET_PROGRAMS": 1056},
+           "fp8kv_oldgrid": {"RPA.PREFILL_PROGRAMS_CAPPED": False}}
+# ("RPA." names: the paged attention kernels' module; `fp8kv_oldgrid`: the Triton prefill kernel's
+# grid of one program a tile, as before it was capped, on the fp8 cache that runs it for every prefill)
 # engine part -> environment of its process: XLA's command buffers updated only where buffers moved
 # (docs/design.md, "The launch of a step")
 _VMM = {"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm", "XLA_FLAGS": STABLE_TEMP_FLAG}
@@ -66,7 +69,7 @@ TIME_LIMIT_S = {"micro": 170, "micro_fp8": 150, "bf16": 150, "fp8": 200, "w4a16"
                 "gguf": 110, "w4a16_slabs": 110,
                 "w4a16_slabs_vmm": 110, "gguf_slabs": 110, "gguf_slabs_vmm": 110, "bf16_vmm": 110,
                 "w4a16_splits2x": 110, "w4a16_splits4x": 110, "bf16_pdl": 150, "fp8_pdl": 200, "bf16_nopdl": 150, "fp8_jaxalloc": 200,
-                "w4a16_swapped": 110}
+                "w4a16_swapped": 110, "fp8kv_oldgrid": 130}
 PARTS = ("micro", "micro_fp8", *ENGINES)
 # fp8-weight kernel configurations (block_n, num_stages, num_warps, splits or None)
 FP8_CONFIGS = [(64, 3, 4, None), (128, 3, 4, None), (128, 4, 4, None), (256, 3, 4, None), (128, 3, 8, None),
@@ -249,9 +252,13 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
 
     from jaxengine.pallas_kernels import weight_only_matmul_gpu
 
+    from jaxengine.pallas_kernels import ragged_paged_attention_gpu
+
     for name, value in PATCHES.get(kind, {}).items():  # "KERNEL." names: the weight-only kernel's module
         if name.startswith("KERNEL."):
             setattr(weight_only_matmul_gpu, name[len("KERNEL."):], value)
+        elif name.startswith("RPA."):
+            setattr(ragged_paged_attention_gpu, name[len("RPA."):], value)
         else:
             setattr(quantization, name, value)
     t0 = time.perf_counter()
@@ -286,15 +293,15 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
     print(f"decode done after {time.perf_counter() - t0:.1f} s: {ms:.2f} ms/token", file=sys.stderr, flush=True)
     if decode_only:
         return res
-    if throughput or kind in ("bf16", "fp8kv"):
+    if throughput or kind in ("bf16", "fp8kv", "fp8kv_oldgrid"):
         warm = [SampleRequest(q.prompt_token_ids, 16) for q in random_requests(64, 256, 256, 0.0, vocab, seed=20_000)]
         run_throughput(llm, warm)
-    if throughput and kind != "fp8kv":
+    if throughput and kind not in ("fp8kv", "fp8kv_oldgrid"):
         tr = run_throughput(llm, random_requests(num_prompts, 256, 256, 0.0, vocab, seed=100))
         res["throughput_256x256"] = {k: tr[k] for k in ("output_tokens_per_s", "elapsed_s") if k in tr}
         res["throughput_256x256"]["num_prompts"] = num_prompts
         print(f"256/256 done after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    if kind in ("bf16", "fp8kv"):  # the KV cache's dtype against the bf16 cache: 1024 in / 128 out
+    if kind in ("bf16", "fp8kv", "fp8kv_oldgrid"):  # the KV cache's dtype against the bf16 cache: 1024 in / 128 out
         tr = run_throughput(llm, random_requests(KV_PROMPTS, 1024, 128, 0.0, vocab, seed=200))
         res["throughput_1024x128"] = {k: tr[k] for k in ("output_tokens_per_s", "elapsed_s") if k in tr}
         res["throughput_1024x128"]["num_prompts"] = KV_PROMPTS

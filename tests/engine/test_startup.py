@@ -118,17 +118,24 @@ def test_changed_config_and_corrupt_bundle_are_rebuilt(tiny_model_factory, tmp_p
 
 def test_bundle_key_holds_the_code_path_constants(monkeypatch):
     """A code-path constant changed at run time (which kernel fp8 decode rows run, the Triton GEMM
-    threshold) changes the bundle key's fields, so no program built under the other value is reused."""
+    threshold, a kernel's grid or tiling) changes the bundle key's fields, so no program built under
+    the other value is reused."""
     from jaxengine import program_bundle, xla_options
     from jaxengine.models import quantization
+    from jaxengine.pallas_kernels import ragged_paged_attention_gpu, weight_only_matmul_gpu
 
     before = program_bundle.switch_values()
     assert before["jaxengine.models.quantization.FP8_DECODE"] == repr(quantization.FP8_DECODE)
     monkeypatch.setattr(quantization, "FP8_DECODE", "kernel" if quantization.FP8_DECODE == "xla" else "xla")
     monkeypatch.setattr(xla_options, "TRITON_GEMM_MAX_ROWS", xla_options.TRITON_GEMM_MAX_ROWS * 2)
+    monkeypatch.setattr(ragged_paged_attention_gpu, "PREFILL_PROGRAMS_CAPPED",
+                        not ragged_paged_attention_gpu.PREFILL_PROGRAMS_CAPPED)
+    monkeypatch.setattr(weight_only_matmul_gpu, "TARGET_PROGRAMS", weight_only_matmul_gpu.TARGET_PROGRAMS * 2)
     after = program_bundle.switch_values()
-    assert {k for k in before if before[k] != after[k]} == {"jaxengine.models.quantization.FP8_DECODE",
-                                                           "jaxengine.xla_options.TRITON_GEMM_MAX_ROWS"}
+    assert {k for k in before if before[k] != after[k]} == {
+        "jaxengine.models.quantization.FP8_DECODE", "jaxengine.xla_options.TRITON_GEMM_MAX_ROWS",
+        "jaxengine.pallas_kernels.ragged_paged_attention_gpu.PREFILL_PROGRAMS_CAPPED",
+        "jaxengine.pallas_kernels.weight_only_matmul_gpu.TARGET_PROGRAMS"}
 
 
 def test_device_pool_is_sized_to_gpu_memory_utilization(monkeypatch):
