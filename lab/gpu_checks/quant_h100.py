@@ -44,7 +44,8 @@ ENGINES = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "w4a16": ("gptq", "au
            "w4a16_splits2x": ("gptq", "auto"),
            "w4a16_splits4x": ("gptq", "auto"),
            "bf16_pdl": (None, "auto"), "fp8_pdl": ("fp8", "auto"), "bf16_nopdl": (None, "auto"),
-           "fp8_jaxalloc": ("fp8", "auto"), "w4a16_swapped": ("gptq", "auto"), "fp8kv_oldgrid": (None, "fp8")}
+           "fp8_jaxalloc": ("fp8", "auto"), "w4a16_swapped": ("gptq", "auto"), "fp8kv_oldgrid": (None, "fp8"),
+           "w4a16_splitshalf": ("gptq", "auto")}
 # engine part -> module constants of models/quantization set in its process (kernel variants)
 # (the parts without `_slabs` run the one-dot-per-block form, as the engine did before slabs)
 # (`_swapped`: the kernel's swapped form at up to 16 rows, models/quantization.SWAPPED, the default
@@ -54,7 +55,8 @@ PATCHES = {"w4a16": {"SLABS": False, "SWAPPED": False}, "gguf": {"SLABS": False}
            "w4a16_slabs_vmm": {"SLABS": True}, "gguf_slabs": {"SLABS": True}, "gguf_slabs_vmm": {"SLABS": True},
            "w4a16_splits2x": {"SLABS": True, "KERNEL.TARGET_PROGRAMS": 528},
            "w4a16_splits4x": {"SLABS": True, "KERNEL.TARGET_PROGRAMS": 1056},
-           "fp8kv_oldgrid": {"RPA.PREFILL_PROGRAMS_CAPPED": False}}
+           "fp8kv_oldgrid": {"RPA.PREFILL_PROGRAMS_CAPPED": False},
+           "w4a16_splitshalf": {"SLABS": True, "KERNEL.TARGET_PROGRAMS": 132}}
 # ("RPA." names: the paged attention kernels' module; `fp8kv_oldgrid`: the Triton prefill kernel's
 # grid of one program a tile, as before it was capped, on the fp8 cache that runs it for every prefill)
 # engine part -> environment of its process: XLA's command buffers updated only where buffers moved
@@ -69,7 +71,8 @@ TIME_LIMIT_S = {"micro": 170, "micro_fp8": 150, "bf16": 150, "fp8": 200, "w4a16"
                 "gguf": 110, "w4a16_slabs": 110,
                 "w4a16_slabs_vmm": 110, "gguf_slabs": 110, "gguf_slabs_vmm": 110, "bf16_vmm": 110,
                 "w4a16_splits2x": 110, "w4a16_splits4x": 110, "bf16_pdl": 150, "fp8_pdl": 200, "bf16_nopdl": 150, "fp8_jaxalloc": 200,
-                "w4a16_swapped": 110, "fp8kv_oldgrid": 130}
+                "w4a16_swapped": 110, "fp8kv_oldgrid": 130,
+                "w4a16_splitshalf": 110}
 PARTS = ("micro", "micro_fp8", *ENGINES)
 # fp8-weight kernel configurations (block_n, num_stages, num_warps, splits or None)
 FP8_CONFIGS = [(64, 3, 4, None), (128, 3, 4, None), (128, 4, 4, None), (256, 3, 4, None), (128, 3, 8, None),
