@@ -425,7 +425,7 @@ def run(args) -> dict:
                 else value.lower() in ("1", "true"))
     kwargs = dict(spec.engine_kwargs())
     if args.patch:  # programs built under patched constants: a cache of their own (the bundle's key
-        kwargs["compilation_cache_dir"] = tempfile.mkdtemp()  # holds only program_bundle.SWITCH_MODULES)
+        kwargs["compilation_cache_dir"] = tempfile.mkdtemp()  # holds module constants, not a =@ swap)
     if args.quantization:
         kwargs["quantization"] = args.quantization
     if args.batch1:  # one request, 128 in / 256 out; the small engine quant_h100's decode parts use
