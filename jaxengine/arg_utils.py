@@ -54,8 +54,8 @@ _ENGINE_HELP = {
     "quantization": "quantization method (vLLM's names): fp8 quantizes a float checkpoint's linear weights at load "
                     "time; compressed-tensors, gptq, awq (and the *_marlin aliases) name a quantized checkpoint's "
                     "method (default: the checkpoint's quantization_config, if any)",
-    "kv_cache_dtype": "KV cache element type: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, scale 1.0; "
-                      "on a GPU the Triton attention kernels, sm_89+)",
+    "kv_cache_dtype": "KV cache element type: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3 with the "
+                      "checkpoint's per-layer k/v scales, else 1.0; on a GPU the Triton attention kernels, sm_89+)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}, or a '
                           'draft model: {"model": PATH, "num_speculative_tokens": 3}',

@@ -80,7 +80,7 @@ class AttentionBackend:
     # power of two, its q/k/v zero-padded on the way in and the output cut back: zero columns add
     # nothing to q.k and their output columns are dropped. None: the model's own head size.
     cache_head_dim: int | None = None
-    # Element type of the KV cache (kv_cache_dtype="fp8": float8_e4m3fn, scale 1.0, written
+    # Element type of the KV cache (kv_cache_dtype="fp8": float8_e4m3fn, scaled by kv_scales, written
     # saturated by write_kv and read upcast by every attention path: the jnp ones and the Triton
     # GPU kernels); None: the model's dtype.
     cache_dtype: jnp.dtype | None = None
@@ -91,6 +91,14 @@ class AttentionBackend:
     decode_only_path: bool = False
     # This backend traces the programs of decode-only steps (`for_decode_only_steps`).
     decode_only: bool = False
+    # An fp8 cache's per-layer (k_scale, v_scale) from the checkpoint (models/kv_scales.py); None:
+    # 1.0 everywhere. The model hands each layer `for_layer(i)`, whose k_scale / v_scale apply.
+    kv_scales: tuple[tuple[float, float], ...] | None = None
+    # This layer's scales: the cache holds k / k_scale and v / v_scale. k_scale is folded into the
+    # logits' scale and v_scale multiplies the output, so every attention path (kernels and jnp
+    # references) reads a scaled cache unchanged.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def for_decode_only_steps(self) -> AttentionBackend | None:
         """This backend for the programs of decode-only steps (every live row one token: the
@@ -99,6 +107,13 @@ class AttentionBackend:
         if not self.decode_only_path:
             return None
         return dataclasses.replace(self, decode_only=True, description=f"{self.description}, decode-only steps")
+
+    def for_layer(self, index: int) -> AttentionBackend:
+        """This backend for the model's layer `index`: with that layer's KV scales, if any."""
+        if self.kv_scales is None:
+            return self
+        k_scale, v_scale = self.kv_scales[index]
+        return dataclasses.replace(self, k_scale=k_scale, v_scale=v_scale)
 
     def kv_head_dim(self, head_dim: int) -> int:
         """Head size of the KV cache for a model of head size `head_dim`."""
@@ -134,31 +149,42 @@ class AttentionBackend:
         h, pad = q.shape[-1], k_cache.shape[-1] - q.shape[-1]
         if pad:  # cache head size above the model's (cache_head_dim): zero columns
             q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (q, k, v))
+        if self.k_scale != 1.0:
+            k = k.astype(jnp.float32) / self.k_scale
+        if self.v_scale != 1.0:
+            v = v.astype(jnp.float32) / self.v_scale
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         step_kind = {"decode_only": True} if self.decode_only else {}
         o = self.fn(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **step_kind)
+                    sm_scale=sm_scale * self.k_scale, soft_cap=soft_cap, sliding_window=sliding_window, **step_kind)
+        if self.v_scale != 1.0:
+            o = (o.astype(jnp.float32) * self.v_scale).astype(o.dtype)
         return o[..., :h], k_cache, v_cache
 
 
 def select_attention_backend(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: int,
-                             mesh: Mesh | None = None, kv_cache_dtype: str = "auto") -> AttentionBackend:
+                             mesh: Mesh | None = None, kv_cache_dtype: str = "auto",
+                             kv_scales: tuple[tuple[float, float], ...] | None = None) -> AttentionBackend:
     """The backend `name` (config.ATTENTION_BACKENDS) runs on this machine for this model.
 
     `model_config`, `dtype` and `block_size` decide whether the Mosaic prefill kernel applies to
     the model at all (its head size, group size, any layer's window or soft cap): where it does
     not, the Triton kernels run every call. `mesh`: the tensor-parallel mesh, or None on one device.
-    `kv_cache_dtype` (config.KV_CACHE_DTYPES): "fp8" keeps the cache in float8_e4m3fn (scale 1.0),
+    `kv_cache_dtype` (config.KV_CACHE_DTYPES): "fp8" keeps the cache in float8_e4m3fn (scaled by `kv_scales`),
     which every path reads: on a GPU the Triton kernels for every call (the Mosaic prefill kernel
     takes bf16 K/V only), or the jnp reference where no Pallas kernel converts e4m3 (below sm_89).
+    `kv_scales`: the fp8 cache's per-layer (k_scale, v_scale) (models/kv_scales.py); None: 1.0.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if kv_cache_dtype == "auto":
         return _select(name, model_config, dtype, block_size, mesh)
+    if kv_scales is not None and len(kv_scales) != model_config.num_layers:
+        raise ValueError(f"kv_scales: {len(kv_scales)} layers' scales for a model of {model_config.num_layers} layers")
     backend = _select(name, model_config, dtype, block_size, mesh, kv_fp8=True)
-    return dataclasses.replace(backend, description=f"{backend.description}, fp8 KV cache",
-                               cache_dtype=jnp.dtype(jnp.float8_e4m3fn))
+    scaled = ", the checkpoint's per-layer KV scales" if kv_scales is not None else ""
+    return dataclasses.replace(backend, description=f"{backend.description}, fp8 KV cache{scaled}",
+                               cache_dtype=jnp.dtype(jnp.float8_e4m3fn), kv_scales=kv_scales)
 
 
 def _select(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: int,

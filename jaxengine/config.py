@@ -17,7 +17,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 RUNNERS = ("auto", "generate", "pooling")
 TASKS = ("auto", "generate", "embed", "classify", "score", "encode", "reward")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas-mosaic", "reference")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8: e4m3 with scale 1.0
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8: e4m3, the checkpoint's KV scales or 1.0
 # vLLM's method names (the *_marlin ones are aliases here): models/quant_formats.py
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "gguf")
 

@@ -26,6 +26,7 @@ from jaxengine.device_memory import choose_launch_allocator, free_for_kv_and_ste
 from jaxengine.distributed import agree_min
 from jaxengine.draft_model import LoadedDraft
 from jaxengine.model_runner import kv_bytes_per_block, profile_step_bytes
+from jaxengine.models import kv_scales
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import dummy_params, load_params, resolve_dtype
 from jaxengine.models.presets import PRESETS
@@ -122,8 +123,9 @@ def load_model(config: EngineConfig, timings: StartupTimings | None = None) -> L
         spec = config.speculative_config
         draft = load_draft(config, model_config, dtype) if spec is not None and spec.method == "draft_model" else None
     timings.weights_loaded()
+    kv_scales = _kv_scales(config, model_config, ckpt)
     attention = select_attention_backend(config.attention_backend, model_config, dtype, config.block_size,
-                                         plan.mesh if plan is not None else None, config.kv_cache_dtype)
+                                         plan.mesh if plan is not None else None, config.kv_cache_dtype, kv_scales)
     draft_bytes = 0 if draft is None else kv_bytes_per_block(
         draft.model_config, config.block_size, dtype, draft.attention.kv_head_dim(draft.model_config.head_dim))
     with timings.phase("kv_sizing"):
@@ -141,6 +143,28 @@ def load_model(config: EngineConfig, timings: StartupTimings | None = None) -> L
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
     return LoadedModel(config, model_config, dtype, graphdef, state, attention, plan, tokenizer, eos, draft, bundle)
+
+
+def _kv_scales(config: EngineConfig, model_config: ModelConfig, ckpt) -> kv_scales.KVScales | None:
+    """An fp8 cache's per-layer scales from the checkpoint (models/kv_scales.py), or None: 1.0.
+    As vLLM: the checkpoint's scales apply only to an fp8 cache, and an fp8 cache without them
+    runs at 1.0 with a warning."""
+    from jaxengine.models.gguf_reader import GGUFCheckpoint
+
+    found = None if ckpt is None or config.load_format == "dummy" or isinstance(ckpt, GGUFCheckpoint) \
+        else kv_scales.read_kv_scales(ckpt, model_config.num_layers)
+    if config.kv_cache_dtype == "auto":
+        if found is not None:
+            logger.info("the checkpoint's KV-cache scales are not used: kv_cache_dtype='auto' keeps the cache in "
+                        "the model's dtype (kv_cache_dtype='fp8' applies them)")
+        return None
+    if found is None:
+        if ckpt is not None and config.load_format != "dummy":
+            logger.warning("fp8 KV cache with scale 1.0: the checkpoint stores no k_scale / v_scale; keys or values "
+                           "beyond +-448 are clipped")
+        return None
+    logger.info("fp8 KV cache: the checkpoint's scales, %s", kv_scales.describe(found))
+    return found
 
 
 def load_draft(config: EngineConfig, target: ModelConfig, dtype: jnp.dtype) -> LoadedDraft:

@@ -116,6 +116,7 @@ def bundle_key_fields(config, model_config, dtype, attention, plan, state) -> di
         "x64": bool(jax.config.jax_enable_x64), "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "engine": {k: repr(v) for k, v in sorted(engine.items())}, "model": repr(model_config),
         "dtype": jnp.dtype(dtype).name, "attention": f"{attention.name}: {attention.description}",
+        "kv_scales": repr(attention.kv_scales),  # constants of the programs (an fp8 cache's scales)
         "mesh": None if plan is None else repr(dict(plan.mesh.shape)), "params": str(treedef),
         "param_shapes": hashlib.sha256(repr(params).encode()).hexdigest(),
     }

@@ -157,8 +157,8 @@ class Model(nnx.Module):
         embed = self.embed_tokens[...]
         x = embed[input_ids] * jnp.asarray(self.normalizer, embed.dtype)  # [T, D]
         new_caches = []
-        for layer, kv in zip(self.layers, kv_caches):
-            x, kv = call_layer(layer, x, positions, kv, md, attention, static=(4,))
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            x, kv = call_layer(layer, x, positions, kv, md, attention.for_layer(i), static=(4,))
             new_caches.append(kv)
         return self.norm(x), new_caches
 

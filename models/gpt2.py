@@ -65,8 +65,8 @@ class Model(nnx.Module):
                  md: AttentionMetadata, attention: AttentionBackend) -> tuple[jax.Array, list[KVCache]]:
         x = self.embed_tokens[...][input_ids] + self.embed_positions[...][positions]  # [T, D]
         new_caches = []
-        for layer, kv in zip(self.layers, kv_caches):
-            x, kv = call_layer(layer, x, kv, md, attention, static=(3,))
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            x, kv = call_layer(layer, x, kv, md, attention.for_layer(i), static=(3,))
             new_caches.append(kv)
         return self.norm(x), new_caches
 

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.kv_scales import ATTENTION_SCALE
 from jaxengine.models.quant_formats import QuantizedCheckpoint, QuantScheme, dummy_quantized, quantize_on_device
 from jaxengine.models.quantization import concat_outputs, is_quantized, with_model_shape
 from jaxengine.models.registry import Family, get_family, get_model_class
@@ -176,7 +177,7 @@ def load_params(checkpoint, cfg: ModelConfig, dtype: jnp.dtype, *,
     stacks = _ExpertStacks(expected, dtype, put)
     to_read = []  # (name, hits, experts) of every tensor the model takes
     for name in checkpoint.tensor_names():
-        if ignored.match(name):
+        if ignored.match(name) or ATTENTION_SCALE.search(name):  # KV scales: read by models/kv_scales.py
             continue
         hits = param_paths(name, family)
         experts = {path: expert for path, _, expert in hits}

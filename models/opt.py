@@ -79,8 +79,8 @@ class Model(nnx.Module):
             x = jnp.einsum("TE,ED->TD", x, self.project_in[...])
         x = x + self.embed_positions[...][positions + POSITION_OFFSET]
         new_caches = []
-        for layer, kv in zip(self.layers, kv_caches):
-            x, kv = call_layer(layer, x, kv, md, attention, static=(3,))
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            x, kv = call_layer(layer, x, kv, md, attention.for_layer(i), static=(3,))
             new_caches.append(kv)
         if self.final_norm:
             x = self.norm(x)

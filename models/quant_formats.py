@@ -38,6 +38,7 @@ import numpy as np
 from jaxengine.config import QUANTIZATION_METHODS
 from jaxengine.models import gguf_blocks
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.kv_scales import ATTENTION_SCALE
 from jaxengine.models.quantization import (LINEAR_IN_NDIM, Fp8Weight, PackedWeight, packed_from_groups,
                                            quantize_fp8, unpack_cols, unpack_rows_np)
 
@@ -205,9 +206,6 @@ def gguf_kept_linears(ckpt) -> tuple[set[str], bool]:
     return {n for n, f in forms.items() if f is not None}, split
 
 
-_KV_SCALES = re.compile(r"\.(k_scale|v_scale|q_scale|prob_scale|kv_scale)$|_proj\.output_scale$")
-
-
 # Each format's tensors of one linear layer (the first marks a quantized layer), by "fp8" or method.
 _FIELDS = {
     "fp8": ("weight_scale", "weight", "input_scale"),
@@ -251,10 +249,8 @@ class QuantizedCheckpoint:
                 bias = m.group(1) + ".bias"
                 if bias in present and not np.any(np.asarray(ckpt.get_tensor(bias))):
                     hidden.add(bias)  # GPTQ exporters store zero biases for layers that have none
-        scales = sorted(n for n in present - hidden if _KV_SCALES.search(n))
-        if scales:  # the KV cache runs at scale 1.0 (kv_cache_dtype); these are not read
-            logger.warning("%s: ignoring %d KV-cache / output scale tensors (e.g. %s)", self.path, len(scales), scales[0])
-        hidden |= set(scales)
+        # attention scales are not linear weights: an fp8 KV cache reads its own (models/kv_scales.py)
+        hidden |= {n for n in present - hidden if ATTENTION_SCALE.search(n)}
         self._names = [n for n in names if n not in hidden] + list(self._quantized)
         if not self._quantized:
             raise ValueError(f"checkpoint {self.path} says {scheme.label} but holds no quantized linear layers "

@@ -63,7 +63,7 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def _to_cache(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """x in the cache's dtype; an fp8 cache (scale 1.0) saturates at its largest finite value
+    """x in the cache's dtype; an fp8 cache (the values already divided by its scale) saturates at its largest finite value
     instead of overflowing to NaN."""
     if jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
         top = float(jnp.finfo(dtype).max)
