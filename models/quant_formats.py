@@ -118,6 +118,14 @@ def resolve_quantization(requested: str | None, hf_config: Mapping | None, *, du
     return _compressed_tensors_scheme(qc)
 
 
+def _compressed_tensors_scheme(qc: Mapping) -> QuantScheme | None:
+    """None for a checkpoint that quantizes its KV cache only (a `kv_cache_scheme`, no weight
+    group): its linears are plain, its KV scales read by models/kv_scales.py."""
+    if not any(g.get("weights") for g in (qc.get("config_groups") or {}).values()) and qc.get("kv_cache_scheme"):
+        return None
+    return _compressed_tensors_weight_scheme(qc)
+
+
 def _group(value, what: str) -> int:
     g = int(value if value is not None else -1)
     if g != -1 and g <= 0:
@@ -145,7 +153,7 @@ def _awq_scheme(qc: Mapping) -> QuantScheme:
                        not bool(qc.get("zero_point", True)))
 
 
-def _compressed_tensors_scheme(qc: Mapping) -> QuantScheme:
+def _compressed_tensors_weight_scheme(qc: Mapping) -> QuantScheme:
     groups = [g for g in (qc.get("config_groups") or {}).values() if g.get("weights")]
     if len(groups) != 1:
         raise ValueError(f"compressed-tensors: exactly one config group with weights is supported, found {len(groups)}")

@@ -74,7 +74,8 @@ BIG = 400.0
 def big_kv_checkpoint(tmp_path_factory):
     """A tiny Llama whose keys and values are BIG times larger (k_proj / v_proj weights times BIG,
     q_proj / o_proj divided by it: the same function, with keys and values in the thousands),
-    written once without and once with per-layer scales that bring them under 448."""
+    written once without and once with per-layer scales that bring them under 448 (a
+    compressed-tensors checkpoint that quantizes its KV cache only)."""
     root = tmp_path_factory.mktemp("kvscales")
     plain = make_checkpoint("llama", str(root / "plain"), vocab_size=512, num_layers=2)
     file = os.path.join(plain, "model.safetensors")
@@ -96,7 +97,26 @@ def big_kv_checkpoint(tmp_path_factory):
         with_scales[f"model.layers.{i}.self_attn.k_scale"] = np.asarray(BIG / 8 * (i + 1), np.float32)
         with_scales[f"model.layers.{i}.self_attn.v_scale"] = np.asarray(BIG / 4 * (i + 1), np.float32)
     save_file(with_scales, str(scaled / "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(scaled / "config.json"))  # as llm-compressor writes a KV-cache-only recipe
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {},
+                                     "kv_cache_scheme": KV_CACHE_SCHEME, "format": "float-quantized"}
+    json.dump(config, open(scaled / "config.json", "w"))
     return plain, str(scaled)
+
+
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def test_a_kv_cache_only_checkpoint_has_plain_linears():
+    """compressed-tensors with a kv_cache_scheme and no weight group: no weight quantization (its
+    KV scales are read apart); no weight group and no KV scheme is still refused."""
+    from jaxengine.models.quant_formats import resolve_quantization
+
+    qc = {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": KV_CACHE_SCHEME}
+    assert resolve_quantization(None, {"quantization_config": qc}) is None
+    assert resolve_quantization("compressed-tensors", {"quantization_config": qc}) is None
+    with pytest.raises(ValueError, match="exactly one config group with weights"):
+        resolve_quantization(None, {"quantization_config": {**qc, "kv_cache_scheme": None}})
 
 
 def _logits(graphdef, state, cfg, toks, attention=None) -> np.ndarray:
