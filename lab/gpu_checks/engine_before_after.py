@@ -14,6 +14,8 @@ interpreter imports: put an older tree first on PYTHONPATH to measure it):
     python lab/gpu_checks/engine_before_after.py --label after --out $OUT [--smollm2 FILE.gguf]
     python lab/gpu_checks/engine_before_after.py --compare before.json after.json --md out.md
 
+`--engine-arg KEY=JSON` adds an `LLM(...)` argument (e.g. kv_cache_dtype="fp8"), `--kv-scales K,V`
+gives every layer those fp8 KV-cache scales as if a checkpoint held them.
 `--patch MODULE.NAME=VALUE` sets a constant of the engine (e.g. model_runner.DECODE_ONLY_PROGRAMS=false)
 before the engine starts, to compare one tree with a code-path switch both ways; `--fresh-cache`
 starts the Llama engine on an empty compilation cache (a cold start each run). Greedy token ids of
@@ -33,6 +35,9 @@ import time
 
 SMOL_PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Paris is the capital of",
                 "Write a haiku about the sea.", "1, 2, 3, 4,", "The quick brown fox"]
+
+
+ENGINE_ARGS: dict = {}  # --engine-arg KEY=JSON: more LLM(...) arguments of the Llama engine
 
 
 def measure(label: str, out_dir: str, smollm2: str | None, llama: bool = True,
@@ -86,7 +91,8 @@ def measure_llama(label: str, res: dict, save, decode_batches: tuple[int, ...] =
     vocab = 128256
     t0 = time.perf_counter()
     cache = {"compilation_cache_dir": tempfile.mkdtemp()} if fresh_cache else {}
-    llm = LLM("llama-3-8b", load_format="dummy", dtype="bfloat16", tokenizer=synthetic_tokenizer(tmp, vocab), **cache)
+    llm = LLM("llama-3-8b", load_format="dummy", dtype="bfloat16", tokenizer=synthetic_tokenizer(tmp, vocab), **cache,
+              **ENGINE_ARGS)
     eng = llm.llm_engine
     res["llama"] = r = {"startup_s": time.perf_counter() - t0, "attention": eng.runner.attention_impl,
                         "max_model_len": eng.config.max_model_len, "max_num_seqs": eng.config.max_num_seqs,
@@ -172,7 +178,18 @@ def main() -> int:
     ap.add_argument("--decode-batches", default="1", help="comma-separated batch sizes of the decode figure")
     ap.add_argument("--patch", action="append", default=[], help="MODULE.NAME=VALUE: a jaxengine constant")
     ap.add_argument("--fresh-cache", action="store_true", help="the Llama engine on an empty compilation cache")
+    ap.add_argument("--engine-arg", action="append", default=[], help="KEY=JSON: an LLM(...) argument")
+    ap.add_argument("--kv-scales", default=None, help="K,V: every layer's fp8 KV-cache scales, as a checkpoint "
+                    "would give them (the dummy engine has none)")
     args = ap.parse_args()
+    for item in args.engine_arg:
+        key, value = item.split("=", 1)
+        ENGINE_ARGS[key] = json.loads(value)
+    if args.kv_scales:
+        from jaxengine import loading
+
+        k_scale, v_scale = (float(x) for x in args.kv_scales.split(","))
+        loading._kv_scales = lambda config, mc, ckpt: ((k_scale, v_scale),) * mc.num_layers
     for patch in args.patch:  # e.g. model_runner.DECODE_ONLY_PROGRAMS=false
         import importlib
 
