@@ -94,11 +94,13 @@ class AttentionBackend:
     # An fp8 cache's per-layer (k_scale, v_scale) from the checkpoint (models/kv_scales.py); None:
     # 1.0 everywhere. The model hands each layer `for_layer(i)`, whose k_scale / v_scale apply.
     kv_scales: tuple[tuple[float, float], ...] | None = None
-    # This layer's scales: the cache holds k / k_scale and v / v_scale. k_scale is folded into the
-    # logits' scale and v_scale multiplies the output, so every attention path (kernels and jnp
-    # references) reads a scaled cache unchanged.
+    # This layer's scales: the cache holds k / k_scale and v / v_scale. The Pallas GPU kernels take
+    # them (`fn_takes_scales`: k_scale folded into the logits' scale, v_scale into the softmax's
+    # normalisation); for the jnp paths k_scale is folded into sm_scale and v_scale multiplies the
+    # output.
     k_scale: float = 1.0
     v_scale: float = 1.0
+    fn_takes_scales: bool = False
 
     def for_decode_only_steps(self) -> AttentionBackend | None:
         """This backend for the programs of decode-only steps (every live row one token: the
@@ -154,10 +156,15 @@ class AttentionBackend:
         if self.v_scale != 1.0:
             v = v.astype(jnp.float32) / self.v_scale
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
-        step_kind = {"decode_only": True} if self.decode_only else {}
+        kw = {"decode_only": True} if self.decode_only else {}
+        scaled = (self.k_scale, self.v_scale) != (1.0, 1.0)
+        if scaled and self.fn_takes_scales:
+            kw.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        elif scaled:
+            sm_scale = sm_scale * self.k_scale
         o = self.fn(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-                    sm_scale=sm_scale * self.k_scale, soft_cap=soft_cap, sliding_window=sliding_window, **step_kind)
-        if self.v_scale != 1.0:
+                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **kw)
+        if scaled and not self.fn_takes_scales and self.v_scale != 1.0:
             o = (o.astype(jnp.float32) * self.v_scale).astype(o.dtype)
         return o[..., :h], k_cache, v_cache
 
@@ -204,9 +211,10 @@ def _select(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: 
             # a model whose windows or soft cap are on some layers only (Gemma 3's 1 in 6).
             kernel = gpu_backend.get_kernel(mosaic_prefill=False, kv_fp8=kv_fp8)
             return AttentionBackend(name, f"{_name(kernel)} (the Mosaic prefill kernel does not apply){note}",
-                                    kernel, mesh, padded, decode_only_path=True)
+                                    kernel, mesh, padded, decode_only_path=True, fn_takes_scales=True)
         if kernel is not None:
-            return AttentionBackend(name, _name(kernel) + note, kernel, mesh, padded, decode_only_path=True)
+            return AttentionBackend(name, _name(kernel) + note, kernel, mesh, padded, decode_only_path=True,
+                                    fn_takes_scales=True)
     if name == "auto" and platform == "cpu":
         return AttentionBackend(name, "ragged_paged_attention_cpu", ragged_paged_attention_cpu, mesh)
     return AttentionBackend(name, "jnp reference", ragged_paged_attention_reference, mesh)

@@ -202,8 +202,9 @@ def test_scales_join_the_program_bundle_key(big_kv_checkpoint):
 
 
 def test_triton_kernels_read_a_scaled_cache_as_the_reference_does():
-    """The GPU backend (Triton kernels, interpreted) with a layer's scales: the same e4m3 cache
-    and the same output as the jnp reference backend with those scales."""
+    """The GPU backend (Triton kernels, interpreted, taking the scales themselves) with a layer's
+    scales: the same e4m3 cache and the same output as the jnp reference backend with those scales
+    (folded into sm_scale and the output)."""
     import dataclasses
     import functools
 
@@ -219,8 +220,8 @@ def test_triton_kernels_read_a_scaled_cache_as_the_reference_does():
     caches = (b.k_cache.astype(jnp.float8_e4m3fn), b.v_cache.astype(jnp.float8_e4m3fn))
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     gpu = AttentionBackend("pallas", "gpu", functools.partial(rpa_gpu.ragged_paged_attention_gpu, interpret=True),
-                           cache_dtype=fp8, k_scale=40.0, v_scale=120.0)
-    ref = dataclasses.replace(gpu, fn=ragged_paged_attention_reference)
+                           cache_dtype=fp8, k_scale=40.0, v_scale=120.0, fn_takes_scales=True)
+    ref = dataclasses.replace(gpu, fn=ragged_paged_attention_reference, fn_takes_scales=False)
     o, (kc, vc) = jax.jit(lambda *a: gpu.attend(*a, sm_scale=0.25 / 300.0))(b.q, k, v, caches, md)
     o_ref, (kc_ref, vc_ref) = jax.jit(lambda *a: ref.attend(*a, sm_scale=0.25 / 300.0))(b.q, k, v, caches, md)
     np.testing.assert_array_equal(np.asarray(kc.astype(jnp.float32)), np.asarray(kc_ref.astype(jnp.float32)))
