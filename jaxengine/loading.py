@@ -151,15 +151,16 @@ def _kv_scales(config: EngineConfig, model_config: ModelConfig, ckpt) -> kv_scal
     runs at 1.0 with a warning."""
     from jaxengine.models.gguf_reader import GGUFCheckpoint
 
-    found = None if ckpt is None or config.load_format == "dummy" or isinstance(ckpt, GGUFCheckpoint) \
-        else kv_scales.read_kv_scales(ckpt, model_config.num_layers)
+    real = ckpt is not None and config.load_format != "dummy"  # weights read from a checkpoint
+    named = real and not isinstance(ckpt, GGUFCheckpoint)  # with Hugging Face tensor names
     if config.kv_cache_dtype == "auto":
-        if found is not None:
+        if named and kv_scales.has_kv_scales(ckpt):
             logger.info("the checkpoint's KV-cache scales are not used: kv_cache_dtype='auto' keeps the cache in "
                         "the model's dtype (kv_cache_dtype='fp8' applies them)")
         return None
+    found = kv_scales.read_kv_scales(ckpt, model_config.num_layers) if named else None
     if found is None:
-        if ckpt is not None and config.load_format != "dummy":
+        if real:
             logger.warning("fp8 KV cache with scale 1.0: the checkpoint stores no k_scale / v_scale; keys or values "
                            "beyond +-448 are clipped")
         return None

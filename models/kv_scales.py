@@ -34,6 +34,11 @@ ATTENTION_SCALE = re.compile(r"\.(k_scale|v_scale|q_scale|prob_scale|kv_scale)$|
 KVScales = tuple[tuple[float, float], ...]  # (k_scale, v_scale) of each layer
 
 
+def has_kv_scales(ckpt) -> bool:
+    """Whether the checkpoint stores any per-layer KV scale (names only; nothing is read)."""
+    return any(_SCALE.search(name) for name in ckpt.tensor_names())
+
+
 def read_kv_scales(ckpt, num_layers: int) -> KVScales | None:
     """The checkpoint's (k_scale, v_scale) per layer, or None when it stores none. ValueError
     for a scale that is not one positive finite number, a layer index past the model's, or

@@ -196,7 +196,7 @@ def _make(fmt: str, base, tmp_path, **kw) -> tuple[str, str]:
             scale = np.abs(w).max(1, keepdims=True) / 448.0
             q = (w / scale).astype(ml_dtypes.float8_e4m3fn)
             quant[prefix + ".weight"], quant[prefix + ".weight_scale"] = q, scale.astype(np.float32)
-            if name.endswith("k_proj.weight"):  # a KV-cache scale, not read (the cache runs at scale 1.0)
+            if name.endswith("k_proj.weight"):  # a KV-cache scale: not a weight (models/kv_scales.py)
                 quant[prefix.replace("k_proj", "k_scale")] = np.ones((), np.float32)
             deq[name] = q.astype(np.float32) * scale
             continue
