@@ -63,10 +63,15 @@ class QuantScheme:
     act_order: bool = False  # input rows permuted by g_idx (the model is built with split projections)
     zero_plus_one: bool = False  # GPTQ v1: stored zero points are one less than the true ones
     static_input: bool = False  # fp8: activations use the checkpoint's input_scale
+    # fp8: the checkpoint's weight scales are per block of (outputs, inputs) (`weight_block_size`,
+    # `weight_scale_inv`); they are converted to one scale per output channel at load time
+    block: tuple[int, int] | None = None
 
     @property
     def label(self) -> str:
         if self.kind == "fp8":
+            if self.block is not None:
+                return f"{self.method} fp8, {self.block[0]}x{self.block[1]} blocks (requantized per channel)"
             return f"{self.method} fp8" + ("" if self.from_checkpoint else " (quantized at load time)")
         if self.method == "gguf":
             return "gguf weight-only, each linear in its file's type" if self.from_checkpoint else \
@@ -112,9 +117,16 @@ def resolve_quantization(requested: str | None, hf_config: Mapping | None, *, du
     if method == "awq":
         return _awq_scheme(qc)
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise ValueError("fp8 checkpoints with block-wise scales (weight_block_size) are not supported")
-        return QuantScheme("fp8", "fp8", True, static_input=qc.get("activation_scheme", "dynamic") == "static")
+        static = qc.get("activation_scheme", "dynamic") == "static"
+        block = qc.get("weight_block_size")
+        if not block:
+            return QuantScheme("fp8", "fp8", True, static_input=static)
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"fp8: weight_block_size must be two positive integers, got {block!r}")
+        if static:
+            raise ValueError("fp8 checkpoints with block-wise weight scales and static activation scales are not "
+                             "supported (activation_scheme must be 'dynamic')")
+        return QuantScheme("fp8", "fp8", True, block=(block[0], block[1]))
     return _compressed_tensors_scheme(qc)
 
 
@@ -217,10 +229,21 @@ def gguf_kept_linears(ckpt) -> tuple[set[str], bool]:
 # Each format's tensors of one linear layer (the first marks a quantized layer), by "fp8" or method.
 _FIELDS = {
     "fp8": ("weight_scale", "weight", "input_scale"),
+    "fp8-block": ("weight_scale_inv", "weight"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
 }
+
+
+def fp8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A float weight [N, K] as e4m3 values [N, K] and one float32 scale per row [N] (the row's
+    largest magnitude maps to e4m3's 448; an all-zero row gets scale 1)."""
+    top = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    amax = np.abs(w).max(axis=1)
+    scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
+    q = np.clip(w / scale[:, None], -top, top).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
 
 
 def linear_out_in(module: str, cfg: ModelConfig) -> tuple[int, int]:
@@ -246,7 +269,7 @@ class QuantizedCheckpoint:
             self._quantized = {n: n[: -len(".weight")] for n in sorted(gguf_kept_linears(ckpt)[0])}
             self._names = names
             return
-        fields = _FIELDS["fp8" if scheme.kind == "fp8" else scheme.method]
+        fields = _FIELDS[("fp8-block" if scheme.block else "fp8") if scheme.kind == "fp8" else scheme.method]
         marker = fields[0]
         hidden: set[str] = set()
         for name in names:
@@ -309,12 +332,26 @@ class QuantizedCheckpoint:
         return n // per
 
     def _fp8(self, prefix: str, out: int, inp: int) -> Fp8Weight:
+        if self.scheme.block is not None:
+            return self._fp8_blocks(prefix, out, inp)
         w = self._read(prefix + ".weight", [(out, inp)], (np.dtype(ml_dtypes.float8_e4m3fn),))
         s = self._read(prefix + ".weight_scale", [(), (1,), (out,), (out, 1)]).astype(np.float32)
         xs = self._read(prefix + ".input_scale", [(), (1,)], optional=not self.scheme.static_input)
         scale = np.broadcast_to(s.reshape(-1), (out,)).copy()
         input_scale = np.float32(1.0) if xs is None or not self.scheme.static_input else xs.astype(np.float32).reshape(())
         return Fp8Weight(w, scale, np.asarray(input_scale, np.float32), (inp, out), 1, self.scheme.static_input)
+
+    def _fp8_blocks(self, prefix: str, out: int, inp: int) -> Fp8Weight:
+        """A block-scaled e4m3 weight (one `weight_scale_inv` a block of bn x bk) as the engine's
+        per-channel form: dequantized exactly in float32, then each output row quantized to e4m3
+        again with its own scale (a second e4m3 rounding; the engine's fp8 GEMMs take one scale a
+        channel)."""
+        bn, bk = self.scheme.block
+        w = self._read(prefix + ".weight", [(out, inp)], (np.dtype(ml_dtypes.float8_e4m3fn),))
+        s = self._read(prefix + ".weight_scale_inv", [(-(-out // bn), -(-inp // bk))]).astype(np.float32)
+        full = np.repeat(np.repeat(s, bn, axis=0), bk, axis=1)[:out, :inp]
+        return Fp8Weight(*fp8_per_channel(w.astype(np.float32) * full), np.asarray(1.0, np.float32), (inp, out), 1,
+                         False)
 
     def _ct_packed(self, prefix: str, out: int, inp: int) -> PackedWeight:
         bits = self.scheme.bits

@@ -200,6 +200,18 @@ def _make(fmt: str, base, tmp_path, **kw) -> tuple[str, str]:
                 quant[prefix.replace("k_proj", "k_scale")] = np.ones((), np.float32)
             deq[name] = q.astype(np.float32) * scale
             continue
+        if fmt == "fp8-block":  # Qwen3 / DeepSeek's form: one weight_scale_inv a block, blocks not dividing
+            bn, bk = FP8_BLOCK
+            nb, kb = -(-out // bn), -(-inp // bk)
+            padded = np.zeros((nb * bn, kb * bk), np.float32)
+            padded[:out, :inp] = w
+            amax = np.abs(padded.reshape(nb, bn, kb, bk)).max(axis=(1, 3))
+            s = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+            full = np.repeat(np.repeat(s, bn, 0), bk, 1)[:out, :inp]
+            q = (w / full).astype(ml_dtypes.float8_e4m3fn)
+            quant[prefix + ".weight"], quant[prefix + ".weight_scale_inv"] = q, s
+            deq[name] = q.astype(np.float32) * full
+            continue
         g_idx = None
         if act_order:
             g_idx = np.empty(inp, np.int64)
@@ -232,6 +244,8 @@ def _make(fmt: str, base, tmp_path, **kw) -> tuple[str, str]:
             "targets": ["Linear"], "weights": {"num_bits": bits, "type": "int", "strategy": "group",
                                                "group_size": GROUP, "symmetric": sym, "actorder": None},
             "input_activations": None}}, "ignore": ["lm_head"]},
+        "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                      "weight_block_size": list(FP8_BLOCK)},
         "gptq": {"quant_method": "gptq", "bits": bits, "group_size": GROUP, "desc_act": act_order, "sym": sym},
         "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": not sym, "version": "gemm"},
     }[fmt]
@@ -284,6 +298,34 @@ def test_fp8_checkpoint_close_to_dequantized(base, tmp_path):
     got, want = _logits(qpath), _logits(refpath)
     assert _fp8_error(got, want) < FP8_RTOL
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.8
+
+
+FP8_BLOCK = (48, 32)  # (outputs, inputs) a scale: the tiny model's 64-wide layers end in partial blocks
+
+
+def test_block_fp8_checkpoint_close_to_dequantized(base, tmp_path):
+    """quant_method "fp8" with weight_block_size (Qwen3's FP8 checkpoints): each block's e4m3
+    values times its weight_scale_inv, requantized to one scale a channel at load time; logits
+    within the fp8 tolerance of the exactly dequantized model."""
+    qpath, refpath = _make("fp8-block", base, tmp_path)
+    assert Fp8Weight in _leaf_types(qpath)
+    scheme = resolve_quantization(None, json.load(open(os.path.join(qpath, "config.json"))))
+    assert (scheme.block, scheme.label) == (FP8_BLOCK, "fp8 fp8, 48x32 blocks (requantized per channel)")
+    got, want = _logits(qpath), _logits(refpath)
+    print(f"block fp8: relative logit error {_fp8_error(got, want):.4f}, "
+          f"top-1 agreement {np.mean(got.argmax(-1) == want.argmax(-1)):.2f}")
+    assert _fp8_error(got, want) < FP8_RTOL
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.8
+
+
+@pytest.mark.parametrize("qc, message", [
+    ({"weight_block_size": [128]}, r"weight_block_size must be two positive integers, got \[128\]"),
+    ({"weight_block_size": [128, 0]}, "must be two positive integers"),
+    ({"weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme must be 'dynamic'"),
+])
+def test_bad_block_fp8_configs_refused(qc, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_quantization(None, {"quantization_config": {"quant_method": "fp8", **qc}})
 
 
 def test_fp8_at_load_time_close_to_float(base):
@@ -362,11 +404,14 @@ def test_fused_norm_quant_model_close_to_unfused(base, monkeypatch):
      r"compressed-tensors 4-bit.*k_proj\.weight_scale has shape \(32, 1\), expected \(32, 2\)"),
     ("awq", "model.layers.0.mlp.up_proj.qzeros", 1,
      r"awq 4-bit.*up_proj\.qzeros has shape \(2, 15\), expected \(2, 16\)"),
+    ("fp8-block", "model.layers.0.self_attn.q_proj.weight_scale_inv", 1,
+     r"fp8 fp8, 48x32 blocks.*q_proj\.weight_scale_inv has shape \(2, 1\), expected \(2, 2\)"),
 ])
 def test_bad_packed_shape_names_scheme_tensor_and_shapes(base, tmp_path, fmt, tensor, cut, message):
     qpath, _ = _make(fmt, base, tmp_path)
     f = os.path.join(qpath, "model.safetensors")
-    t = load_file(f)
+    ckpt = open_checkpoint(qpath)  # safetensors' numpy reader has no e4m3
+    t = {n: np.array(ckpt.get_tensor(n)) for n in ckpt.tensor_names()}  # copies: the file is rewritten
     t[tensor] = np.ascontiguousarray(t[tensor][:-1] if cut == 0 else t[tensor][:, :-1])
     save_file(t, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=message):
