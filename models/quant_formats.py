@@ -236,14 +236,18 @@ _FIELDS = {
 }
 
 
-def fp8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A float weight [N, K] as e4m3 values [N, K] and one float32 scale per row [N] (the row's
-    largest magnitude maps to e4m3's 448; an all-zero row gets scale 1)."""
-    top = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
-    amax = np.abs(w).max(axis=1)
-    scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
-    q = np.clip(w / scale[:, None], -top, top).astype(ml_dtypes.float8_e4m3fn)
-    return q, scale
+@functools.partial(jax.jit, static_argnames=("bn", "bk"))
+def requantize_blocks(w: jax.Array, s: jax.Array, bn: int, bk: int) -> tuple[jax.Array, jax.Array]:
+    """A block-scaled e4m3 weight w [N, K] (s [cdiv(N, bn), cdiv(K, bk)]: the weight is w times its
+    block's s) as e4m3 values [N, K] with one float32 scale per row [N]: dequantized exactly in
+    float32, the row's largest magnitude mapped to e4m3's 448 (an all-zero row gets scale 1)."""
+    top = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    n, k = w.shape
+    full = jnp.repeat(jnp.repeat(s, bn, axis=0), bk, axis=1)[:n, :k]
+    wf = w.astype(jnp.float32) * full
+    amax = jnp.max(jnp.abs(wf), axis=1)
+    scale = jnp.where(amax > 0, amax / top, 1.0).astype(jnp.float32)
+    return jnp.clip(wf / scale[:, None], -top, top).astype(jnp.float8_e4m3fn), scale
 
 
 def linear_out_in(module: str, cfg: ModelConfig) -> tuple[int, int]:
@@ -349,9 +353,8 @@ class QuantizedCheckpoint:
         bn, bk = self.scheme.block
         w = self._read(prefix + ".weight", [(out, inp)], (np.dtype(ml_dtypes.float8_e4m3fn),))
         s = self._read(prefix + ".weight_scale_inv", [(-(-out // bn), -(-inp // bk))]).astype(np.float32)
-        full = np.repeat(np.repeat(s, bn, axis=0), bk, axis=1)[:out, :inp]
-        return Fp8Weight(*fp8_per_channel(w.astype(np.float32) * full), np.asarray(1.0, np.float32), (inp, out), 1,
-                         False)
+        q, scale = requantize_blocks(w, s, bn, bk)  # on the device: numpy would take minutes for 8B weights
+        return Fp8Weight(np.asarray(q), np.asarray(scale), np.asarray(1.0, np.float32), (inp, out), 1, False)
 
     def _ct_packed(self, prefix: str, out: int, inp: int) -> PackedWeight:
         bits = self.scheme.bits
