@@ -68,6 +68,15 @@ class QuantScheme:
     block: tuple[int, int] | None = None
 
     @property
+    def fields_key(self) -> str:
+        """Which of _FIELDS names this scheme's tensors of one linear layer."""
+        if self.kind != "fp8":
+            return self.method
+        if self.block is None:
+            return "fp8"
+        return "fp8-block" if self.method == "fp8" else "compressed-tensors-block"
+
+    @property
     def label(self) -> str:
         if self.kind == "fp8":
             if self.block is not None:
@@ -173,11 +182,19 @@ def _compressed_tensors_weight_scheme(qc: Mapping) -> QuantScheme:
     fmt = qc.get("format", "")
     bits, kind, strategy = int(wq.get("num_bits", 8)), wq.get("type", "int"), wq.get("strategy", "tensor")
     if kind == "float":
-        if bits != 8 or strategy not in ("tensor", "channel"):
+        if bits != 8 or strategy not in ("tensor", "channel", "block"):
             raise ValueError(f"compressed-tensors: float weights of {bits} bits with strategy {strategy!r} are not "
-                             "supported; supported: 8-bit (e4m3) per tensor or per channel")
+                             "supported; supported: 8-bit (e4m3) per tensor, per channel or per block")
         if aq and (aq.get("type", "float") != "float" or int(aq.get("num_bits", 8)) != 8):
             raise ValueError("compressed-tensors fp8: activations must be 8-bit floats")
+        if strategy == "block":  # FP8_BLOCK: dynamic activations, one weight_scale a block
+            block = wq.get("block_structure")
+            if not (isinstance(block, (list, tuple)) and len(block) == 2
+                    and all(isinstance(b, int) and b > 0 for b in block)):
+                raise ValueError(f"compressed-tensors fp8: block_structure must be two positive integers, got {block!r}")
+            if aq and not aq.get("dynamic", True):
+                raise ValueError("compressed-tensors fp8 with block-wise weight scales needs dynamic activation scales")
+            return QuantScheme("compressed-tensors", "fp8", True, block=(block[0], block[1]))
         return QuantScheme("compressed-tensors", "fp8", True, static_input=bool(aq) and not aq.get("dynamic", True))
     if fmt != "pack-quantized" or aq:
         raise ValueError(f"compressed-tensors: format {fmt!r} with {'quantized' if aq else 'float'} activations is "
@@ -229,7 +246,8 @@ def gguf_kept_linears(ckpt) -> tuple[set[str], bool]:
 # Each format's tensors of one linear layer (the first marks a quantized layer), by "fp8" or method.
 _FIELDS = {
     "fp8": ("weight_scale", "weight", "input_scale"),
-    "fp8-block": ("weight_scale_inv", "weight"),
+    "fp8-block": ("weight_scale_inv", "weight"),  # vLLM's fp8 form
+    "compressed-tensors-block": ("weight_scale", "weight"),  # compressed-tensors' FP8_BLOCK
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
@@ -273,7 +291,7 @@ class QuantizedCheckpoint:
             self._quantized = {n: n[: -len(".weight")] for n in sorted(gguf_kept_linears(ckpt)[0])}
             self._names = names
             return
-        fields = _FIELDS[("fp8-block" if scheme.block else "fp8") if scheme.kind == "fp8" else scheme.method]
+        fields = _FIELDS[scheme.fields_key]
         marker = fields[0]
         hidden: set[str] = set()
         for name in names:
@@ -352,7 +370,8 @@ class QuantizedCheckpoint:
         channel)."""
         bn, bk = self.scheme.block
         w = self._read(prefix + ".weight", [(out, inp)], (np.dtype(ml_dtypes.float8_e4m3fn),))
-        s = self._read(prefix + ".weight_scale_inv", [(-(-out // bn), -(-inp // bk))]).astype(np.float32)
+        scale_name = _FIELDS[self.scheme.fields_key][0]  # weight_scale_inv (fp8) or weight_scale (compressed-tensors)
+        s = self._read(f"{prefix}.{scale_name}", [(-(-out // bn), -(-inp // bk))]).astype(np.float32)
         q, scale = requantize_blocks(w, s, bn, bk)  # on the device: numpy would take minutes for 8B weights
         return Fp8Weight(np.asarray(q), np.asarray(scale), np.asarray(1.0, np.float32), (inp, out), 1, False)
 

@@ -200,7 +200,7 @@ def _make(fmt: str, base, tmp_path, **kw) -> tuple[str, str]:
                 quant[prefix.replace("k_proj", "k_scale")] = np.ones((), np.float32)
             deq[name] = q.astype(np.float32) * scale
             continue
-        if fmt == "fp8-block":  # Qwen3 / DeepSeek's form: one weight_scale_inv a block, blocks not dividing
+        if fmt in ("fp8-block", "ct-fp8-block"):  # one scale a block (Qwen3's FP8 form; compressed-tensors' FP8_BLOCK)
             bn, bk = FP8_BLOCK
             nb, kb = -(-out // bn), -(-inp // bk)
             padded = np.zeros((nb * bn, kb * bk), np.float32)
@@ -209,7 +209,8 @@ def _make(fmt: str, base, tmp_path, **kw) -> tuple[str, str]:
             s = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
             full = np.repeat(np.repeat(s, bn, 0), bk, 1)[:out, :inp]
             q = (w / full).astype(ml_dtypes.float8_e4m3fn)
-            quant[prefix + ".weight"], quant[prefix + ".weight_scale_inv"] = q, s
+            quant[prefix + ".weight"] = q
+            quant[prefix + (".weight_scale_inv" if fmt == "fp8-block" else ".weight_scale")] = s
             deq[name] = q.astype(np.float32) * full
             continue
         g_idx = None
@@ -246,6 +247,11 @@ def _make(fmt: str, base, tmp_path, **kw) -> tuple[str, str]:
             "input_activations": None}}, "ignore": ["lm_head"]},
         "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                       "weight_block_size": list(FP8_BLOCK)},
+        "ct-fp8-block": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                                           "block_structure": list(FP8_BLOCK), "symmetric": True},
+                        "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
+                                              "group_size": 128, "dynamic": True}}}, "ignore": ["lm_head"]},
         "gptq": {"quant_method": "gptq", "bits": bits, "group_size": GROUP, "desc_act": act_order, "sym": sym},
         "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": not sym, "version": "gemm"},
     }[fmt]
@@ -303,14 +309,16 @@ def test_fp8_checkpoint_close_to_dequantized(base, tmp_path):
 FP8_BLOCK = (48, 32)  # (outputs, inputs) a scale: the tiny model's 64-wide layers end in partial blocks
 
 
-def test_block_fp8_checkpoint_close_to_dequantized(base, tmp_path):
-    """quant_method "fp8" with weight_block_size (Qwen3's FP8 checkpoints): each block's e4m3
-    values times its weight_scale_inv, requantized to one scale a channel at load time; logits
-    within the fp8 tolerance of the exactly dequantized model."""
-    qpath, refpath = _make("fp8-block", base, tmp_path)
+@pytest.mark.parametrize("fmt, label", [("fp8-block", "fp8 fp8"), ("ct-fp8-block", "compressed-tensors fp8")])
+def test_block_fp8_checkpoint_close_to_dequantized(base, tmp_path, fmt, label):
+    """quant_method "fp8" with weight_block_size (Qwen3's FP8 checkpoints, weight_scale_inv) and
+    compressed-tensors' FP8_BLOCK (weight_scale): each block's e4m3 values times its scale,
+    requantized to one scale a channel at load time; logits within the fp8 tolerance of the
+    exactly dequantized model."""
+    qpath, refpath = _make(fmt, base, tmp_path)
     assert Fp8Weight in _leaf_types(qpath)
     scheme = resolve_quantization(None, json.load(open(os.path.join(qpath, "config.json"))))
-    assert (scheme.block, scheme.label) == (FP8_BLOCK, "fp8 fp8, 48x32 blocks (requantized per channel)")
+    assert (scheme.block, scheme.label) == (FP8_BLOCK, f"{label}, 48x32 blocks (requantized per channel)")
     got, want = _logits(qpath), _logits(refpath)
     print(f"block fp8: relative logit error {_fp8_error(got, want):.4f}, "
           f"top-1 agreement {np.mean(got.argmax(-1) == want.argmax(-1)):.2f}")
