@@ -177,8 +177,8 @@ def select_attention_backend(name: str, model_config: ModelConfig, dtype: jnp.dt
     `model_config`, `dtype` and `block_size` decide whether the Mosaic prefill kernel applies to
     the model at all (its head size, group size, any layer's window or soft cap): where it does
     not, the Triton kernels run every call. `mesh`: the tensor-parallel mesh, or None on one device.
-    `kv_cache_dtype` (config.KV_CACHE_DTYPES): "fp8" keeps the cache in float8_e4m3fn (scaled by `kv_scales`),
-    which every path reads: on a GPU the Triton kernels for every call (the Mosaic prefill kernel
+    `kv_cache_dtype` (config.KV_CACHE_DTYPES): "fp8" keeps the cache in float8_e4m3fn (scaled by
+    `kv_scales`), which every path reads: on a GPU the Triton kernels for every call (the Mosaic prefill kernel
     takes bf16 K/V only), or the jnp reference where no Pallas kernel converts e4m3 (below sm_89).
     `kv_scales`: the fp8 cache's per-layer (k_scale, v_scale) (models/kv_scales.py); None: 1.0.
     """

@@ -123,9 +123,9 @@ def load_model(config: EngineConfig, timings: StartupTimings | None = None) -> L
         spec = config.speculative_config
         draft = load_draft(config, model_config, dtype) if spec is not None and spec.method == "draft_model" else None
     timings.weights_loaded()
-    kv_scales = _kv_scales(config, model_config, ckpt)
+    scales = _kv_scales(config, model_config, ckpt)
     attention = select_attention_backend(config.attention_backend, model_config, dtype, config.block_size,
-                                         plan.mesh if plan is not None else None, config.kv_cache_dtype, kv_scales)
+                                         plan.mesh if plan is not None else None, config.kv_cache_dtype, scales)
     draft_bytes = 0 if draft is None else kv_bytes_per_block(
         draft.model_config, config.block_size, dtype, draft.attention.kv_head_dim(draft.model_config.head_dim))
     with timings.phase("kv_sizing"):
