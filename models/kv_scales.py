@@ -17,13 +17,10 @@ are not used: the kernels attend in bf16 / f32 whatever the cache holds.
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 # (layer index, what it scales: k / v / kv) of a per-layer KV scale tensor
 _SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\."

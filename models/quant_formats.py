@@ -63,8 +63,9 @@ class QuantScheme:
     act_order: bool = False  # input rows permuted by g_idx (the model is built with split projections)
     zero_plus_one: bool = False  # GPTQ v1: stored zero points are one less than the true ones
     static_input: bool = False  # fp8: activations use the checkpoint's input_scale
-    # fp8: the checkpoint's weight scales are per block of (outputs, inputs) (`weight_block_size`,
-    # `weight_scale_inv`); they are converted to one scale per output channel at load time
+    # fp8: the checkpoint's weight scales are per block of (outputs, inputs) (fp8's
+    # `weight_block_size`, compressed-tensors' `block_structure`); converted to one scale per
+    # output channel at load time
     block: tuple[int, int] | None = None
 
     @property
@@ -130,13 +131,18 @@ def resolve_quantization(requested: str | None, hf_config: Mapping | None, *, du
         block = qc.get("weight_block_size")
         if not block:
             return QuantScheme("fp8", "fp8", True, static_input=static)
-        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise ValueError(f"fp8: weight_block_size must be two positive integers, got {block!r}")
         if static:
             raise ValueError("fp8 checkpoints with block-wise weight scales and static activation scales are not "
                              "supported (activation_scheme must be 'dynamic')")
-        return QuantScheme("fp8", "fp8", True, block=(block[0], block[1]))
+        return QuantScheme("fp8", "fp8", True, block=_block(block, "fp8: weight_block_size"))
     return _compressed_tensors_scheme(qc)
+
+
+def _block(value, what: str) -> tuple[int, int]:
+    """A weight-scale block (outputs, inputs) from a checkpoint's config; ValueError naming `what`."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(b, int) and b > 0 for b in value)):
+        raise ValueError(f"{what} must be two positive integers, got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 def _compressed_tensors_scheme(qc: Mapping) -> QuantScheme | None:
@@ -188,13 +194,10 @@ def _compressed_tensors_weight_scheme(qc: Mapping) -> QuantScheme:
         if aq and (aq.get("type", "float") != "float" or int(aq.get("num_bits", 8)) != 8):
             raise ValueError("compressed-tensors fp8: activations must be 8-bit floats")
         if strategy == "block":  # FP8_BLOCK: dynamic activations, one weight_scale a block
-            block = wq.get("block_structure")
-            if not (isinstance(block, (list, tuple)) and len(block) == 2
-                    and all(isinstance(b, int) and b > 0 for b in block)):
-                raise ValueError(f"compressed-tensors fp8: block_structure must be two positive integers, got {block!r}")
             if aq and not aq.get("dynamic", True):
                 raise ValueError("compressed-tensors fp8 with block-wise weight scales needs dynamic activation scales")
-            return QuantScheme("compressed-tensors", "fp8", True, block=(block[0], block[1]))
+            return QuantScheme("compressed-tensors", "fp8", True,
+                               block=_block(wq.get("block_structure"), "compressed-tensors fp8: block_structure"))
         return QuantScheme("compressed-tensors", "fp8", True, static_input=bool(aq) and not aq.get("dynamic", True))
     if fmt != "pack-quantized" or aq:
         raise ValueError(f"compressed-tensors: format {fmt!r} with {'quantized' if aq else 'float'} activations is "
