@@ -92,15 +92,11 @@ class AttentionBackend:
     # This backend traces the programs of decode-only steps (`for_decode_only_steps`).
     decode_only: bool = False
     # An fp8 cache's per-layer (k_scale, v_scale) from the checkpoint (models/kv_scales.py); None:
-    # 1.0 everywhere. The model hands each layer `for_layer(i)`, whose k_scale / v_scale apply.
+    # 1.0 everywhere. The model hands layer i `layer_metadata(md, i)`, which carries that layer's
+    # pair as a traced value (AttentionMetadata.kv_scale): the cache holds k / k_scale and
+    # v / v_scale, the queries are multiplied by k_scale and the output by v_scale. (As static
+    # floats they would make every layer a trace of its own: +55% cold start on SmolLM2's 30 layers.)
     kv_scales: tuple[tuple[float, float], ...] | None = None
-    # This layer's scales: the cache holds k / k_scale and v / v_scale. The Pallas GPU kernels take
-    # them (`fn_takes_scales`: k_scale folded into the logits' scale, v_scale into the softmax's
-    # normalisation); for the jnp paths k_scale is folded into sm_scale and v_scale multiplies the
-    # output.
-    k_scale: float = 1.0
-    v_scale: float = 1.0
-    fn_takes_scales: bool = False
 
     def for_decode_only_steps(self) -> AttentionBackend | None:
         """This backend for the programs of decode-only steps (every live row one token: the
@@ -110,12 +106,16 @@ class AttentionBackend:
             return None
         return dataclasses.replace(self, decode_only=True, description=f"{self.description}, decode-only steps")
 
-    def for_layer(self, index: int) -> AttentionBackend:
-        """This backend for the model's layer `index`: with that layer's KV scales, if any."""
+    def layer_metadata(self, md: AttentionMetadata, index: int) -> AttentionMetadata:
+        """The step's metadata as the model's layer `index` reads it: with that layer's KV scales,
+        if the cache has any."""
         if self.kv_scales is None:
-            return self
-        k_scale, v_scale = self.kv_scales[index]
-        return dataclasses.replace(self, k_scale=k_scale, v_scale=v_scale)
+            return md
+        # behind a barrier the pair is a buffer the layer's fusions read, not a constant inside them:
+        # the layers' fusions stay alike and XLA compiles each kind once (distinct constants made
+        # SmolLM2's 30 layers compile apart: +54% start-up on the CPU)
+        scale = jax.lax.optimization_barrier(jnp.asarray(self.kv_scales[index], jnp.float32))
+        return dataclasses.replace(md, kv_scale=scale)
 
     def kv_head_dim(self, head_dim: int) -> int:
         """Head size of the KV cache for a model of head size `head_dim`."""
@@ -151,21 +151,16 @@ class AttentionBackend:
         h, pad = q.shape[-1], k_cache.shape[-1] - q.shape[-1]
         if pad:  # cache head size above the model's (cache_head_dim): zero columns
             q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (q, k, v))
-        if self.k_scale != 1.0:
-            k = k.astype(jnp.float32) / self.k_scale
-        if self.v_scale != 1.0:
-            v = v.astype(jnp.float32) / self.v_scale
+        scale = md.kv_scale  # None, or this layer's (k_scale, v_scale)
+        if scale is not None:
+            k, v = k.astype(jnp.float32) / scale[0], v.astype(jnp.float32) / scale[1]
+            q = (q.astype(jnp.float32) * scale[0]).astype(q.dtype)  # q . (k_scale k_cache)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping)
-        kw = {"decode_only": True} if self.decode_only else {}
-        scaled = (self.k_scale, self.v_scale) != (1.0, 1.0)
-        if scaled and self.fn_takes_scales:
-            kw.update(k_scale=self.k_scale, v_scale=self.v_scale)
-        elif scaled:
-            sm_scale = sm_scale * self.k_scale
+        step_kind = {"decode_only": True} if self.decode_only else {}
         o = self.fn(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **kw)
-        if scaled and not self.fn_takes_scales and self.v_scale != 1.0:
-            o = (o.astype(jnp.float32) * self.v_scale).astype(o.dtype)
+                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **step_kind)
+        if scale is not None:
+            o = (o.astype(jnp.float32) * scale[1]).astype(o.dtype)
         return o[..., :h], k_cache, v_cache
 
 
@@ -211,10 +206,9 @@ def _select(name: str, model_config: ModelConfig, dtype: jnp.dtype, block_size: 
             # a model whose windows or soft cap are on some layers only (Gemma 3's 1 in 6).
             kernel = gpu_backend.get_kernel(mosaic_prefill=False, kv_fp8=kv_fp8)
             return AttentionBackend(name, f"{_name(kernel)} (the Mosaic prefill kernel does not apply){note}",
-                                    kernel, mesh, padded, decode_only_path=True, fn_takes_scales=True)
+                                    kernel, mesh, padded, decode_only_path=True)
         if kernel is not None:
-            return AttentionBackend(name, _name(kernel) + note, kernel, mesh, padded, decode_only_path=True,
-                                    fn_takes_scales=True)
+            return AttentionBackend(name, _name(kernel) + note, kernel, mesh, padded, decode_only_path=True)
     if name == "auto" and platform == "cpu":
         return AttentionBackend(name, "ragged_paged_attention_cpu", ragged_paged_attention_cpu, mesh)
     return AttentionBackend(name, "jnp reference", ragged_paged_attention_reference, mesh)

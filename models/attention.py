@@ -38,6 +38,9 @@ class AttentionMetadata:
     block_tables: jax.Array  # [S, M] int32 block ids, 0-padded
     query_start_loc: jax.Array  # [S + 1] int32 cumulative new-token counts
     num_seqs: jax.Array  # [1] int32 live sequences
+    # [2] float32: an fp8 cache's (k_scale, v_scale) for the layer it is handed to
+    # (AttentionBackend.layer_metadata); None: 1.0. A traced value, so every layer shares one trace.
+    kv_scale: jax.Array | None = None
 
 
 def init_qkv(layer: nnx.Module, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool) -> None:

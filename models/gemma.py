@@ -158,7 +158,7 @@ class Model(nnx.Module):
         x = embed[input_ids] * jnp.asarray(self.normalizer, embed.dtype)  # [T, D]
         new_caches = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            x, kv = call_layer(layer, x, positions, kv, md, attention.for_layer(i), static=(4,))
+            x, kv = call_layer(layer, x, positions, kv, attention.layer_metadata(md, i), attention, static=(4,))
             new_caches.append(kv)
         return self.norm(x), new_caches
 

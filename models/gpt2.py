@@ -66,7 +66,7 @@ class Model(nnx.Module):
         x = self.embed_tokens[...][input_ids] + self.embed_positions[...][positions]  # [T, D]
         new_caches = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            x, kv = call_layer(layer, x, kv, md, attention.for_layer(i), static=(3,))
+            x, kv = call_layer(layer, x, kv, attention.layer_metadata(md, i), attention, static=(3,))
             new_caches.append(kv)
         return self.norm(x), new_caches
 

@@ -57,7 +57,7 @@ class Model(nnx.Module):
         x = self.embed_tokens[...][input_ids]  # [T, D]
         new_caches = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            x, kv = call_layer(layer, x, positions, kv, md, attention.for_layer(i),
+            x, kv = call_layer(layer, x, positions, kv, attention.layer_metadata(md, i), attention,
                                None if lora is None else lora.layer(i), static=(4,))
             new_caches.append(kv)
         return self.norm(x), new_caches

@@ -80,7 +80,7 @@ class Model(nnx.Module):
         x = x + self.embed_positions[...][positions + POSITION_OFFSET]
         new_caches = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            x, kv = call_layer(layer, x, kv, md, attention.for_layer(i), static=(3,))
+            x, kv = call_layer(layer, x, kv, attention.layer_metadata(md, i), attention, static=(3,))
             new_caches.append(kv)
         if self.final_norm:
             x = self.norm(x)

@@ -31,9 +31,10 @@ def main() -> int:
         b, k, v, md = _step(np.random.default_rng(seed))
         k, v = k * (ks * 7.5), v * (vs * 7.5)
         caches = (b.k_cache.astype(jnp.float8_e4m3fn), b.v_cache.astype(jnp.float8_e4m3fn))
+        md = dataclasses.replace(md, kv_scale=jnp.asarray([ks, vs], jnp.float32))  # as layer_metadata gives it
         gpu = AttentionBackend("pallas", "gpu", rpa_gpu.ragged_paged_attention_gpu,
-                               cache_dtype=jnp.dtype(jnp.float8_e4m3fn), k_scale=ks, v_scale=vs, fn_takes_scales=True)
-        ref = dataclasses.replace(gpu, fn=ragged_paged_attention_reference, fn_takes_scales=False)
+                               cache_dtype=jnp.dtype(jnp.float8_e4m3fn))
+        ref = dataclasses.replace(gpu, fn=ragged_paged_attention_reference)
         scale = 0.25 / (ks * 7.5)
         o, (kc, vc) = jax.jit(lambda *a: gpu.attend(*a, sm_scale=scale))(b.q, k, v, caches, md)
         o_ref, (kc_ref, vc_ref) = jax.jit(lambda *a: ref.attend(*a, sm_scale=scale))(b.q, k, v, caches, md)

@@ -14,6 +14,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxengine.attention_backend import select_attention_backend
+from jaxengine.models import layer_call
+from jaxengine.models.attention import AttentionMetadata
 from jaxengine.models.kv_scales import read_kv_scales
 from tests.model_harness import PagedRunner
 from tests.models.test_model import _load
@@ -146,9 +148,14 @@ def test_scales_are_applied_where_the_cache_is_written_and_read(big_kv_checkpoin
     assert scales == ((BIG / 8, BIG / 4), (BIG / 4, BIG / 2))
     unscaled = select_attention_backend("reference", cfg, jnp.float32, 16, kv_cache_dtype="fp8")
     with_scales = select_attention_backend("reference", cfg, jnp.float32, 16, kv_cache_dtype="fp8", kv_scales=scales)
-    assert with_scales.for_layer(1).k_scale == BIG / 4 and unscaled.for_layer(1) is unscaled
+    md = AttentionMetadata(*(jnp.zeros(1, jnp.int32) for _ in range(5)))
+    assert np.asarray(with_scales.layer_metadata(md, 1).kv_scale).tolist() == [BIG / 4, BIG / 2]
+    assert unscaled.layer_metadata(md, 1) is md
     err_unscaled = _rel_err(_logits(graphdef, state, cfg, toks, unscaled), want)
+    traces = layer_call._apply._cache_size()
     err_scaled = _rel_err(_logits(graphdef, state, cfg, toks, with_scales), want)
+    # the two layers' scales differ, yet they share one layer trace (the scales are traced values)
+    assert layer_call._apply._cache_size() - traces <= 1
     assert err_scaled < KV_FP8_RTOL < err_unscaled, (err_scaled, err_unscaled)
     print(f"relative logit error: {err_scaled:.4f} with the scales, {err_unscaled:.4f} without")
     with pytest.raises(ValueError, match="4 layers' scales for a model of 2 layers"):
@@ -202,9 +209,8 @@ def test_scales_join_the_program_bundle_key(big_kv_checkpoint):
 
 
 def test_triton_kernels_read_a_scaled_cache_as_the_reference_does():
-    """The GPU backend (Triton kernels, interpreted, taking the scales themselves) with a layer's
-    scales: the same e4m3 cache and the same output as the jnp reference backend with those scales
-    (folded into sm_scale and the output)."""
+    """The GPU backend (Triton kernels, interpreted) with a layer's scales: the same e4m3 cache
+    and the same output as the jnp reference backend with those scales."""
     import dataclasses
     import functools
 
@@ -217,11 +223,12 @@ def test_triton_kernels_read_a_scaled_cache_as_the_reference_does():
 
     b, k, v, md = _step(np.random.default_rng(5))
     k, v = k * 300.0, v * 900.0  # beyond e4m3's 448 unscaled
+    md = dataclasses.replace(md, kv_scale=jnp.asarray([40.0, 120.0], jnp.float32))  # as layer_metadata gives it
     caches = (b.k_cache.astype(jnp.float8_e4m3fn), b.v_cache.astype(jnp.float8_e4m3fn))
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     gpu = AttentionBackend("pallas", "gpu", functools.partial(rpa_gpu.ragged_paged_attention_gpu, interpret=True),
-                           cache_dtype=fp8, k_scale=40.0, v_scale=120.0, fn_takes_scales=True)
-    ref = dataclasses.replace(gpu, fn=ragged_paged_attention_reference, fn_takes_scales=False)
+                           cache_dtype=fp8)
+    ref = dataclasses.replace(gpu, fn=ragged_paged_attention_reference)
     o, (kc, vc) = jax.jit(lambda *a: gpu.attend(*a, sm_scale=0.25 / 300.0))(b.q, k, v, caches, md)
     o_ref, (kc_ref, vc_ref) = jax.jit(lambda *a: ref.attend(*a, sm_scale=0.25 / 300.0))(b.q, k, v, caches, md)
     np.testing.assert_array_equal(np.asarray(kc.astype(jnp.float32)), np.asarray(kc_ref.astype(jnp.float32)))
