@@ -38,7 +38,6 @@ import numpy as np
 from jaxengine.config import QUANTIZATION_METHODS
 from jaxengine.models import gguf_blocks
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.kv_scales import ATTENTION_SCALE
 from jaxengine.models.quantization import (LINEAR_IN_NDIM, Fp8Weight, PackedWeight, packed_from_groups,
                                            quantize_fp8, unpack_cols, unpack_rows_np)
 
@@ -305,8 +304,6 @@ class QuantizedCheckpoint:
                 bias = m.group(1) + ".bias"
                 if bias in present and not np.any(np.asarray(ckpt.get_tensor(bias))):
                     hidden.add(bias)  # GPTQ exporters store zero biases for layers that have none
-        # attention scales are not linear weights: an fp8 KV cache reads its own (models/kv_scales.py)
-        hidden |= {n for n in present - hidden if ATTENTION_SCALE.search(n)}
         self._names = [n for n in names if n not in hidden] + list(self._quantized)
         if not self._quantized:
             raise ValueError(f"checkpoint {self.path} says {scheme.label} but holds no quantized linear layers "

@@ -78,6 +78,7 @@ PARTS = ("micro", "micro_fp8", *ENGINES)
 FP8_CONFIGS = [(64, 3, 4, None), (128, 3, 4, None), (128, 4, 4, None), (256, 3, 4, None), (128, 3, 8, None),
                (128, 3, 4, 1), (256, 4, 8, None)]
 KV_PROMPTS = 500  # 1024/128 prompts for the KV-cache dtype comparison
+KV_PARTS = ("fp8kv", "fp8kv_oldgrid")  # the fp8-cache parts: 1024/128 instead of 256/256
 
 
 # Llama-3-8B's linear shapes (K inputs, N outputs): fused q/k/v, o, fused gate/up, down
@@ -257,13 +258,10 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
 
     from jaxengine.pallas_kernels import ragged_paged_attention_gpu
 
-    for name, value in PATCHES.get(kind, {}).items():  # "KERNEL." names: the weight-only kernel's module
-        if name.startswith("KERNEL."):
-            setattr(weight_only_matmul_gpu, name[len("KERNEL."):], value)
-        elif name.startswith("RPA."):
-            setattr(ragged_paged_attention_gpu, name[len("RPA."):], value)
-        else:
-            setattr(quantization, name, value)
+    modules = {"KERNEL": weight_only_matmul_gpu, "RPA": ragged_paged_attention_gpu}
+    for name, value in PATCHES.get(kind, {}).items():  # "KERNEL." / "RPA.": a kernel's module
+        prefix, _, attr = name.rpartition(".")
+        setattr(modules[prefix] if prefix else quantization, attr, value)
     t0 = time.perf_counter()
     quant, kv_dtype = ENGINES[kind]
     # decode only: fewer token buckets to compile (batch-1 decode runs the 16-token bucket either way)
@@ -296,15 +294,15 @@ def engine(kind: str, num_prompts: int, throughput: bool, model: str = "llama-3-
     print(f"decode done after {time.perf_counter() - t0:.1f} s: {ms:.2f} ms/token", file=sys.stderr, flush=True)
     if decode_only:
         return res
-    if throughput or kind in ("bf16", "fp8kv", "fp8kv_oldgrid"):
+    if throughput or kind in ("bf16", *KV_PARTS):
         warm = [SampleRequest(q.prompt_token_ids, 16) for q in random_requests(64, 256, 256, 0.0, vocab, seed=20_000)]
         run_throughput(llm, warm)
-    if throughput and kind not in ("fp8kv", "fp8kv_oldgrid"):
+    if throughput and kind not in KV_PARTS:
         tr = run_throughput(llm, random_requests(num_prompts, 256, 256, 0.0, vocab, seed=100))
         res["throughput_256x256"] = {k: tr[k] for k in ("output_tokens_per_s", "elapsed_s") if k in tr}
         res["throughput_256x256"]["num_prompts"] = num_prompts
         print(f"256/256 done after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    if kind in ("bf16", "fp8kv", "fp8kv_oldgrid"):  # the KV cache's dtype against the bf16 cache: 1024 in / 128 out
+    if kind in ("bf16", *KV_PARTS):  # the KV cache's dtype against the bf16 cache: 1024 in / 128 out
         tr = run_throughput(llm, random_requests(KV_PROMPTS, 1024, 128, 0.0, vocab, seed=200))
         res["throughput_1024x128"] = {k: tr[k] for k in ("output_tokens_per_s", "elapsed_s") if k in tr}
         res["throughput_1024x128"]["num_prompts"] = KV_PROMPTS
